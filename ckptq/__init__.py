@@ -1,0 +1,54 @@
+"""ckptq: checkpoints of low-precision quantized tensors (FP8, FP8 blockwise, MXFP8, NVFP4) for
+PyTorch Distributed Checkpoint (DCP): native bit-exact saves, high-precision export, inspection."""
+
+from __future__ import annotations
+
+from .errors import (
+    CheckpointFormatError,
+    CkptqError,
+    InconsistentScaleError,
+    QuantizationError,
+    ShardingError,
+    UnsafeCheckpointError,
+    UnsupportedFormatError,
+)
+from .formats import (
+    Float8BlockTensor,
+    Float8Tensor,
+    MXFP8Tensor,
+    NVFP4Tensor,
+    QuantizedTensor,
+    from_components,
+    quantize,
+)
+from .ops import requantize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "quantize",
+    "requantize",
+    "from_components",
+    "QuantizedTensor",
+    "Float8Tensor",
+    "Float8BlockTensor",
+    "MXFP8Tensor",
+    "NVFP4Tensor",
+    "QuantizedSavePlanner",
+    "QuantizedLoadPlanner",
+    "CkptqError",
+    "CheckpointFormatError",
+    "ShardingError",
+    "InconsistentScaleError",
+    "UnsupportedFormatError",
+    "QuantizationError",
+    "UnsafeCheckpointError",
+]
+
+
+def __getattr__(name):  # planners import torch.distributed.checkpoint lazily
+    if name in ("QuantizedSavePlanner", "QuantizedLoadPlanner"):
+        from . import planners
+
+        return getattr(planners, name)
+    raise AttributeError(f"module 'ckptq' has no attribute {name!r}")

@@ -1,0 +1,47 @@
+"""The ckptq error hierarchy.
+
+Every error a user can trigger is a :class:`CkptqError`. Messages name the tensor (FQN), its shape,
+dtype and block where they apply, and say what to do. ``assert`` is used only for internal invariants.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CkptqError",
+    "CheckpointFormatError",
+    "ShardingError",
+    "InconsistentScaleError",
+    "UnsupportedFormatError",
+    "QuantizationError",
+    "UnsafeCheckpointError",
+]
+
+
+class CkptqError(Exception):
+    """Base class of every error raised by ckptq."""
+
+
+class CheckpointFormatError(CkptqError, ValueError):
+    """A checkpoint or component set is malformed: missing or truncated entries, wrong shapes or
+    dtypes, an unknown descriptor version."""
+
+
+class ShardingError(CkptqError, ValueError):
+    """A shard boundary falls inside a quantization block, a shard is not one contiguous box, or the
+    saved chunks do not cover what a load asks for."""
+
+
+class InconsistentScaleError(ShardingError):
+    """The shards of one tensor carry different per-tensor values (FP8 ``scale_inv``, NVFP4 ``amax``)."""
+
+
+class UnsupportedFormatError(CkptqError, ValueError):
+    """An unknown format name, recipe option or an operation a quantized tensor does not support."""
+
+
+class QuantizationError(CkptqError, ValueError):
+    """Input that cannot be quantized as asked (wrong rank, odd last dim for NVFP4, non-float input)."""
+
+
+class UnsafeCheckpointError(CheckpointFormatError):
+    """A pickle in a checkpoint references a global outside the allow-list; nothing from it was run."""

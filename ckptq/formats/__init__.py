@@ -1,0 +1,137 @@
+"""Quantized formats: ``fp8_tensor``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
+from .base import DESCRIPTOR_VERSION, FORMATS, QuantizedTensor, dtype_to_str, str_to_dtype
+from .fp8 import Float8BlockRecipe, Float8BlockTensor, Float8Recipe, Float8Tensor
+from .mxfp8 import MXFP8Recipe, MXFP8Tensor
+from .nvfp4 import NVFP4Recipe, NVFP4Tensor
+
+__all__ = [
+    "QuantizedTensor",
+    "Float8Tensor",
+    "Float8BlockTensor",
+    "MXFP8Tensor",
+    "NVFP4Tensor",
+    "Float8Recipe",
+    "Float8BlockRecipe",
+    "MXFP8Recipe",
+    "NVFP4Recipe",
+    "FORMATS",
+    "quantize",
+    "from_components",
+    "format_class",
+    "make_recipe",
+]
+
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def format_class(fmt: str) -> type[QuantizedTensor]:
+    """The QuantizedTensor subclass for a format name; raises UnsupportedFormatError."""
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise UnsupportedFormatError(
+            f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}"
+        ) from None
+
+
+def make_recipe(fmt: str, **options: Any):
+    """Build the recipe dataclass of ``fmt`` from keyword options; unknown keys raise."""
+    cls = format_class(fmt)
+    try:
+        return cls.Recipe(**options)
+    except TypeError:
+        import dataclasses
+
+        known = [f.name for f in dataclasses.fields(cls.Recipe)]
+        raise UnsupportedFormatError(
+            f"{fmt}: unknown recipe option(s) {sorted(set(options) - set(known))}; "
+            f"{fmt} takes {known} (plus amax=/scale= where the format has a per-tensor value)"
+        ) from None
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str,
+    *,
+    amax: Optional[Any] = None,
+    scale: Optional[Any] = None,
+    **recipe: Any,
+) -> QuantizedTensor:
+    """Quantize a high-precision tensor.
+
+    Args:
+        x: fp32, bf16 or fp16 tensor of shape (..., M, K); K is the reduction dim, leading dims are
+            batch dims with their own scales.
+        fmt: ``"nvfp4"``, ``"mxfp8"``, ``"fp8_block"`` or ``"fp8_tensor"``.
+        amax: NVFP4 / fp8_tensor: use this per-tensor amax (fp32 scalar or batch-shaped) instead of
+            the tensor's own, so that the shards of one tensor share it (as after an amax
+            all-reduce over the shard group).
+        scale: fp8_tensor: use this encode multiplier (``scale_inv = 1 / scale``).
+        **recipe: the format's options: ``fp8_dtype``, ``pow2``, ``eps`` (fp8 formats),
+            ``block=(1, 128)`` (fp8_block), ``columnwise=True`` (mxfp8), ``two_d=True`` (nvfp4).
+
+    Returns:
+        The format's QuantizedTensor subclass with ``x``'s shape and dtype.
+
+    Raises:
+        QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4.
+        UnsupportedFormatError: unknown format or recipe option.
+    """
+    from .. import ops
+
+    cls = format_class(fmt)
+    rec = make_recipe(fmt, **recipe)
+    if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
+        raise QuantizationError(
+            f"quantize expects a plain high-precision tensor, got {type(x).__name__}; use "
+            f"ckptq.requantize for quantized inputs"
+        )
+    if x.dtype not in _FLOAT_INPUTS or x.ndim < 2:
+        raise QuantizationError(
+            f"{fmt}: cannot quantize a {x.dtype} tensor of shape {tuple(x.shape)}; expected "
+            f"float32/bfloat16/float16 of rank >= 2 (..., M, K)"
+        )
+    if fmt == "nvfp4" and x.shape[-1] % 2:
+        raise QuantizationError(
+            f"nvfp4: the last dim of shape {tuple(x.shape)} is odd ({x.shape[-1]}); E2M1 values are "
+            f"packed two per byte, so K must be even. Pad K or choose another format."
+        )
+    if amax is not None and fmt not in ("nvfp4", "fp8_tensor"):
+        raise UnsupportedFormatError(f"{fmt}: amax= applies only to nvfp4 and fp8_tensor")
+    if scale is not None and fmt != "fp8_tensor":
+        raise UnsupportedFormatError(f"{fmt}: scale= applies only to fp8_tensor")
+    comps = ops.quantize(cls, x, rec, amax=amax, scale=scale)
+    return cls(comps, x.shape, x.dtype, rec)
+
+
+def from_components(descriptor: Mapping[str, Any], components: Mapping[str, torch.Tensor]) -> QuantizedTensor:
+    """Rebuild a QuantizedTensor from ``qt.descriptor()`` and ``qt.components()`` (no copy).
+
+    Raises:
+        CheckpointFormatError: unknown version, malformed descriptor, or components that do not
+            match the declared layout.
+        UnsupportedFormatError: unknown format name.
+    """
+    try:
+        version = int(descriptor["version"])
+        fmt = descriptor["format"]
+        shape = tuple(int(s) for s in descriptor["shape"])
+        dtype = str_to_dtype(descriptor["dtype"])
+        recipe_json = descriptor.get("recipe", {})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"malformed ckptq descriptor {dict(descriptor)!r}: {e}") from e
+    if version > DESCRIPTOR_VERSION:
+        raise CheckpointFormatError(
+            f"ckptq descriptor version {version} is newer than this ckptq understands "
+            f"({DESCRIPTOR_VERSION}); upgrade ckptq"
+        )
+    cls = format_class(fmt)
+    return cls.from_components(components, shape, dtype, cls._recipe_from_json(recipe_json))

@@ -1,0 +1,447 @@
+"""`QuantizedTensor`: a wrapper tensor subclass over plain component tensors.
+
+The wrapper presents the *logical* shape and the original high-precision dtype; the bytes live in
+plain component tensors (``data``, ``scale_inv`` / ``scale``, ``amax``, ``columnwise_*``) whose
+geometry each format declares as :class:`ckptq.chunks.ComponentSpec` s.
+
+Dispatch is table-driven (as torchao's ``TorchAOBaseTensor``): every supported aten op has one
+handler, annotated with the DCP/FSDP path that needs it; any other op raises ``NotImplementedError``
+naming the op. Nothing is ever silently dequantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+
+import torch
+
+from .. import chunks
+from ..errors import CheckpointFormatError, UnsupportedFormatError
+
+__all__ = ["QuantizedTensor", "DESCRIPTOR_VERSION", "dtype_to_str", "str_to_dtype", "FORMATS"]
+
+DESCRIPTOR_VERSION = 1
+aten = torch.ops.aten
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "uint8": torch.uint8,
+}
+
+#: format name -> QuantizedTensor subclass (filled by ``__init_subclass__``).
+FORMATS: dict[str, type["QuantizedTensor"]] = {}
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    """``torch.float8_e4m3fn`` -> ``"float8_e4m3fn"`` (the JSON form used in descriptors)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def str_to_dtype(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_to_str` over the dtypes ckptq stores; raises CheckpointFormatError."""
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise CheckpointFormatError(
+            f"unknown dtype '{name}' in a ckptq descriptor; known: {sorted(_DTYPES)}"
+        ) from None
+
+
+class QuantizedTensor(torch.Tensor):
+    """Base of the quantized tensor subclasses (one per format).
+
+    Attributes:
+        shape / dtype: the logical shape (..., M, K) and the original high-precision dtype.
+        recipe: a frozen dataclass of the format's options (block, fp8 dtype, pow2, ...).
+        _components: name -> plain tensor, in the canonical (compact, unswizzled) layout.
+
+    Subclasses define ``FORMAT``, ``Recipe``, :meth:`component_specs` and the numerics hooks
+    :meth:`_quantize` / :meth:`_dequantize` (which go through :mod:`ckptq.ops`).
+    """
+
+    FORMAT: ClassVar[str] = ""
+    Recipe: ClassVar[type] = object
+    _OPS: ClassVar[dict[Any, Callable]] = {}
+
+    _components: dict[str, torch.Tensor]
+    recipe: Any
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.FORMAT:
+            FORMATS[cls.FORMAT] = cls
+
+    @staticmethod
+    def __new__(
+        cls,
+        components: Mapping[str, torch.Tensor],
+        shape: Sequence[int],
+        orig_dtype: torch.dtype,
+        recipe: Any,
+        requires_grad: bool = False,
+    ):
+        data = components["data"]
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            tuple(shape),
+            dtype=orig_dtype,
+            device=data.device,
+            requires_grad=requires_grad,
+        )
+        self._components = dict(components)
+        self.recipe = recipe
+        return self
+
+    def __init__(self, *args, **kwargs):  # state is set in __new__
+        pass
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # ------------------------------------------------------------------ geometry and views
+    @classmethod
+    def component_specs(cls, shape: Sequence[int], recipe: Any) -> list[chunks.ComponentSpec]:
+        """Specs of every component present for ``shape`` and ``recipe``, in canonical order."""
+        raise NotImplementedError
+
+    @property
+    def specs(self) -> list[chunks.ComponentSpec]:
+        return self.component_specs(self.shape, self.recipe)
+
+    def components(self) -> dict[str, torch.Tensor]:
+        """The canonical component tensors by name (compact layout, no padding or swizzle)."""
+        return dict(self._components)
+
+    def per_tensor_names(self) -> list[str]:
+        """Components that follow neither matrix dim (FP8 ``scale_inv``, NVFP4 ``amax``): every
+        shard of the tensor holds the same value."""
+        m, k = self.ndim - 2, self.ndim - 1
+        return [s.name for s in self.specs if not (s.follows(m) or s.follows(k))]
+
+    def block_alignment(self) -> tuple[int, ...]:
+        """Per logical dim, the granularity a cut must respect (lcm of all component divisors)."""
+        return chunks.alignment(self.specs, self.ndim)
+
+    def descriptor(self) -> dict:
+        """JSON-serializable description: format, version, logical shape, dtype, recipe, components.
+
+        ``ckptq.from_components(qt.descriptor(), qt.components())`` rebuilds the tensor exactly.
+        """
+        return {
+            "format": self.FORMAT,
+            "version": DESCRIPTOR_VERSION,
+            "shape": list(self.shape),
+            "dtype": dtype_to_str(self.dtype),
+            "recipe": self._recipe_to_json(self.recipe),
+            "components": {
+                s.name: {"dtype": dtype_to_str(s.dtype), "shape": list(s.shape(self.shape))}
+                for s in self.specs
+            },
+        }
+
+    @classmethod
+    def _recipe_to_json(cls, recipe) -> dict:
+        out = {}
+        for f in dataclasses.fields(recipe):
+            v = getattr(recipe, f.name)
+            out[f.name] = dtype_to_str(v) if isinstance(v, torch.dtype) else (list(v) if isinstance(v, tuple) else v)
+        return out
+
+    @classmethod
+    def _recipe_from_json(cls, d: Mapping) -> Any:
+        kwargs = {}
+        for f in dataclasses.fields(cls.Recipe):
+            if f.name not in d:
+                continue
+            v = d[f.name]
+            if isinstance(v, str) and v.startswith("float8"):
+                v = str_to_dtype(v)
+            elif isinstance(v, list):
+                v = tuple(v)
+            kwargs[f.name] = v
+        try:
+            return cls.Recipe(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"invalid {cls.FORMAT} recipe {dict(d)}: {e}") from e
+
+    @classmethod
+    def from_components(
+        cls,
+        components: Mapping[str, torch.Tensor],
+        shape: Sequence[int],
+        orig_dtype: torch.dtype,
+        recipe: Any,
+        *,
+        fqn: Optional[str] = None,
+    ) -> "QuantizedTensor":
+        """Wrap existing component tensors; checks names, shapes and dtypes against the specs.
+
+        Raises:
+            CheckpointFormatError: a component is missing, extra, or of the wrong shape or dtype.
+        """
+        where = f"tensor '{fqn}'" if fqn else f"{cls.FORMAT} tensor"
+        specs = cls.component_specs(shape, recipe)
+        expected = {s.name for s in specs}
+        if set(components) != expected:
+            raise CheckpointFormatError(
+                f"{where} of logical shape {tuple(shape)}: components {sorted(components)} do not "
+                f"match the {cls.FORMAT} layout {sorted(expected)}; the checkpoint or descriptor "
+                f"is inconsistent."
+            )
+        for s in specs:
+            t = components[s.name]
+            if tuple(t.shape) != s.shape(shape) or t.dtype != s.dtype:
+                raise CheckpointFormatError(
+                    f"{where}: component '{s.name}' is {t.dtype} {tuple(t.shape)}, expected "
+                    f"{s.dtype} {s.shape(shape)} for logical shape {tuple(shape)} ({cls.FORMAT})."
+                )
+        return cls(components, shape, orig_dtype, recipe)
+
+    def _rebuild(self, fn: Callable[[str, torch.Tensor], torch.Tensor], shape=None) -> "QuantizedTensor":
+        comps = {k: fn(k, v) for k, v in self._components.items()}
+        return type(self)(comps, self.shape if shape is None else shape, self.dtype, self.recipe)
+
+    def same_layout(self, other: "QuantizedTensor") -> bool:
+        """Same format, recipe, logical shape and component set (so a raw byte copy is exact)."""
+        return (
+            type(self) is type(other)
+            and self.recipe == other.recipe
+            and tuple(self.shape) == tuple(other.shape)
+            and set(self._components) == set(other._components)
+        )
+
+    # ------------------------------------------------------------------ numerics
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """High-precision values of the logical shape, computed in fp32 and cast to ``dtype``."""
+        from .. import ops
+
+        return ops.dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        comps = ", ".join(f"{k}={v.dtype}{tuple(v.shape)}" for k, v in self._components.items())
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"recipe={self.recipe}, {comps})"
+        )
+
+    def __tensor_flatten__(self):
+        return list(self._components), (self.recipe, tuple(self.shape), self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        recipe, shape, dtype = ctx
+        return cls(inner, shape, dtype, recipe)
+
+    def __reduce_ex__(self, protocol):
+        # Pickle as builtins + plain tensors through one module-level factory (torch.save, deepcopy).
+        return (_rebuild_quantized, (self.FORMAT, self.descriptor(), self.components()))
+
+    # ------------------------------------------------------------------ dispatch
+    @classmethod
+    def implements(cls, ops: Sequence[Any]):
+        def deco(fn):
+            for op in ops:
+                cls._OPS[op] = fn
+            return fn
+
+        return deco
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = cls._OPS.get(func) or cls._OPS.get(func.overloadpacket)
+        if handler is None:
+            arg_types = tuple(type(a).__name__ for a in args)
+            raise NotImplementedError(
+                f"{cls.__name__} does not support {func} (argument types {arg_types}). ckptq "
+                f"quantized tensors implement only what checkpointing needs (detach, to/cpu, "
+                f"new_empty, empty_like, zeros_like, copy_, clone, pin_memory, block-aligned "
+                f"narrow/slice); call .dequantize() for high-precision math."
+            )
+        return handler(func, args, kwargs)
+
+
+def _rebuild_quantized(fmt: str, descriptor: dict, components: dict) -> QuantizedTensor:
+    from . import from_components
+
+    return from_components(descriptor, components)
+
+
+# ---------------------------------------------------------------------- op handlers
+_impl = QuantizedTensor.implements
+
+
+def _device_kw(kwargs) -> dict:
+    return {k: kwargs[k] for k in ("device", "non_blocking") if kwargs.get(k) is not None}
+
+
+@_impl([aten.detach.default, aten.alias.default])
+def _detach(func, args, kwargs):
+    # dcp.save (plan and write paths) and DTensor.to_local call detach.
+    return args[0]._rebuild(lambda k, v: func(v))
+
+
+@_impl([aten.view.default, aten._unsafe_view.default])
+def _view(func, args, kwargs):
+    # DTensor.from_local calls view_as(self): only the identity view is meaningful.
+    self, size = args[0], list(args[1])
+    if -1 in size:
+        size[size.index(-1)] = self.numel() // max(1, -math.prod(size))
+    if tuple(size) != tuple(self.shape):
+        raise NotImplementedError(
+            f"{type(self).__name__}: view to {tuple(size)} from {tuple(self.shape)} would change "
+            f"the block layout; only identity views are supported."
+        )
+    return self._rebuild(lambda k, v: v.view(v.shape))
+
+
+@_impl([aten._to_copy.default])
+def _to_copy(func, args, kwargs):
+    # .to(device)/.cpu() and DCP staging: keep the subclass and the raw bytes.
+    self = args[0]
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        raise NotImplementedError(
+            f"{type(self).__name__}.to(dtype={dtype}) would dequantize; call "
+            f".dequantize({dtype}) explicitly."
+        )
+    kw = _device_kw(kwargs)
+    pin = kwargs.get("pin_memory", False)
+
+    def move(k, v):
+        out = v.to(**kw) if kw else v.clone()
+        return out.pin_memory() if pin else out
+
+    return self._rebuild(move)
+
+
+@_impl([aten.clone.default])
+def _clone(func, args, kwargs):
+    return args[0]._rebuild(lambda k, v: v.clone())
+
+
+@_impl([aten.is_pinned.default])
+def _is_pinned(func, args, kwargs):
+    # DCP's TensorProperties.create_from_tensor asks.
+    return all(v.is_pinned() for v in args[0]._components.values())
+
+
+@_impl([aten._pin_memory.default])
+def _pin_memory(func, args, kwargs):
+    return args[0]._rebuild(lambda k, v: v.pin_memory())
+
+
+def _empty_like_layout(self: QuantizedTensor, size, kwargs, fill: Optional[float]) -> QuantizedTensor:
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != self.dtype:
+        raise NotImplementedError(
+            f"{type(self).__name__}: a new tensor of dtype {dtype} cannot share this quantized "
+            f"layout; create a plain tensor instead."
+        )
+    device = kwargs.get("device") or self.device
+    pin = bool(kwargs.get("pin_memory"))
+    comps = {}
+    for s in type(self).component_specs(size, self.recipe):
+        t = torch.empty(s.shape(size), dtype=s.dtype, device=device, pin_memory=pin)
+        if fill is not None:
+            t.zero_()
+        comps[s.name] = t
+    return type(self)(comps, size, self.dtype, self.recipe)
+
+
+@_impl([aten.new_empty.default])
+def _new_empty(func, args, kwargs):
+    # dcp.async_save's DefaultStager stages with new_empty (TransformerEngine#2721: a plain tensor
+    # here silently stages garbage), so this returns the same quantized layout.
+    return _empty_like_layout(args[0], tuple(args[1]), kwargs, None)
+
+
+@_impl([aten.new_zeros.default])
+def _new_zeros(func, args, kwargs):
+    return _empty_like_layout(args[0], tuple(args[1]), kwargs, 0.0)
+
+
+@_impl([aten.empty_like.default])
+def _empty_like(func, args, kwargs):
+    return _empty_like_layout(args[0], tuple(args[0].shape), kwargs, None)
+
+
+@_impl([aten.zeros_like.default])
+def _zeros_like(func, args, kwargs):
+    # BlockingAsyncStager (FileSystemWriter.stage) uses zeros_like(x, device="cpu") then copy_.
+    return _empty_like_layout(args[0], tuple(args[0].shape), kwargs, 0.0)
+
+
+@_impl([aten.copy_.default])
+def _copy_(func, args, kwargs):
+    # Staging (zeros_like/new_empty + copy_) and quantized->quantized loads: raw bytes only.
+    dst, src = args[0], args[1]
+    if isinstance(dst, QuantizedTensor) and isinstance(src, QuantizedTensor) and dst.same_layout(src):
+        for k, v in dst._components.items():
+            v.copy_(src._components[k], non_blocking=bool(kwargs.get("non_blocking")))
+        return dst
+    raise NotImplementedError(
+        f"copy_ from {type(src).__name__}{tuple(src.shape)} into {type(dst).__name__}"
+        f"{tuple(dst.shape)}: ckptq copies raw bytes only between tensors of the same format, "
+        f"recipe and shape. Use .dequantize() or ckptq.quantize() to convert explicitly."
+    )
+
+
+@_impl([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    # narrow / [a:b] and DCP's narrow_tensor_by_index: block-aligned cuts only (ShardingError).
+    self = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    start = args[2] if len(args) > 2 else kwargs.get("start")
+    end = args[3] if len(args) > 3 else kwargs.get("end")
+    step = args[4] if len(args) > 4 else kwargs.get("step", 1)
+    dim = dim % self.ndim
+    n = self.shape[dim]
+    start = 0 if start is None else (start + n if start < 0 else min(start, n))
+    end = n if end is None else (end + n if end < 0 else min(end, n))
+    end = max(end, start)
+    if step != 1:
+        raise NotImplementedError(f"{type(self).__name__}: slicing with step {step} is not supported")
+    offsets = [0] * self.ndim
+    sizes = list(self.shape)
+    offsets[dim], sizes[dim] = start, end - start
+    return slice_box(self, (tuple(offsets), tuple(sizes)))
+
+
+def slice_box(qt: QuantizedTensor, box: chunks.Box, *, fqn: Optional[str] = None) -> QuantizedTensor:
+    """The sub-tensor of ``qt`` at logical ``box`` (views of the components; raw bytes kept).
+
+    Raises:
+        ShardingError: a cut of ``box`` is not block-aligned (names the dim, boundary and block).
+    """
+    specs = qt.specs
+    chunks.check_aligned(specs, qt.shape, box, fqn=fqn, fmt=qt.FORMAT)
+    comps = {}
+    for s in specs:
+        c_off, c_size = chunks.component_box(s, qt.shape, box, fqn=fqn, fmt=qt.FORMAT)
+        v = qt._components[s.name]
+        for d, (o, n) in enumerate(zip(c_off, c_size)):
+            v = v.narrow(d, o, n)
+        comps[s.name] = v
+    return type(qt)(comps, box[1], qt.dtype, qt.recipe)
+
+
+def unwrap_quantized(x: Any) -> Optional[QuantizedTensor]:
+    """The QuantizedTensor in ``x`` (itself, or a DTensor's local tensor), else None."""
+    if isinstance(x, QuantizedTensor):
+        return x
+    local = getattr(x, "_local_tensor", None)
+    return local if isinstance(local, QuantizedTensor) else None
+
+
+def check_recipe_value(fmt: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise UnsupportedFormatError(
+            f"{fmt}: {name}={value!r} is not supported; choose one of {list(allowed)}."
+        )

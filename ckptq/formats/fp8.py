@@ -1,0 +1,118 @@
+"""FP8 per-tensor (`fp8_tensor`) and blockwise (`fp8_block`, 1x128 / 128x128) formats.
+
+Layouts (DESIGN.md section 2), logical (..., M, K):
+* ``fp8_tensor``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (...) -- one decode multiplier per matrix.
+* ``fp8_block``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (..., ceil(M/bm), ceil(K/bk)).
+Numerics: :mod:`ckptq.formats.numerics` (TE ``compute_scale_from_amax``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..chunks import ComponentSpec, DimMap
+from ..errors import UnsupportedFormatError
+from . import numerics
+from .base import QuantizedTensor, check_recipe_value
+
+__all__ = ["Float8Recipe", "Float8Tensor", "Float8BlockRecipe", "Float8BlockTensor"]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _identity_dims(ndim: int) -> tuple[DimMap, ...]:
+    return tuple(DimMap(d) for d in range(ndim))
+
+
+@dataclass(frozen=True)
+class Float8Recipe:
+    """``fp8_tensor`` options: element dtype (E4M3 or E5M2), power-of-2 scale rounding (default off,
+    as TE current scaling), amax epsilon."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    pow2: bool = False
+    eps: float = 0.0
+
+    def __post_init__(self):
+        check_recipe_value("fp8_tensor", "fp8_dtype", self.fp8_dtype, _FP8_DTYPES)
+
+
+class Float8Tensor(QuantizedTensor):
+    """FP8 with one scale per matrix (TE ``Float8Tensor``, delayed or current scaling).
+
+    Components: ``data`` fp8 (..., M, K) and ``scale_inv`` fp32 (...), ``x = float(data) * scale_inv``.
+    Any cut is aligned (the scale is per tensor); the shards of one tensor must share ``scale_inv``.
+    """
+
+    FORMAT = "fp8_tensor"
+    Recipe = Float8Recipe
+
+    @classmethod
+    def component_specs(cls, shape: Sequence[int], recipe: Float8Recipe) -> list[ComponentSpec]:
+        nd = len(shape)
+        return [
+            ComponentSpec("data", recipe.fp8_dtype, _identity_dims(nd)),
+            ComponentSpec("scale_inv", torch.float32, _identity_dims(nd - 2)),
+        ]
+
+    @classmethod
+    def _reference_quantize(cls, x, recipe: Float8Recipe, amax=None, scale=None):
+        return numerics.quantize_fp8_tensor(
+            x, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps, amax=amax, scale=scale
+        )
+
+    @classmethod
+    def _reference_dequantize(cls, comps, recipe, dtype):
+        return numerics.dequantize_fp8_tensor(comps["data"], comps["scale_inv"], dtype)
+
+
+@dataclass(frozen=True)
+class Float8BlockRecipe:
+    """``fp8_block`` options: block (128, 128) (weights) or (1, 128); E4M3/E5M2; power-of-2 scales
+    (default on, as TE ``Float8BlockScaling``); amax epsilon."""
+
+    block: tuple[int, int] = (128, 128)
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    pow2: bool = True
+    eps: float = 0.0
+
+    def __post_init__(self):
+        check_recipe_value("fp8_block", "fp8_dtype", self.fp8_dtype, _FP8_DTYPES)
+        block = tuple(int(b) for b in self.block)
+        object.__setattr__(self, "block", block)
+        if len(block) != 2 or min(block) < 1:
+            raise UnsupportedFormatError(f"fp8_block: block={self.block} must be two positive ints")
+
+
+class Float8BlockTensor(QuantizedTensor):
+    """FP8 with one fp32 decode multiplier per (bm, bk) block (TE ``Float8BlockwiseQTensor``,
+    DeepSeek-V3 ``weight_scale_inv``), compact ceil-sized scale grid."""
+
+    FORMAT = "fp8_block"
+    Recipe = Float8BlockRecipe
+
+    @classmethod
+    def component_specs(cls, shape: Sequence[int], recipe: Float8BlockRecipe) -> list[ComponentSpec]:
+        nd = len(shape)
+        bm, bk = recipe.block
+        return [
+            ComponentSpec("data", recipe.fp8_dtype, _identity_dims(nd)),
+            ComponentSpec(
+                "scale_inv",
+                torch.float32,
+                _identity_dims(nd - 2) + (DimMap(nd - 2, bm), DimMap(nd - 1, bk)),
+            ),
+        ]
+
+    @classmethod
+    def _reference_quantize(cls, x, recipe: Float8BlockRecipe, amax=None, scale=None):
+        return numerics.quantize_fp8_block(
+            x, recipe.block, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps
+        )
+
+    @classmethod
+    def _reference_dequantize(cls, comps, recipe, dtype):
+        return numerics.dequantize_fp8_block(comps["data"], comps["scale_inv"], recipe.block, dtype)

@@ -1,0 +1,334 @@
+"""Reference numerics: the spec every backend (C++, CUDA) must match bit for bit.
+
+Pure PyTorch, vectorized, on plain tensors. All scale math is fp32 in exactly the operation order of
+DESIGN.md section 2, which follows TransformerEngine's kernels:
+
+* ``common/recipe/recipe_common.cuh::compute_scale_from_amax`` (FP8 per-tensor and blockwise scales),
+* ``common/util/ptx_arch_spec.cuh::float_to_e8m0`` and ``ptx.cuh::exp2f_rcp`` (MXFP8 E8M0 scales),
+* ``common/cast/nvfp4/core_nvfp4.cuh`` and ``dequantize_nvfp4.cuh`` (NVFP4 two-level scales).
+
+"min(a, FLT_MAX)" below is C's ``fminf``: a NaN operand yields the other operand (``torch.fmin``).
+Shapes: the last two dims of every input are the matrix (M, K) with K the reduction dim; leading dims
+are batch dims (experts, grouped GEMMs) with their own scales, so per-tensor values have the batch
+shape (``()`` for a 2-D tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..chunks import blocked_view, unblock
+
+__all__ = [
+    "FP8_MAX",
+    "FLT_MAX",
+    "cast_fp8",
+    "fp8_scale_from_amax",
+    "e8m0_from_fp32",
+    "e8m0_to_fp32",
+    "pow2_from_e8m0_rcp",
+    "e2m1_encode",
+    "e2m1_decode",
+    "pack_fp4",
+    "unpack_fp4",
+    "nvfp4_global_encode_scale",
+    "quantize_fp8_tensor",
+    "dequantize_fp8_tensor",
+    "quantize_fp8_block",
+    "dequantize_fp8_block",
+    "quantize_mxfp8",
+    "dequantize_mxfp8",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+]
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FLT_MAX = torch.finfo(torch.float32).max
+_F32 = torch.float32
+
+# fp32 constants, each the float nearest to the rational (what `1.0f / 448.0f` gives in C).
+INV_448 = torch.tensor(1.0 / 448.0, dtype=_F32)
+INV_6 = torch.tensor(1.0 / 6.0, dtype=_F32)
+INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)
+NVFP4_SCALE_NUMERATOR = 2688.0  # 6 (E2M1 max) * 448 (E4M3 max), exact in fp32
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=_F32
+)
+_POW2_MASK = -8388608  # 0xFF800000 as int32: keep sign and exponent, clear the mantissa
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == _F32 else x.to(_F32)
+
+
+def cast_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 -> FP8 with round-to-nearest-even and saturation to +-max finite (E4M3 448, E5M2 57344).
+
+    NaN stays NaN, the sign of zero is kept, subnormals round correctly. The explicit clamp makes
+    inf saturate on every torch version (``cvt.rn.satfinite`` semantics).
+    """
+    m = FP8_MAX[fp8_dtype]
+    return _f32(x).clamp(-m, m).to(fp8_dtype)
+
+
+def fp8_scale_from_amax(
+    amax: torch.Tensor, fp8_max: float, *, pow2: bool, eps: float = 0.0
+) -> torch.Tensor:
+    """FP8 encode scale from amax (TE ``compute_scale_from_amax``), elementwise over ``amax``.
+
+    Order: ``amax = max(amax, eps)``; amax 0, inf or NaN -> scale 1; else ``scale = fp8_max / amax``
+    (fp32 division); an overflow to inf -> FLT_MAX; with ``pow2`` the mantissa bits are cleared
+    (``bits & 0xFF800000``, rounds down to a power of two). Returns fp32 of amax's shape.
+    """
+    amax = _f32(amax)
+    amax = torch.where(amax < eps, torch.tensor(eps, dtype=_F32), amax)
+    special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
+    scale = torch.tensor(fp8_max, dtype=_F32) / torch.where(special, torch.ones_like(amax), amax)
+    scale = torch.where(torch.isinf(scale), torch.tensor(FLT_MAX, dtype=_F32), scale)
+    scale = torch.where(special, torch.ones_like(scale), scale)
+    if pow2:
+        scale = (scale.view(torch.int32) & _POW2_MASK).view(_F32)
+    return scale
+
+
+def e8m0_from_fp32(v: torch.Tensor) -> torch.Tensor:
+    """E8M0 byte for a non-negative fp32 value, exponent rounded up (TE ``float_to_e8m0``).
+
+    Take v's exponent field E and mantissa m: ``e = E + 1`` if m != 0, except when E == 0xFE
+    (saturate) or for subnormals with m <= 0x400000; NaN -> 255, inf -> 254, 0 -> 0. Returns uint8.
+    """
+    v = _f32(v)
+    bits = v.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    bump = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    e = exp + bump.to(torch.int32)
+    e = torch.where(torch.isinf(v), torch.full_like(e, 254), e)
+    e = torch.where(torch.isnan(v), torch.full_like(e, 255), e)
+    e = torch.where(v == 0, torch.zeros_like(e), e)
+    return e.to(torch.uint8)
+
+
+def _pow2_from_biased(biased: torch.Tensor) -> torch.Tensor:
+    """2^(biased - 127) as exact fp32 for biased in [-23, 255]; 255 -> NaN (int32 tensor in)."""
+    normal = (biased.clamp(1, 254) << 23).view(_F32)
+    sub_shift = (22 + biased).clamp(0, 22)  # biased 0 -> 2^-127 = bit 22; biased -22 -> bit 0
+    sub = (torch.ones_like(biased) << sub_shift).view(_F32)
+    out = torch.where(biased >= 1, normal, sub)
+    out = torch.where(biased < -22, torch.zeros_like(out), out)
+    return torch.where(biased >= 255, torch.full_like(out, float("nan")), out)
+
+
+def e8m0_to_fp32(e: torch.Tensor) -> torch.Tensor:
+    """Decode multiplier of an E8M0 byte: ``2^(e - 127)``; byte 0 is 2^-127, byte 255 is NaN."""
+    return _pow2_from_biased(e.to(torch.int32))
+
+
+def pow2_from_e8m0_rcp(e: torch.Tensor) -> torch.Tensor:
+    """Encode multiplier ``2^(127 - e)`` (TE ``exp2f_rcp``): e=254 -> 2^-127, e=255 -> NaN."""
+    e = e.to(torch.int32)
+    out = _pow2_from_biased(254 - e)
+    return torch.where(e == 255, torch.full_like(out, float("nan")), out)
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """fp32 -> E2M1 4-bit code (uint8 in 0..15), round half to even, input already clamped to +-6.
+
+    code = signbit(v) << 3 | index into {0, .5, 1, 1.5, 2, 3, 4, 6}; ties 0.25->0, 0.75->1, 1.25->1,
+    1.75->2, 2.5->2, 3.5->4, 5->4; -0.1 and -0.0 give 0x8; NaN gives 0x7 (+6).
+    """
+    a = v.abs()
+    idx = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    ).to(torch.uint8)
+    code = idx | (torch.signbit(v).to(torch.uint8) << 3)
+    return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    """E2M1 code (uint8 0..15) -> fp32 value."""
+    return E2M1_VALUES.to(code.device)[code.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes (..., K) uint8, K even, into (..., K/2): element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: (..., K/2) uint8 -> codes (..., K)."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _matrix_amax(x: torch.Tensor) -> torch.Tensor:
+    """amax over the last two dims (NaN propagates): batch shape, fp32."""
+    return _f32(x).abs().amax(dim=(-2, -1))
+
+
+# --------------------------------------------------------------------------------------------- #
+# fp8_tensor                                                                                     #
+# --------------------------------------------------------------------------------------------- #
+def quantize_fp8_tensor(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    pow2: bool = False,
+    eps: float = 0.0,
+    amax: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
+) -> dict[str, torch.Tensor]:
+    """Per-tensor FP8 (current scaling). x (..., M, K) -> data fp8 (..., M, K), scale_inv fp32 (...).
+
+    ``scale`` (encode multiplier) wins over ``amax``; otherwise amax is computed over each matrix.
+    ``data = sat_rne(x * scale)``, ``scale_inv = 1 / scale``.
+    """
+    x = _f32(x)
+    batch = x.shape[:-2]
+    if scale is None:
+        a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax)).expand(batch).clone()
+        scale = fp8_scale_from_amax(a, FP8_MAX[fp8_dtype], pow2=pow2, eps=eps)
+    else:
+        scale = _f32(torch.as_tensor(scale)).expand(batch).clone()
+    data = cast_fp8(x * scale[..., None, None], fp8_dtype)
+    return {"data": data, "scale_inv": torch.reciprocal(scale)}
+
+
+def dequantize_fp8_tensor(
+    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = _F32
+) -> torch.Tensor:
+    """``x = float(data) * scale_inv`` in fp32, then cast to ``dtype``."""
+    return (data.to(_F32) * scale_inv[..., None, None]).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- #
+# fp8_block (1x128 / 128x128)                                                                    #
+# --------------------------------------------------------------------------------------------- #
+def quantize_fp8_block(
+    x: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    pow2: bool = True,
+    eps: float = 0.0,
+) -> dict[str, torch.Tensor]:
+    """Blockwise FP8. x (..., M, K) -> data fp8 (..., M, K), scale_inv fp32 (..., ceil(M/bm), ceil(K/bk)).
+
+    Per block (ragged edges: amax over real elements only) the FP8 scale rule of
+    :func:`fp8_scale_from_amax` with ``pow2`` (default on, as TE's ``Float8BlockScaling``).
+    """
+    xb = blocked_view(_f32(x), block)
+    amax = xb.abs().amax(dim=(-3, -1))
+    scale = fp8_scale_from_amax(amax, FP8_MAX[fp8_dtype], pow2=pow2, eps=eps)
+    data = cast_fp8(xb * scale[..., :, None, :, None], fp8_dtype)
+    return {"data": unblock(data, x.shape), "scale_inv": torch.reciprocal(scale)}
+
+
+def dequantize_fp8_block(
+    data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = _F32
+) -> torch.Tensor:
+    """``x = float(data) * scale_inv[block]`` in fp32, then cast to ``dtype``."""
+    xb = blocked_view(data.to(_F32), block)
+    return unblock(xb * scale_inv[..., :, None, :, None], data.shape).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- #
+# mxfp8 (1x32 E8M0; optional 32x1 columnwise copy)                                               #
+# --------------------------------------------------------------------------------------------- #
+def _mx_quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    xb = blocked_view(x, block)
+    amax = xb.abs().amax(dim=(-3, -1))
+    e = e8m0_from_fp32(amax * INV_448)  # v = amax_block * (1/448): a multiply by the fp32 constant
+    mult = pow2_from_e8m0_rcp(e)  # exact 2^(127 - e)
+    data = cast_fp8(xb * mult[..., :, None, :, None], torch.float8_e4m3fn)
+    return unblock(data, x.shape), e
+
+
+def quantize_mxfp8(x: torch.Tensor, *, columnwise: bool = False) -> dict[str, torch.Tensor]:
+    """MXFP8 (OCP MX, E4M3 elements, E8M0 scales, TE/cuBLAS rounding of the scale up).
+
+    x (..., M, K) -> data e4m3 (..., M, K), scale uint8 (..., M, ceil(K/32)); with ``columnwise``
+    also columnwise_data e4m3 (..., M, K) and columnwise_scale uint8 (..., ceil(M/32), K), quantized
+    independently from x with 32x1 blocks.
+    """
+    x = _f32(x)
+    out = {}
+    out["data"], out["scale"] = _mx_quantize_blocks(x, (1, 32))
+    if columnwise:
+        out["columnwise_data"], out["columnwise_scale"] = _mx_quantize_blocks(x, (32, 1))
+    return out
+
+
+def dequantize_mxfp8(
+    data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = _F32, *, block: tuple[int, int] = (1, 32)
+) -> torch.Tensor:
+    """``x = float(data) * 2^(scale - 127)``; byte 0 means 2^-127, byte 255 NaN."""
+    xb = blocked_view(data.to(_F32), block)
+    return unblock(xb * e8m0_to_fp32(scale)[..., :, None, :, None], data.shape).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- #
+# nvfp4 (E2M1 data, E4M3 block scales 1x16 or 16x16, fp32 amax)                                 #
+# --------------------------------------------------------------------------------------------- #
+def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = 2688 / amax``; ``min(S_enc, FLT_MAX)`` (fminf); amax 0 or S_enc 0 (amax inf) -> 1.
+
+    Order as TE ``compute_global_encode_scaling_factor_FP4``. fp32, amax's shape.
+    """
+    amax = _f32(amax)
+    s_enc = torch.tensor(NVFP4_SCALE_NUMERATOR, dtype=_F32) / amax
+    s_enc = torch.fmin(s_enc, torch.tensor(FLT_MAX, dtype=_F32))
+    return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, *, two_d: bool = False, amax: Optional[torch.Tensor] = None
+) -> dict[str, torch.Tensor]:
+    """NVFP4. x (..., M, K), K even -> data uint8 (..., M, K/2), scale e4m3 (..., M, ceil(K/16)) or
+    (..., ceil(M/16), ceil(K/16)) with ``two_d``, amax fp32 (...).
+
+    Order: ``S_enc`` (:func:`nvfp4_global_encode_scale`), ``S_dec = 1 / S_enc``; per block
+    ``s = e4m3_rne_sat(amax_block * (S_enc * (1/6)))``; ``enc = min(1 / (float(s) * S_dec), FLT_MAX)``;
+    ``code = e2m1_rne(clamp(x * enc, -6, 6))``. ``amax`` overrides the tensor's own amax so that
+    shards of one tensor share it.
+    """
+    x = _f32(x)
+    batch = x.shape[:-2]
+    a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax)).expand(batch).clone()
+    s_enc = nvfp4_global_encode_scale(a)
+    s_dec = torch.reciprocal(s_enc)
+    block = (16, 16) if two_d else (1, 16)
+    xb = blocked_view(x, block)
+    amax_b = xb.abs().amax(dim=(-3, -1))
+    s = cast_fp8(amax_b * (s_enc * INV_6)[..., None, None], torch.float8_e4m3fn)
+    enc = torch.fmin(
+        torch.reciprocal(s.to(_F32) * s_dec[..., None, None]), torch.tensor(FLT_MAX, dtype=_F32)
+    )
+    v = (xb * enc[..., :, None, :, None]).clamp(-6.0, 6.0)
+    codes = unblock(e2m1_encode(v), x.shape)
+    return {"data": pack_fp4(codes), "scale": s, "amax": a}
+
+
+def dequantize_nvfp4(
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor,
+    dtype: torch.dtype = _F32,
+    *,
+    two_d: bool = False,
+) -> torch.Tensor:
+    """``x = e2m1(code) * ((float(s) * amax) * (1/2688))`` (TE dequantize kernel order; uses amax,
+    not S_dec), fp32 then cast to ``dtype``."""
+    codes = unpack_fp4(data)
+    block = (16, 16) if two_d else (1, 16)
+    mult = (scale.to(_F32) * _f32(amax)[..., None, None]) * INV_2688
+    xb = blocked_view(e2m1_decode(codes), block)
+    return unblock(xb * mult[..., :, None, :, None], codes.shape).to(dtype)
