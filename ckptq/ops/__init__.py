@@ -14,12 +14,29 @@ import torch
 if TYPE_CHECKING:
     from ..formats.base import QuantizedTensor
 
-__all__ = ["quantize", "dequantize", "requantize", "backend_name"]
+__all__ = ["quantize", "dequantize", "requantize", "backend_name", "backend_report"]
 
 
 def backend_name(device: torch.device | str = "cpu") -> str:
     """The backend that serves tensors on ``device`` (``reference`` until kernels are built)."""
     return "reference"
+
+
+def backend_report() -> dict:
+    """What ``ckptq doctor`` prints: torch version and, per backend, whether it is active and why not.
+
+    ``{"torch": "2.13.0+cpu", "forced": None, "backends": {"reference": {"active": True, "reason":
+    "..."}, "cpu": {...}, "cuda": {...}}}``
+    """
+    return {
+        "torch": torch.__version__,
+        "forced": None,
+        "backends": {
+            "reference": {"active": True, "reason": "pure PyTorch, always available"},
+            "cpu": {"active": False, "reason": "C++ kernels not built yet"},
+            "cuda": {"active": False, "reason": "CUDA kernels not built yet"},
+        },
+    }
 
 
 def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dict[str, torch.Tensor]:

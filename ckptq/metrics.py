@@ -1,0 +1,45 @@
+"""Error metrics for lossy paths (SQNR in dB, max abs error), shared by tests, the CLI and examples."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["sqnr_db", "max_abs_error", "bit_exact"]
+
+
+def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``20 * log10(||ref|| / ||ref - approx||)`` in dB, in fp64.
+
+    Returns ``inf`` when ``approx`` equals ``ref`` exactly, ``nan`` if either holds NaN. Same
+    definition as torchao's ``compute_error``.
+    """
+    r = ref.detach().to(torch.float64)
+    a = approx.detach().to(torch.float64)
+    if r.shape != a.shape:
+        raise ValueError(f"sqnr_db: shapes differ, {tuple(r.shape)} vs {tuple(a.shape)}")
+    noise = torch.linalg.vector_norm(r - a).item()
+    signal = torch.linalg.vector_norm(r).item()
+    if math.isnan(noise) or math.isnan(signal):
+        return float("nan")
+    if noise == 0.0:
+        return float("inf")
+    if signal == 0.0:
+        return float("-inf")
+    return 20.0 * math.log10(signal / noise)
+
+
+def max_abs_error(ref: torch.Tensor, approx: torch.Tensor) -> float:
+    """``max |ref - approx|`` in fp64 (0.0 for empty tensors)."""
+    if ref.numel() == 0:
+        return 0.0
+    return (ref.detach().to(torch.float64) - approx.detach().to(torch.float64)).abs().max().item()
+
+
+def bit_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when two tensors have the same dtype, shape and bytes (NaN payloads included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().contiguous().cpu(), b.detach().contiguous().cpu()
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True
