@@ -42,4 +42,4 @@ def bit_exact(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     a, b = a.detach().contiguous().cpu(), b.detach().contiguous().cpu()
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.numel() else True
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)) if a.numel() else True

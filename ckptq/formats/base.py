@@ -128,20 +128,23 @@ class QuantizedTensor(torch.Tensor):
         """Per logical dim, the granularity a cut must respect (lcm of all component divisors)."""
         return chunks.alignment(self.specs, self.ndim)
 
-    def descriptor(self) -> dict:
+    def descriptor(self, shape: Optional[Sequence[int]] = None) -> dict:
         """JSON-serializable description: format, version, logical shape, dtype, recipe, components.
 
         ``ckptq.from_components(qt.descriptor(), qt.components())`` rebuilds the tensor exactly.
+        ``shape`` describes a tensor of another logical shape with this format and recipe (the
+        global tensor a shard belongs to).
         """
+        shape = tuple(self.shape if shape is None else shape)
         return {
             "format": self.FORMAT,
             "version": DESCRIPTOR_VERSION,
-            "shape": list(self.shape),
+            "shape": list(shape),
             "dtype": dtype_to_str(self.dtype),
             "recipe": self._recipe_to_json(self.recipe),
             "components": {
-                s.name: {"dtype": dtype_to_str(s.dtype), "shape": list(s.shape(self.shape))}
-                for s in self.specs
+                s.name: {"dtype": dtype_to_str(s.dtype), "shape": list(s.shape(shape))}
+                for s in self.component_specs(shape, self.recipe)
             },
         }
 

@@ -1,0 +1,292 @@
+"""`QuantizedLoadPlanner`: DCP load planner for quantized and high-precision checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import math
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from .. import chunks, ops
+from ..errors import CheckpointFormatError, ShardingError
+from ..formats import format_class
+from ..formats.base import QuantizedTensor, slice_box, str_to_dtype, unwrap_quantized
+from ._common import ckptq_planner_data, component_fqn, local_box, local_tensor
+
+__all__ = ["QuantizedLoadPlanner"]
+
+logger = logging.getLogger("ckptq")
+
+
+@dataclasses.dataclass
+class _Buffer:
+    """A destination of read items: a tensor allocated on first use, with its chunk box."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tensor: Optional[torch.Tensor] = None  # preset for raw loads into a target's component
+    group: Optional["_Group"] = None
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.tensor = torch.empty(self.shape, dtype=self.dtype)
+        return self.tensor
+
+
+@dataclasses.dataclass
+class _Group:
+    """The read items of one transformed tensor; ``finish`` runs once the last one is committed."""
+
+    fqn: str
+    pending: int
+    finish: Callable[[], None]
+
+
+class QuantizedLoadPlanner(DefaultLoadPlanner):
+    """Load planner that restores quantized tensors from ckptq checkpoints.
+
+    Use as ``dcp.load(state_dict, checkpoint_id=path, planner=QuantizedLoadPlanner())``. For each
+    state_dict value (plain, or a DTensor with any placement and world size):
+
+    * quantized target, checkpoint native in the same format and recipe: each component is read
+      straight into the target's component tensors -- the raw bytes, bit-exact, resharded by
+      DCP's box math on component chunks;
+    * quantized target, checkpoint in another format/recipe or high precision (or a plain DCP
+      entry): the source region is decoded and re-encoded with the *target's* recipe through the
+      :mod:`ckptq.ops` registry (logged once per tensor). Targets with a per-tensor value (FP8
+      ``scale_inv``, NVFP4 ``amax``) read the whole source tensor, so that every shard computes the
+      same global amax;
+    * plain target, checkpoint native: the enclosing block-aligned region is read and dequantized;
+    * everything else: DCP's default behaviour.
+
+    Every target cut on a blocked dim must be block-aligned for a raw load (else
+    :class:`ckptq.ShardingError` while planning, before any data moves); every target element must
+    be covered by saved chunks (else :class:`ckptq.ShardingError`).
+
+    Args:
+        allow_partial_load: skip targets missing from the checkpoint instead of raising.
+        **kwargs: passed to ``DefaultLoadPlanner``.
+
+    Non-tensor (bytes) entries are unpickled with ``torch.load(weights_only=True)``.
+    """
+
+    def __init__(self, *, allow_partial_load: bool = False, **kwargs: Any) -> None:
+        super().__init__(allow_partial_load=allow_partial_load, **kwargs)
+        self._buffers: dict[tuple[str, tuple[int, ...]], _Buffer] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self._descriptors = ckptq_planner_data(getattr(metadata, "planner_data", None))["tensors"]
+        self._buffers = {}
+
+    # ---------------------------------------------------------------- planning
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        rest, mine = {}, {}
+        for fqn, obj in self.state_dict.items():
+            desc = self._descriptors.get(fqn)
+            native = desc is not None and desc.get("mode") == "native"
+            if unwrap_quantized(obj) is not None or (native and isinstance(obj, torch.Tensor)):
+                mine[fqn] = obj
+            else:
+                rest[fqn] = obj
+        plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        items = list(plan.items)
+        for fqn, obj in mine.items():
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            items += self._plan_tensor(fqn, obj)
+        return dataclasses.replace(plan, items=items)
+
+    def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
+        desc = self._descriptors.get(fqn)
+        target = unwrap_quantized(obj)
+        global_shape = tuple(obj.shape)
+        box = local_box(obj)
+        if desc is not None and desc.get("mode") == "native":
+            src_cls = format_class(desc["format"])
+            if tuple(desc["shape"]) != global_shape:
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': checkpoint has logical shape {tuple(desc['shape'])}, the target "
+                    f"has {global_shape}; load into a tensor of the saved shape"
+                )
+            src_recipe = src_cls._recipe_from_json(desc.get("recipe", {}))
+            if target is not None and type(target) is src_cls and target.recipe == src_recipe:
+                return self._plan_raw(fqn, desc, target, global_shape, box)
+        elif fqn not in self.metadata.state_dict_metadata:
+            if self.allow_partial_load:
+                return []
+            raise CheckpointFormatError(
+                f"tensor '{fqn}' ({type(target).__name__}) is not in the checkpoint; pass "
+                f"allow_partial_load=True to skip it"
+            )
+        return self._plan_transform(fqn, desc, obj, target, global_shape, box)
+
+    def _plan_raw(self, fqn, desc, target: QuantizedTensor, global_shape, box) -> list[ReadItem]:
+        """Native source, same format and recipe: read each component into the target's own."""
+        specs = target.component_specs(global_shape, target.recipe)
+        chunks.check_aligned(specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
+        items = []
+        for spec in specs:
+            cfqn = self._component_key(fqn, desc, spec.name)
+            cbox = chunks.component_box(spec, global_shape, box, fqn=fqn, fmt=target.FORMAT)
+            self._check_component_md(fqn, cfqn, spec.shape(global_shape), spec.dtype)
+            dest = target._components[spec.name]
+            items += self._read(cfqn, cbox, _Buffer(cbox[1], spec.dtype, tensor=dest), fqn)
+        return items
+
+    def _plan_transform(self, fqn, desc, obj, target, global_shape, box) -> list[ReadItem]:
+        """Read a source region into temporary buffers; decode (and re-encode) when complete."""
+        native = desc is not None and desc.get("mode") == "native"
+        src_cls = format_class(desc["format"]) if native else None
+        src_recipe = src_cls._recipe_from_json(desc.get("recipe", {})) if native else None
+        src_specs = src_cls.component_specs(global_shape, src_recipe) if native else []
+        ndim = len(global_shape)
+        align = [1] * ndim
+        if target is not None:
+            t_specs = target.component_specs(global_shape, target.recipe)
+            chunks.check_aligned(t_specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
+            align = list(chunks.alignment(t_specs, ndim))
+        if native:
+            align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim))]
+        full = ((0,) * ndim, global_shape)
+        if target is not None and target.per_tensor_names() and box != full:
+            region = full  # the target's per-tensor amax must come from the whole tensor
+        else:
+            region = chunks.expand_to_aligned(align, global_shape, box)
+        if math.prod(box[1]) == 0:
+            return []
+
+        buffers: dict[str, _Buffer] = {}
+        items: list[ReadItem] = []
+        if native:
+            for spec in src_specs:
+                cfqn = self._component_key(fqn, desc, spec.name)
+                self._check_component_md(fqn, cfqn, spec.shape(global_shape), spec.dtype)
+                cbox = chunks.component_box(spec, global_shape, region, fqn=fqn, fmt=src_cls.FORMAT)
+                buffers[spec.name] = _Buffer(cbox[1], spec.dtype)
+                items += self._read(cfqn, cbox, buffers[spec.name], fqn)
+        else:
+            md = self.metadata.state_dict_metadata[fqn]
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != global_shape:
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': checkpoint entry is {_describe_md(md)}, the target is a tensor "
+                    f"of shape {global_shape}"
+                )
+            buffers["values"] = _Buffer(region[1], md.properties.dtype)
+            items += self._read(fqn, region, buffers["values"], fqn)
+
+        def finish() -> None:
+            if native:
+                comps = {k: b.get() for k, b in buffers.items()}
+                src = src_cls.from_components(comps, region[1], str_to_dtype(desc["dtype"]), src_recipe, fqn=fqn)
+            else:
+                src = buffers["values"].get()
+            rel = chunks.box_within(box, region)
+            if target is None:
+                values = src.dequantize(torch.float32) if native else src
+                dest = local_tensor(obj)
+                dest.copy_(_narrow_box(values, rel))
+            else:
+                recipe = dataclasses.asdict(target.recipe)
+                new = ops.requantize(src, target.FORMAT, **recipe)
+                logger.info(
+                    "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
+                    fqn,
+                    desc["format"] if native else "high-precision",
+                    target.FORMAT,
+                    target.recipe,
+                )
+                part = slice_box(new, rel, fqn=fqn)
+                for name, t in target._components.items():
+                    t.copy_(part._components[name])
+            buffers.clear()
+
+        group = _Group(fqn, len(items), finish)
+        for b in buffers.values():
+            b.group = group
+        return items
+
+    def _component_key(self, fqn: str, desc: dict, name: str) -> str:
+        comp = desc.get("components", {}).get(name)
+        cfqn = comp.get("fqn") if isinstance(comp, dict) else None
+        return cfqn or component_fqn(fqn, name)
+
+    def _check_component_md(self, fqn: str, cfqn: str, shape, dtype: torch.dtype) -> None:
+        md = self.metadata.state_dict_metadata.get(cfqn)
+        if md is None:
+            raise CheckpointFormatError(
+                f"tensor '{fqn}': component entry '{cfqn}' is missing from the checkpoint; the "
+                f"checkpoint is incomplete or was not written by ckptq"
+            )
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape) or md.properties.dtype != dtype:
+            raise CheckpointFormatError(
+                f"tensor '{fqn}': component '{cfqn}' is {_describe_md(md)} in the checkpoint, "
+                f"expected {dtype} {tuple(shape)}"
+            )
+
+    def _read(self, cfqn: str, cbox: chunks.Box, buf: _Buffer, fqn: str) -> list[ReadItem]:
+        """Read items filling ``buf`` (chunk ``cbox`` of entry ``cfqn``); checks full coverage."""
+        md = self.metadata.state_dict_metadata[cfqn]
+        chunk = ChunkStorageMetadata(offsets=torch.Size(cbox[0]), sizes=torch.Size(cbox[1]))
+        items = create_read_items_for_chunk_list(cfqn, md, [chunk])
+        covered = sum(math.prod(it.lengths) for it in items)
+        if covered != math.prod(cbox[1]):
+            raise ShardingError(
+                f"tensor '{fqn}': the saved chunks of '{cfqn}' cover {covered} of the "
+                f"{math.prod(cbox[1])} elements this rank needs (box offsets {cbox[0]}, sizes "
+                f"{cbox[1]}); the checkpoint is incomplete (e.g. saved with use_collectives=False)"
+            )
+        for it in items:
+            self._buffers[(it.dest_index.fqn, tuple(it.dest_index.offset))] = buf
+        return items
+
+    # ---------------------------------------------------------------- reading
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        buf = self._buffers.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)))
+        if buf is None:
+            return super().resolve_tensor(read_item)
+        return narrow_tensor_by_index(buf.get(), read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        buf = self._buffers.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)))
+        if buf is None or buf.group is None:
+            return super().commit_tensor(read_item, tensor)
+        buf.group.pending -= 1
+        if buf.group.pending == 0:
+            buf.group.finish()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _narrow_box(t: torch.Tensor, box: chunks.Box) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(*box)):
+        t = t.narrow(d, o, n)
+    return t
+
+
+def _describe_md(md: Any) -> str:
+    if isinstance(md, TensorStorageMetadata):
+        return f"{md.properties.dtype} {tuple(md.size)}"
+    return type(md).__name__

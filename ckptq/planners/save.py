@@ -1,0 +1,251 @@
+"""`QuantizedSavePlanner`: DCP save planner for quantized tensors (native or high precision)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from .. import chunks
+from ..errors import CheckpointFormatError, InconsistentScaleError
+from ..formats.base import QuantizedTensor, dtype_to_str, slice_box, unwrap_quantized
+from ._common import (
+    CKPTQ_KEY,
+    CONTRACT_VERSION,
+    component_fqn,
+    local_box,
+    mode_for,
+    validate_mode,
+)
+
+__all__ = ["QuantizedSavePlanner"]
+
+_SCALARS_KEY = "__ckptq_scalars__"
+
+
+@dataclasses.dataclass
+class _Entry:
+    fqn: str
+    qt: QuantizedTensor  # the local quantized tensor
+    global_shape: tuple[int, ...]
+    box: chunks.Box
+    sharded: bool  # a DTensor shard (SHARD items) or a whole plain tensor (TENSOR items)
+    mode: str
+
+
+class QuantizedSavePlanner(DefaultSavePlanner):
+    """Save planner that writes quantized tensors natively (raw bytes + scales) or dequantized.
+
+    Use as ``dcp.save(state_dict, checkpoint_id=path, planner=QuantizedSavePlanner())`` (also with
+    ``dcp.async_save``). Every ``QuantizedTensor`` value, plain or as the local tensor of a DTensor
+    (FSDP2 ``Shard(0)``, TP ``Shard(1)``, ...), is handled; other values go through DCP's default path.
+
+    Native mode: one DCP entry per component (``{fqn}.data``, ``{fqn}.scale``, ...) with the
+    component's global size; each shard's chunk is derived from its logical box by
+    :func:`ckptq.chunks.component_box`, so DCP's own load-time resharding moves raw bytes and plain
+    DCP tools (``dcp_to_torch_save``) see ordinary tensors. A shard boundary inside a block raises
+    :class:`ckptq.ShardingError` while planning, before any data is written. Per-tensor values
+    (FP8 ``scale_inv``, NVFP4 ``amax``) must be identical on every shard that holds them; the
+    coordinator checks this and raises :class:`ckptq.InconsistentScaleError` naming the tensor and
+    ranks (quantize shards with ``amax=``/``scale=`` of the reduced global value).
+
+    High-precision mode: the tensor is stored under its own FQN as ``dtype`` values, dequantized
+    lazily when the storage writer asks for each item (bounded memory).
+
+    Args:
+        mode: ``"native"`` or ``"high_precision"`` for tensors no rule matches.
+        dtype: storage dtype of high-precision entries (default bfloat16).
+        rules: ``{fqn_glob: mode}``; the first glob (in insertion order) matching a flattened FQN
+            decides its mode (``fnmatch`` syntax, e.g. ``{"*.mlp.*": "high_precision"}``).
+        **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ...).
+
+    Descriptors of every quantized entry go to ``metadata.planner_data["__ckptq__"]`` as builtins
+    (see :mod:`ckptq.planners._common`); no pickled ckptq class is written.
+    """
+
+    def __init__(
+        self,
+        mode: str = "native",
+        dtype: torch.dtype = torch.bfloat16,
+        rules: Optional[Mapping[str, str]] = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("enable_plan_caching", None)  # plans depend on live scalar values: never cached
+        super().__init__(**kwargs)
+        self.mode = validate_mode(mode, "QuantizedSavePlanner")
+        self.rules = dict(rules or {})
+        for pattern, m in self.rules.items():
+            validate_mode(m, f"QuantizedSavePlanner rule '{pattern}'")
+        if not dtype.is_floating_point:
+            raise CheckpointFormatError(f"QuantizedSavePlanner: dtype {dtype} is not a float dtype")
+        self.dtype = dtype
+        self._entries: dict[str, _Entry] = {}
+        self._objects: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- planning (every rank)
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._entries, self._objects = {}, {}
+        rest = {}
+        for fqn, obj in self.state_dict.items():
+            qt = unwrap_quantized(obj)
+            if qt is None:
+                rest[fqn] = obj
+                continue
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue  # this rank is not in the tensor's mesh
+            entry = _Entry(
+                fqn=fqn,
+                qt=qt,
+                global_shape=tuple(obj.shape),
+                box=local_box(obj),
+                sharded=isinstance(obj, DTensor),
+                mode=mode_for(fqn, self.mode, self.rules),
+            )
+            self._entries[fqn] = entry
+            if entry.mode == "native":
+                self._add_component_mappings(entry, rest)
+        self.state_dict = rest
+
+    def _add_component_mappings(self, entry: _Entry, rest: dict) -> None:
+        path = self.mappings.pop(entry.fqn, None) if self.mappings else None
+        for spec in entry.qt.specs:
+            cfqn = component_fqn(entry.fqn, spec.name)
+            if cfqn in rest or cfqn in self._entries:
+                raise CheckpointFormatError(
+                    f"tensor '{entry.fqn}': its component key '{cfqn}' collides with another "
+                    f"state_dict entry; rename that entry or save '{entry.fqn}' in high_precision mode"
+                )
+            if path is not None:
+                self.mappings[cfqn] = (*path[:-1], f"{path[-1]}.{spec.name}")
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = list(plan.items)
+        descriptors, scalars = {}, {}
+        for entry in self._entries.values():
+            desc = entry.qt.descriptor(entry.global_shape)
+            desc["mode"] = entry.mode
+            if entry.mode == "native":
+                items += self._native_items(entry, desc, scalars)
+            else:
+                desc["stored_dtype"] = dtype_to_str(self.dtype)
+                desc.pop("components")
+                items.append(self._item(entry.fqn, entry.box, entry.global_shape, self.dtype, entry.sharded))
+                self._objects[entry.fqn] = entry
+            descriptors[entry.fqn] = desc
+        planner_data = dict(plan.planner_data or {})
+        planner_data[CKPTQ_KEY] = descriptors
+        planner_data[_SCALARS_KEY] = scalars
+        self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
+        return self.plan
+
+    def _native_items(self, entry: _Entry, desc: dict, scalars: dict) -> list[WriteItem]:
+        qt, items = entry.qt, []
+        if tuple(qt.shape) != tuple(entry.box[1]):
+            raise CheckpointFormatError(
+                f"tensor '{entry.fqn}': local quantized shard has shape {tuple(qt.shape)} but its "
+                f"DTensor placement gives {entry.box[1]}; the shard and its DTensor disagree"
+            )
+        specs = qt.component_specs(entry.global_shape, qt.recipe)
+        chunks.check_aligned(specs, entry.global_shape, entry.box, fqn=entry.fqn, fmt=qt.FORMAT)
+        per_tensor = set(qt.per_tensor_names())
+        for spec in specs:
+            cfqn = component_fqn(entry.fqn, spec.name)
+            cbox = chunks.component_box(spec, entry.global_shape, entry.box, fqn=entry.fqn, fmt=qt.FORMAT)
+            tensor = qt._components[spec.name]
+            assert tuple(tensor.shape) == cbox[1], (entry.fqn, spec.name, tensor.shape, cbox)
+            items.append(self._item(cfqn, cbox, spec.shape(entry.global_shape), spec.dtype, entry.sharded))
+            desc["components"][spec.name]["fqn"] = cfqn
+            self._objects[cfqn] = tensor
+            if spec.name in per_tensor:
+                key = f"{cfqn}@{list(cbox[0])}"
+                scalars[key] = tensor.detach().cpu().reshape(-1).view(torch.uint8).tolist()
+        return items
+
+    @staticmethod
+    def _item(fqn: str, box: chunks.Box, size, dtype: torch.dtype, sharded: bool) -> WriteItem:
+        offsets, sizes = torch.Size(box[0]), torch.Size(box[1])
+        return WriteItem(
+            index=MetadataIndex(fqn, offsets),
+            type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                properties=TensorProperties(dtype=dtype),
+                size=torch.Size(size),
+            ),
+        )
+
+    # ---------------------------------------------------------------- global (coordinator)
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        descriptor_sets, scalar_sets, stripped = [], [], []
+        for p in all_plans:
+            pd = dict(p.planner_data or {})
+            descriptor_sets.append(pd.pop(CKPTQ_KEY, {}))
+            scalar_sets.append(pd.pop(_SCALARS_KEY, {}))
+            stripped.append(dataclasses.replace(p, planner_data=pd))
+        _check_scalars(scalar_sets)
+        tensors = _merge_descriptors(descriptor_sets)
+        global_plan, metadata = super().create_global_plan(stripped)
+        planner_data = dict(metadata.planner_data or {})
+        planner_data[CKPTQ_KEY] = {
+            "version": CONTRACT_VERSION,
+            "world_size": len(all_plans),
+            "tensors": tensors,
+        }
+        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        return global_plan, self.metadata
+
+    # ---------------------------------------------------------------- writing (every rank)
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self._objects.get(index.fqn)
+        if obj is None:
+            return super().lookup_object(index)
+        if isinstance(obj, _Entry):  # high precision: dequantize this shard now, not earlier
+            return obj.qt.dequantize(self.dtype)
+        return obj
+
+
+def _check_scalars(scalar_sets: list[dict]) -> None:
+    """Every (component, chunk) saved by several ranks must carry the same bytes."""
+    seen: dict[str, tuple[int, list]] = {}
+    for rank, scalars in enumerate(scalar_sets):
+        for key, value in scalars.items():
+            if key not in seen:
+                seen[key] = (rank, value)
+                continue
+            first_rank, first = seen[key]
+            if first != value:
+                cfqn = key.split("@", 1)[0]
+                fqn, comp = cfqn.rsplit(".", 1)
+                a = torch.tensor(first, dtype=torch.uint8).view(torch.float32).tolist()
+                b = torch.tensor(value, dtype=torch.uint8).view(torch.float32).tolist()
+                raise InconsistentScaleError(
+                    f"tensor '{fqn}': per-tensor '{comp}' differs between shards: rank "
+                    f"{first_rank} has {a}, rank {rank} has {b}. All shards of one tensor must be "
+                    f"quantized with one global value: reduce the amax over the shard group and "
+                    f"pass it as ckptq.quantize(..., amax=...) (or scale= for fp8_tensor)."
+                )
+
+
+def _merge_descriptors(descriptor_sets: list[dict]) -> dict:
+    merged: dict[str, dict] = {}
+    for rank, descs in enumerate(descriptor_sets):
+        for fqn, desc in descs.items():
+            prev = merged.setdefault(fqn, desc)
+            if prev != desc:
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': ranks disagree on its quantized layout: {prev} vs rank "
+                    f"{rank}: {desc}. Every shard of a tensor must use the same format and recipe."
+                )
+    return merged
