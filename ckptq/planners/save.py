@@ -114,14 +114,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             )
             self._entries[fqn] = entry
             if entry.mode == "native":
-                self._add_component_mappings(entry, rest)
+                self._add_component_mappings(entry)
         self.state_dict = rest
 
-    def _add_component_mappings(self, entry: _Entry, rest: dict) -> None:
+    def _add_component_mappings(self, entry: _Entry) -> None:
         path = self.mappings.pop(entry.fqn, None) if self.mappings else None
         for spec in entry.qt.specs:
             cfqn = component_fqn(entry.fqn, spec.name)
-            if cfqn in rest or cfqn in self._entries:
+            if cfqn in self.state_dict:
                 raise CheckpointFormatError(
                     f"tensor '{entry.fqn}': its component key '{cfqn}' collides with another "
                     f"state_dict entry; rename that entry or save '{entry.fqn}' in high_precision mode"
