@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from ..chunks import Box
 from ..errors import CheckpointFormatError, UnsupportedFormatError
+from ..layout import dtensor_box
 
 __all__ = [
     "CKPTQ_KEY",
@@ -44,14 +45,12 @@ def component_fqn(fqn: str, component: str) -> str:
     return f"{fqn}.{component}"
 
 
-def local_box(obj: torch.Tensor) -> Box:
-    """The logical box this process holds of ``obj``: a DTensor's shard (DCP's own
-    ``compute_local_shape_and_global_offset``), or the whole of a plain tensor."""
+def local_box(obj: torch.Tensor, fqn: Optional[str] = None) -> Box:
+    """The logical box this process holds of ``obj``: a DTensor's shard (the box DCP stores; raises
+    ShardingError when the shard is not one contiguous box, see :func:`ckptq.layout.shard_box`),
+    or the whole of a plain tensor."""
     if isinstance(obj, DTensor):
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        sizes, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
-        return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+        return dtensor_box(obj, fqn=fqn)
     return (0,) * obj.ndim, tuple(obj.shape)
 
 

@@ -79,15 +79,24 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     :class:`ckptq.ShardingError` while planning, before any data moves); every target element must
     be covered by saved chunks (else :class:`ckptq.ShardingError`).
 
+    Plain targets get the checks DCP does not make: a DTensor shard must be one contiguous box
+    (DCP silently mis-loads ``(Shard(d), _StridedShard(d, sf))``), the saved chunks must cover it,
+    and its dtype must be the saved one.
+
     Args:
         allow_partial_load: skip targets missing from the checkpoint instead of raising.
+        strict_dtype: raise when a plain target's dtype differs from the saved dtype (DCP would
+            cast silently); ``False`` allows the cast.
         **kwargs: passed to ``DefaultLoadPlanner``.
 
     Non-tensor (bytes) entries are unpickled with ``torch.load(weights_only=True)``.
     """
 
-    def __init__(self, *, allow_partial_load: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *, allow_partial_load: bool = False, strict_dtype: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(allow_partial_load=allow_partial_load, **kwargs)
+        self.strict_dtype = strict_dtype
         self._buffers: dict[tuple[str, tuple[int, ...]], _Buffer] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
@@ -107,6 +116,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             else:
                 rest[fqn] = obj
         plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        self._check_plain_targets(rest, plan.items)
         items = list(plan.items)
         for fqn, obj in mine.items():
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
@@ -114,11 +124,37 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             items += self._plan_tensor(fqn, obj)
         return dataclasses.replace(plan, items=items)
 
+    def _check_plain_targets(self, targets: dict, items: list[ReadItem]) -> None:
+        """What DCP does not check for ordinary tensors: contiguous DTensor shards, same dtype as
+        saved, and every target element covered by saved chunks."""
+        covered: dict[str, int] = {}
+        for it in items:
+            covered[it.dest_index.fqn] = covered.get(it.dest_index.fqn, 0) + math.prod(it.lengths)
+        for fqn, obj in targets.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if not isinstance(obj, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
+                continue
+            if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
+                continue
+            box = local_box(obj, fqn)
+            if self.strict_dtype and md.properties.dtype != obj.dtype:
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': saved as {md.properties.dtype}, the target is {obj.dtype}; "
+                    f"load into a {md.properties.dtype} tensor or pass strict_dtype=False to cast"
+                )
+            need = math.prod(box[1])
+            if covered.get(fqn, 0) != need:
+                raise ShardingError(
+                    f"tensor '{fqn}': saved chunks cover {covered.get(fqn, 0)} of the {need} elements "
+                    f"of this rank's box (offsets {box[0]}, sizes {box[1]}); the checkpoint is "
+                    f"incomplete (e.g. saved with use_collectives=False) or from another tensor"
+                )
+
     def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         desc = self._descriptors.get(fqn)
         target = unwrap_quantized(obj)
         global_shape = tuple(obj.shape)
-        box = local_box(obj)
+        box = local_box(obj, fqn)
         if desc is not None and desc.get("mode") == "native":
             src_cls = format_class(desc["format"])
             if tuple(desc["shape"]) != global_shape:

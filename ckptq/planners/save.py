@@ -108,7 +108,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 fqn=fqn,
                 qt=qt,
                 global_shape=tuple(obj.shape),
-                box=local_box(obj),
+                box=local_box(obj, fqn),
                 sharded=isinstance(obj, DTensor),
                 mode=mode_for(fqn, self.mode, self.rules),
             )

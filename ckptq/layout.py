@@ -1,0 +1,308 @@
+"""Meshes, placements and the logical box each rank holds -- without a process group.
+
+Placements follow ``torch.distributed.tensor``: ``Replicate()``, ``Shard(d)`` (``torch.chunk``
+semantics: ceil-sized chunks, trailing ones short or empty) and ``_StridedShard(d, split_factor=sf)``
+(what FSDP2 puts on its mesh dim when TP also shards dim ``d``: the dim is first cut into the
+``sf`` pieces the later mesh dims make, each piece is cut ``n`` ways and coordinate ``c`` holds the
+``c``-th cut of every piece; ``_StridedShard.local_shard_size_and_offset`` in
+``torch/distributed/tensor/placement_types.py``). FSDP2 shards dim 0; TP column-parallel is
+``Shard(0)``, row-parallel ``Shard(1)``; a grouped (N, out, in) weight shifts those to d + 1.
+
+:func:`owned_indices` computes, per tensor dim, the explicit global indices a mesh coordinate
+holds; :func:`shard_box` turns them into the one contiguous box DCP stores, and raises
+:class:`ckptq.ShardingError` when they are not contiguous (e.g. ``(Shard(0), _StridedShard(0, 2))``,
+which DCP saves as overlapping chunks and silently loads wrong).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .chunks import Box
+from .errors import ShardingError, UnsupportedFormatError
+
+__all__ = [
+    "MeshSpec",
+    "owned_indices",
+    "shard_box",
+    "dtensor_box",
+    "rank_boxes",
+    "LayoutPlan",
+    "parse_placement",
+    "format_placements",
+]
+
+
+def _strided_factor(p: Placement) -> Optional[int]:
+    return int(p.split_factor) if isinstance(p, _StridedShard) else None
+
+
+def _shard_dim(p: Placement) -> Optional[int]:
+    """Tensor dim a Shard-like placement splits (``_StridedShard`` is not a ``Shard`` in 2.13)."""
+    if isinstance(p, _StridedShard) or isinstance(p, Shard):
+        return int(p.dim)
+    return None
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh by name and size, e.g. ``dp_shard=4,tp=2`` (row-major rank order, as
+    ``init_device_mesh``)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshSpec":
+        """Parse ``"dp_shard=4,tp=2"`` (or ``"4"`` for a 1-D mesh named ``dp_shard``)."""
+        text = text.strip()
+        if re.fullmatch(r"\d+", text):
+            return cls(("dp_shard",), (int(text),))
+        names, sizes = [], []
+        for part in text.split(","):
+            m = re.fullmatch(r"\s*([A-Za-z_][\w]*)\s*=\s*(\d+)\s*", part)
+            if not m or int(m.group(2)) < 1:
+                raise UnsupportedFormatError(
+                    f"mesh '{text}': expected comma-separated name=size pairs such as dp_shard=4,tp=2"
+                )
+            names.append(m.group(1))
+            sizes.append(int(m.group(2)))
+        if len(set(names)) != len(names):
+            raise UnsupportedFormatError(f"mesh '{text}': repeated mesh dim name")
+        return cls(tuple(names), tuple(sizes))
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        coord = []
+        for size in reversed(self.sizes):
+            coord.append(rank % size)
+            rank //= size
+        return tuple(reversed(coord))
+
+    def __str__(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+
+
+def _chunk_index(idx: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """``torch.chunk(idx, n)[c]``, empty when the chunk does not exist (DTensor's rule)."""
+    parts = torch.chunk(idx, n)
+    return parts[c] if c < len(parts) else idx[:0]
+
+
+def owned_indices(
+    dim_size: int,
+    tensor_dim: int,
+    mesh_sizes: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+) -> torch.Tensor:
+    """Global indices along ``tensor_dim`` held at mesh coordinate ``coord`` (1-D int64, in the
+    order the local tensor stores them). Placements apply left to right over mesh dims."""
+    idx = torch.arange(dim_size)
+    for n, c, p in zip(mesh_sizes, coord, placements):
+        if _shard_dim(p) != tensor_dim:
+            continue
+        sf = _strided_factor(p)
+        if sf is None:
+            idx = _chunk_index(idx, n, c)
+        else:  # right-to-left: the sf pieces made by later mesh dims, each cut n ways
+            parts = list(torch.chunk(idx, sf)) if idx.numel() else []
+            idx = torch.cat([idx[:0]] + [_chunk_index(part, n, c) for part in parts])
+    return idx
+
+
+def shard_box(
+    global_shape: Sequence[int],
+    mesh_sizes: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[Placement],
+    *,
+    fqn: Optional[str] = None,
+) -> Box:
+    """The logical box held at ``coord``: ``(offsets, sizes)``; empty dims get offset = dim size
+    (DCP's convention). Raises ShardingError if the held indices are not one increasing run."""
+    if len(placements) != len(mesh_sizes):
+        raise ShardingError(
+            f"tensor '{fqn}': {len(placements)} placements for a {len(mesh_sizes)}-D mesh"
+        )
+    for p in placements:
+        if not (isinstance(p, Replicate) or _shard_dim(p) is not None):
+            raise ShardingError(
+                f"tensor '{fqn}': placement {p} cannot be checkpointed (Partial must be reduced first)"
+            )
+        d = _shard_dim(p)
+        if d is not None and d >= len(global_shape):
+            raise ShardingError(f"tensor '{fqn}' of shape {tuple(global_shape)}: {p} names dim {d}")
+    offsets, sizes = [], []
+    for d, n in enumerate(global_shape):
+        idx = owned_indices(n, d, mesh_sizes, coord, placements)
+        if idx.numel() == 0:
+            offsets.append(n)
+            sizes.append(0)
+            continue
+        start = int(idx[0])
+        if not torch.equal(idx, torch.arange(start, start + idx.numel())):
+            raise ShardingError(
+                f"tensor '{fqn}' of shape {tuple(global_shape)}: with placements "
+                f"{format_placements(placements)} mesh coordinate {tuple(coord)} holds rows "
+                f"{idx[:8].tolist()}{'...' if idx.numel() > 8 else ''} of dim {d}, not one contiguous "
+                f"box; DCP would store and load this shard wrongly. Put the strided placement first "
+                f"((_StridedShard(d, sf), Shard(d)), FSDP2's order) or use another layout."
+            )
+        offsets.append(start)
+        sizes.append(idx.numel())
+    return tuple(offsets), tuple(sizes)
+
+
+def dtensor_box(obj: Any, *, fqn: Optional[str] = None) -> Box:
+    """:func:`shard_box` of this process's shard of a DTensor (its mesh coordinate)."""
+    mesh = obj.device_mesh
+    return shard_box(obj.shape, tuple(mesh.shape), mesh.get_coordinate(), obj.placements, fqn=fqn)
+
+
+def rank_boxes(
+    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: Optional[str] = None
+) -> list[Box]:
+    """:func:`shard_box` for every rank of ``mesh`` (rank order)."""
+    return [
+        shard_box(global_shape, mesh.sizes, mesh.coordinate(r), placements, fqn=fqn)
+        for r in range(mesh.world_size)
+    ]
+
+
+_PLACEMENT_RE = re.compile(
+    r"\s*(?:(R|Replicate)(?:\(\))?|(?:S|Shard)\((\d+)\)|(?:SS|_StridedShard)\((\d+)\s*,\s*(?:sf=|split_factor=)?(\d+)\))\s*"
+)
+
+
+def parse_placement(text: str) -> Placement:
+    """``"R"``/``"Replicate()"``, ``"S(1)"``/``"Shard(1)"``, ``"SS(0,2)"``/``"_StridedShard(0, 2)"``."""
+    m = _PLACEMENT_RE.fullmatch(text)
+    if not m:
+        raise UnsupportedFormatError(
+            f"placement '{text}': expected R, S(d), Shard(d), SS(d,sf) or _StridedShard(d, sf)"
+        )
+    if m.group(1):
+        return Replicate()
+    if m.group(2) is not None:
+        return Shard(int(m.group(2)))
+    return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
+
+
+def format_placements(placements: Sequence[Placement]) -> str:
+    out = []
+    for p in placements:
+        sf = _strided_factor(p)
+        if sf is not None:
+            out.append(f"SS({p.dim},{sf})")
+        elif isinstance(p, Shard):
+            out.append(f"S({p.dim})")
+        else:
+            out.append("R")
+    return "(" + ", ".join(out) + ")"
+
+
+class LayoutPlan:
+    """Which placements each FQN gets on a target mesh.
+
+    Presets:
+      * ``replicate``: every tensor whole on every rank.
+      * ``fsdp2``: ``Shard(0)`` on the ``dp_shard`` mesh dim (or the only dim), Replicate elsewhere.
+      * ``fsdp2-tp``: TP on the ``tp`` dim by glob rules ``{glob: "col" | "row"}`` (col ->
+        ``Shard(0)``, row -> ``Shard(1)``, both +1 for 3-D grouped weights; unmatched tensors are
+        replicated over tp), plus FSDP2 on ``dp_shard``: ``_StridedShard(d, tp)`` when TP shards
+        the same dim d = 0, else ``Shard(0)`` (FSDP2's ``_init_sharding_spec_tp``).
+    A file (JSON, or YAML if PyYAML is installed) maps FQN globs to placement lists, first match
+    wins, e.g. ``{"*.q_proj.weight": ["S(0)", "S(0)"], "*": ["S(0)", "R"]}``; tensors of rank < 1
+    (scalars) are always replicated.
+    """
+
+    def __init__(self, mesh: MeshSpec, preset: str = "fsdp2", rules: Optional[Mapping[str, Any]] = None):
+        self.mesh = mesh
+        self.preset = preset
+        self.rules = dict(rules or {})
+        if preset not in ("replicate", "fsdp2", "fsdp2-tp", "file"):
+            raise UnsupportedFormatError(
+                f"plan '{preset}': presets are replicate, fsdp2, fsdp2-tp, or a JSON/YAML file"
+            )
+        if preset == "fsdp2-tp" and "tp" not in mesh.names:
+            raise UnsupportedFormatError(f"plan fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
+        if preset == "file":
+            self.rules = {k: [parse_placement(p) for p in v] for k, v in self.rules.items()}
+            for k, v in self.rules.items():
+                if len(v) != len(mesh.sizes):
+                    raise UnsupportedFormatError(
+                        f"plan rule '{k}': {len(v)} placements for the {len(mesh.sizes)}-D mesh {mesh}"
+                    )
+        elif preset == "fsdp2-tp":
+            for k, v in self.rules.items():
+                if v not in ("col", "row"):
+                    raise UnsupportedFormatError(f"plan rule '{k}={v}': expected col or row")
+
+    @classmethod
+    def from_arg(cls, mesh: MeshSpec, plan: str, rules: Sequence[str] = ()) -> "LayoutPlan":
+        """``plan`` is a preset name or a path to a JSON/YAML file; ``rules`` are ``glob=col|row``."""
+        if plan in ("replicate", "fsdp2", "fsdp2-tp"):
+            parsed = {}
+            for r in rules:
+                if "=" not in r:
+                    raise UnsupportedFormatError(f"rule '{r}': expected GLOB=col or GLOB=row")
+                k, v = r.rsplit("=", 1)
+                parsed[k.strip()] = v.strip()
+            return cls(mesh, plan, parsed)
+        path = Path(plan)
+        if not path.is_file():
+            raise UnsupportedFormatError(
+                f"plan '{plan}' is neither a preset (replicate, fsdp2, fsdp2-tp) nor a file"
+            )
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise UnsupportedFormatError("YAML plans need PyYAML (pip install pyyaml); or use JSON") from None
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+        if not isinstance(data, dict):
+            raise UnsupportedFormatError(f"plan file {path}: expected a mapping of FQN glob -> placements")
+        return cls(mesh, "file", data)
+
+    def placements(self, fqn: str, ndim: int) -> tuple[Placement, ...]:
+        n = len(self.mesh.sizes)
+        if ndim == 0 or self.preset == "replicate":
+            return (Replicate(),) * n
+        if self.preset == "file":
+            for pattern, pl in self.rules.items():
+                if fnmatch.fnmatchcase(fqn, pattern):
+                    return tuple(pl)
+            return (Replicate(),) * n
+        dp = self.mesh.names.index("dp_shard") if "dp_shard" in self.mesh.names else (0 if n == 1 else None)
+        out: list[Placement] = [Replicate()] * n
+        tp_dim = None
+        if self.preset == "fsdp2-tp":
+            t = self.mesh.names.index("tp")
+            for pattern, kind in self.rules.items():
+                if fnmatch.fnmatchcase(fqn, pattern):
+                    d = (0 if kind == "col" else 1) + (1 if ndim == 3 else 0)
+                    if d < ndim:
+                        tp_dim = d
+                        out[t] = Shard(d)
+                    break
+        if dp is not None:
+            tp = self.mesh.sizes[self.mesh.names.index("tp")] if tp_dim == 0 else 1
+            out[dp] = _StridedShard(0, split_factor=tp) if tp > 1 else Shard(0)
+        return tuple(out)
