@@ -1,0 +1,80 @@
+"""The root Typer app, command registration with one error boundary, and ``main``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import traceback
+from typing import Any, Callable, Optional
+
+import typer
+
+from ..errors import CkptqError
+from . import _output
+
+__all__ = ["app", "command", "main", "debug_enabled"]
+
+app = typer.Typer(
+    name="ckptq",
+    help="Inspect, reshard, convert and verify checkpoints of quantized tensors (FP8, MXFP8, NVFP4).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def debug_enabled() -> bool:
+    """True when ``CKPTQ_DEBUG`` is set to a non-empty value other than ``0``."""
+    return os.environ.get("CKPTQ_DEBUG", "") not in ("", "0")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"ckptq {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", help="Print the ckptq version and exit.", callback=_version_callback, is_eager=True
+    ),
+) -> None:
+    """Inspect, reshard, convert and verify checkpoints of quantized tensors (FP8, MXFP8, NVFP4)."""
+
+
+def command(name: Optional[str] = None, **kwargs: Any) -> Callable[[Callable], Callable]:
+    """Register a function as ``ckptq <name>`` behind the CLI's error boundary.
+
+    Inside the command, a :class:`ckptq.CkptqError` or ``OSError`` prints ``Error: <message>`` to
+    stderr and exits 1 (with the traceback when ``CKPTQ_DEBUG=1``); any other exception is a bug
+    and propagates with its traceback. ``typer.Exit`` passes through.
+
+    Args:
+        name: the command name (default: the function name).
+        **kwargs: passed to ``app.command`` (``help``, ``hidden``, ...).
+    """
+
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            try:
+                return fn(*args, **kw)
+            except (CkptqError, OSError) as e:
+                if debug_enabled():
+                    traceback.print_exc(file=sys.stderr)
+                _output.error(str(e) or type(e).__name__)
+                raise typer.Exit(1) from None
+
+        app.command(name, **kwargs)(wrapper)
+        return fn
+
+    return deco
+
+
+def main() -> None:
+    """Console-script entry point (``ckptq = "ckptq.cli:main"``)."""
+    app(prog_name="ckptq")

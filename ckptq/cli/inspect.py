@@ -1,0 +1,78 @@
+"""``ckptq inspect PATH``: what is in a checkpoint (see :func:`ckptq.inspect.inspect_checkpoint`)."""
+
+from __future__ import annotations
+
+import typer
+
+from . import _output as out
+from ._app import command
+from ._options import CheckpointArg, JsonOpt
+
+__all__ = ["inspect"]
+
+_HEADERS = ["FQN", "FORMAT", "MODE", "SHAPE", "DTYPE", "SIZE", "BITS/ELEM", "CHUNKS"]
+_STATS_HEADERS = ["MIN", "MAX", "NAN", "INF", "SCALE_MIN", "SCALE_MAX", "AMAX"]
+
+
+@command("inspect")
+def inspect(
+    path: CheckpointArg,
+    stats: bool = typer.Option(
+        False,
+        "--stats",
+        help="Also read the data (one tensor at a time) and report min/max, NaN/Inf counts of the "
+        "(dequantized) values, decoded scale ranges and NVFP4 amax.",
+    ),
+    json_output: JsonOpt = False,
+) -> None:
+    """Show the tensors of a checkpoint: format, logical shape, stored size, bits per element, chunks."""
+    from ..inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(path, stats=stats, progress=stats and out.progress_enabled())
+    if json_output:
+        out.echo_json(report)
+        return
+    _print_table(report, stats)
+    _print_summary(report["summary"])
+
+
+def _row_cells(row: dict, stats: bool) -> list:
+    shape = "-" if row["shape"] is None else "(" + ", ".join(str(s) for s in row["shape"]) + ")"
+    cells = [
+        row["fqn"],
+        row["format"],
+        row["mode"],
+        shape,
+        row["dtype"] or "-",
+        out.format_bytes(row["bytes"]),
+        out.format_number(row["bits_per_element"], ".3f"),
+        row["chunks"],
+    ]
+    if stats:
+        s = row.get("stats") or {}
+        cells += [out.format_number(s.get(k)) for k in ("min", "max", "nan", "inf", "scale_min", "scale_max", "amax")]
+    return cells
+
+
+def _print_table(report: dict, stats: bool) -> None:
+    headers = _HEADERS + (_STATS_HEADERS if stats else [])
+    out.echo_table([_row_cells(r, stats) for r in report["tensors"]], headers, empty="No entries found.")
+
+
+def _print_summary(s: dict) -> None:
+    ratio = "-" if s["ratio_vs_bf16"] is None else f"{s['ratio_vs_bf16']:.3f}x"
+    world = "-" if s["world_size"] is None else str(s["world_size"])
+    if s["world_size_source"] == "files":
+        world += " (from file names)"
+    lines = [
+        ["tensors", f"{s['tensors']} (+ {s['objects']} non-tensor {'entry' if s['objects'] == 1 else 'entries'}, "
+                    f"{out.format_bytes(s['object_bytes'])})"],
+        ["total size", f"{out.format_bytes(s['total_bytes'])} ({s['total_bytes']} bytes)"],
+        ["vs bf16", f"{ratio} of {out.format_bytes(s['bf16_bytes'])}"],
+        ["formats", ", ".join(f"{k}: {v}" for k, v in s["formats"].items()) or "-"],
+        ["world size", world],
+        ["files", str(s["files"])],
+        ["ckptq", "-" if s["ckptq_version"] is None else f"layout v{s['ckptq_version']}"],
+    ]
+    out.echo()
+    out.echo_table(lines, ["SUMMARY", ""])

@@ -1,0 +1,26 @@
+"""Safe reading of checkpoints: allow-listed unpickling of DCP metadata and a safe DCP reader."""
+
+from __future__ import annotations
+
+from .reader import (
+    METADATA_FILE,
+    SafeFileSystemReader,
+    check_storage,
+    dcp_failure,
+    load_entries,
+    read_metadata,
+)
+from .safe_pickle import ALLOWED_GLOBALS, SafeUnpickler, safe_load, safe_loads
+
+__all__ = [
+    "SafeFileSystemReader",
+    "read_metadata",
+    "check_storage",
+    "load_entries",
+    "dcp_failure",
+    "METADATA_FILE",
+    "SafeUnpickler",
+    "safe_load",
+    "safe_loads",
+    "ALLOWED_GLOBALS",
+]

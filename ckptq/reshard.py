@@ -1,0 +1,404 @@
+"""Offline resharding and format conversion of DCP checkpoints, streaming tensor by tensor.
+
+``reshard(src, dst, mesh, plan)`` lays a checkpoint out for a target mesh: each target rank's chunks
+go into its own storage file (``__{rank}_0.distcp``), so a rank reads one file at load time. It needs
+no process group. Every tensor is planned first (placements, boxes, block alignment, bytes per rank)
+and nothing is written if any native tensor would be cut inside a block (unless told to export those
+tensors in high precision). Then each logical tensor is read once (all its saved chunks), transformed
+if asked (``--mode``, ``--to``, grouped stack/split) and its target chunks are appended to the rank
+files. Peak memory is about one source tensor plus its transformed copy plus one chunk, whatever the
+checkpoint size. Output goes to a temporary sibling directory renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from . import chunks, ops
+from .checkpoint import CheckpointDirWriter, CheckpointView, Entry
+from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
+from .formats import FORMATS, format_class, quantize
+from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
+from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
+from .metrics import sqnr_db
+from .planners._common import component_fqn
+
+__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "HP_DTYPES"]
+
+HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclasses.dataclass
+class TensorJob:
+    """How one output entry is produced and laid out."""
+
+    fqn: str  # output logical name
+    sources: list[Entry]  # one, or the members of a grouped stack
+    member: Optional[int]  # grouped split: index into the source's leading dim
+    out: str  # "quantized", "tensor" or "bytes"
+    out_format: Optional[str]
+    out_recipe: Optional[dict]
+    out_dtype: Optional[torch.dtype]  # stored dtype of a tensor entry / logical dtype of quantized
+    shape: tuple[int, ...]
+    placements: tuple
+    owners: list[tuple[int, chunks.Box]]  # (rank, box), first rank of each distinct box
+    bytes_per_rank: dict[int, int]
+    problem: Optional[str] = None
+    note: Optional[str] = None
+
+
+@dataclasses.dataclass
+class ReshardPlan:
+    """The full plan: jobs, bytes per target rank and alignment problems (nothing read yet)."""
+
+    src: Path
+    mesh: MeshSpec
+    jobs: list[TensorJob]
+
+    @property
+    def problems(self) -> list[str]:
+        return [j.problem for j in self.jobs if j.problem]
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        out: dict[int, int] = {r: 0 for r in range(self.mesh.world_size)}
+        for j in self.jobs:
+            for r, b in j.bytes_per_rank.items():
+                out[r] += b
+        return out
+
+    def summary(self) -> dict:
+        """JSON-friendly description (what ``--dry-run`` prints)."""
+        per_rank = self.bytes_per_rank()
+        return {
+            "source": str(self.src),
+            "mesh": str(self.mesh),
+            "world_size": self.mesh.world_size,
+            "ranks": [
+                {"rank": r, "file": f"__{r}_0.distcp", "bytes": b,
+                 "chunks": sum(1 for j in self.jobs for rr, _ in j.owners if rr == r)}
+                for r, b in per_rank.items()
+            ],
+            "tensors": [
+                {"fqn": j.fqn, "out": j.out, "format": j.out_format or (dtype_to_str(j.out_dtype) if j.out_dtype else "bytes"),
+                 "shape": list(j.shape), "placements": format_placements(j.placements) if j.placements else "",
+                 "problem": j.problem, "note": j.note}
+                for j in self.jobs
+            ],
+            "problems": self.problems,
+        }
+
+
+# --------------------------------------------------------------------------------------- planning
+_MEMBER_RE = re.compile(r"^(?P<stem>.*?)(?P<idx>\d+)$")
+
+
+def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
+    import fnmatch
+
+    found: dict[str, dict[int, Entry]] = {}
+    for e in view.entries():
+        m = _MEMBER_RE.match(e.fqn)
+        if e.kind == "bytes" or not m or not fnmatch.fnmatchcase(m.group("stem"), glob):
+            continue
+        found.setdefault(m.group("stem"), {})[int(m.group("idx"))] = e
+    groups = {}
+    for stem, members in found.items():
+        n = len(members)
+        if sorted(members) != list(range(n)) or n < 2 or stem in view:
+            continue
+        ms = [members[i] for i in range(n)]
+        first = ms[0]
+        for e in ms[1:]:
+            if (e.kind, e.shape, e.dtype) != (first.kind, first.shape, first.dtype) or (
+                (e.descriptor or {}).get("recipe") != (first.descriptor or {}).get("recipe")
+                or e.format != first.format
+            ):
+                raise CheckpointFormatError(
+                    f"grouped stack '{stem}': member '{e.fqn}' ({e.format or e.dtype}, {e.shape}) differs "
+                    f"from '{first.fqn}' ({first.format or first.dtype}, {first.shape}); members must share "
+                    f"shape, format and recipe"
+                )
+        groups[stem] = ms
+    return groups
+
+
+def plan_reshard(
+    view: CheckpointView,
+    mesh: MeshSpec,
+    layout: LayoutPlan,
+    *,
+    mode: Optional[str] = None,
+    hp_dtype: torch.dtype = torch.bfloat16,
+    to: Optional[str] = None,
+    to_recipe: Optional[dict] = None,
+    grouped: Optional[str] = None,
+    grouped_glob: str = "*weight",
+    misaligned: str = "error",
+) -> ReshardPlan:
+    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``layout`` (reads metadata only).
+
+    Args:
+        mode: ``None`` keeps each tensor's mode; ``"native"`` re-encodes high-precision entries of
+            quantized tensors in their recorded format; ``"high_precision"`` dequantizes to ``hp_dtype``.
+        to: convert quantized (and high-precision quantized) tensors to this format
+            (``nvfp4``, ``mxfp8``, ``fp8_block``, ``fp8_tensor``) with ``to_recipe``, or to a plain
+            dtype name (``bfloat16``, ``float16``, ``float32``).
+        grouped: ``"stack"`` turns ``X0..X{N-1}`` (stems matching ``grouped_glob``) into one
+            (N, ...) entry ``X``; ``"split"`` turns 3-D entries matching ``grouped_glob`` into
+            ``X0..X{N-1}``. Per-member scales and amax become / come from the leading batch dim.
+        misaligned: ``"error"`` (default: report and write nothing) or ``"high_precision"``
+            (write those tensors dequantized).
+
+    Raises:
+        UnsupportedFormatError: bad options. CheckpointFormatError: inconsistent grouped members.
+    """
+    if mode not in (None, "native", "high_precision"):
+        raise UnsupportedFormatError(f"mode '{mode}': expected native or high_precision")
+    if misaligned not in ("error", "high_precision"):
+        raise UnsupportedFormatError(f"misaligned='{misaligned}': expected error or high_precision")
+    if grouped not in (None, "stack", "split"):
+        raise UnsupportedFormatError(f"grouped='{grouped}': expected stack or split")
+    if to is not None and to not in FORMATS and to not in HP_DTYPES:
+        raise UnsupportedFormatError(f"--to {to}: expected one of {sorted(FORMATS)} or {sorted(HP_DTYPES)}")
+    if to in FORMATS:
+        format_class(to).Recipe(**(to_recipe or {}))  # validate early
+
+    units: list[tuple[str, list[Entry], Optional[int]]] = []
+    stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
+    in_group = {e.fqn for ms in stacked.values() for e in ms}
+    import fnmatch
+
+    for e in view.entries():
+        if e.fqn in in_group:
+            continue
+        if grouped == "split" and e.kind != "bytes" and len(e.shape) == 3 and fnmatch.fnmatchcase(e.fqn, grouped_glob):
+            units += [(f"{e.fqn}{i}", [e], i) for i in range(e.shape[0])]
+        else:
+            units.append((e.fqn, [e], None))
+    units += [(stem, ms, None) for stem, ms in stacked.items()]
+    units.sort(key=lambda u: u[0])
+
+    jobs = [
+        _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned)
+        for fqn, sources, member in units
+    ]
+    if grouped == "stack" and not stacked:
+        raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
+    return ReshardPlan(view.path, mesh, jobs)
+
+
+def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+    src = sources[0]
+    if src.kind == "bytes":
+        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
+    shape = tuple(src.shape)
+    if len(sources) > 1:
+        shape = (len(sources),) + shape
+    if member is not None:
+        shape = shape[1:]
+    desc = src.descriptor
+    out, fmt, recipe, dtype = "tensor", None, None, src.dtype
+    if src.kind == "quantized":
+        out, fmt, recipe = "quantized", desc["format"], desc.get("recipe", {})
+    elif desc is not None and mode == "native":  # high-precision entry of a quantized tensor
+        out, fmt, recipe, dtype = "quantized", desc["format"], desc.get("recipe", {}), str_to_dtype(desc["dtype"])
+    if to is not None and desc is not None:
+        if to in FORMATS:
+            out, fmt, recipe = "quantized", to, dict(to_recipe or {})
+            dtype = str_to_dtype(desc["dtype"])
+        else:
+            out, fmt, recipe, dtype = "tensor", None, None, HP_DTYPES[to]
+    if out == "quantized" and mode == "high_precision":
+        out, fmt, recipe, dtype = "tensor", None, None, hp_dtype
+    placements = layout.placements(fqn, len(shape))
+    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
+    owners, seen = [], set()
+    for r, b in enumerate(boxes):
+        if b not in seen and math.prod(b[1]) > 0:
+            seen.add(b)
+            owners.append((r, b))
+    job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
+    if out == "quantized":
+        cls = format_class(fmt)
+        specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
+        try:
+            for _, b in owners:
+                chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)
+        except ShardingError as e:
+            if misaligned == "error":
+                job.problem = str(e)
+            else:
+                job.out, job.out_format, job.out_recipe, job.out_dtype = "tensor", None, None, hp_dtype
+                job.note = f"written in high precision ({dtype_to_str(hp_dtype)}): {e}"
+    for r, b in owners:
+        job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b)
+    return job
+
+
+def _box_bytes(job: TensorJob, box: chunks.Box) -> int:
+    if job.out != "quantized" or job.problem:
+        return math.prod(box[1]) * torch.empty((), dtype=job.out_dtype).element_size()
+    cls = format_class(job.out_format)
+    total = 0
+    for spec in cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe)):
+        if spec.follows(len(job.shape) - 1) or spec.follows(len(job.shape) - 2):
+            cbox = chunks.component_box(spec, job.shape, box)
+            total += math.prod(cbox[1]) * torch.empty((), dtype=spec.dtype).element_size()
+    return total
+
+
+# --------------------------------------------------------------------------------------- running
+def _materialize(view: CheckpointView, job: TensorJob) -> tuple[Any, Optional[float]]:
+    """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
+    values against the source's when it had to be re-encoded (else None)."""
+    parts = [view.read(e.fqn) for e in job.sources]
+    if len(parts) > 1:  # grouped stack: per-member components gain a leading batch dim
+        if isinstance(parts[0], QuantizedTensor):
+            q0 = parts[0]
+            comps = {k: torch.stack([p._components[k] for p in parts]) for k in q0._components}
+            src: Any = type(q0)(comps, (len(parts),) + tuple(q0.shape), q0.dtype, q0.recipe)
+        else:
+            src = torch.stack(parts)
+    else:
+        src = parts[0]
+    del parts
+    if job.member is not None:  # grouped split: member i of the leading (batch) dim
+        i = job.member
+        if isinstance(src, QuantizedTensor):
+            sub = slice_box(src, ((i,) + (0,) * (src.ndim - 1), (1,) + tuple(src.shape[1:])))
+            src = type(sub)({k: v[0] for k, v in sub._components.items()}, tuple(src.shape[1:]), src.dtype, src.recipe)
+        else:
+            src = src[i]
+    if job.out == "quantized":
+        cls = format_class(job.out_format)
+        recipe = cls._recipe_from_json(job.out_recipe)
+        if isinstance(src, cls) and src.recipe == recipe:
+            return src, None
+        out = ops.requantize(src, job.out_format, **dataclasses.asdict(recipe))
+        if out.dtype != job.out_dtype:
+            out = type(out)(out._components, out.shape, job.out_dtype, out.recipe)
+        ref = src.dequantize(torch.float32) if isinstance(src, QuantizedTensor) else src.float()
+        return out, sqnr_db(ref, out.dequantize(torch.float32))
+    values = src.dequantize(job.out_dtype) if isinstance(src, QuantizedTensor) else src
+    return (values.to(job.out_dtype) if values.dtype != job.out_dtype else values), None
+
+
+def run_reshard(
+    view: CheckpointView,
+    plan: ReshardPlan,
+    dst: Union[str, os.PathLike],
+    *,
+    overwrite: bool = False,
+    progress: Optional[Callable[[int], None]] = None,
+) -> dict:
+    """Execute ``plan`` into ``dst`` (a new directory; an existing one needs ``overwrite``).
+
+    Writes into a temporary sibling and renames it into place only when complete, so an error
+    leaves ``dst`` as it was; the source is only read.
+
+    Returns:
+        ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db}}``.
+
+    Raises:
+        ShardingError: the plan has alignment problems (nothing is written).
+        CkptqError: ``dst`` exists (without ``overwrite``) or overlaps the source.
+    """
+    dst = Path(dst).absolute()
+    src = view.path.absolute()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
+    if dst.exists() and not overwrite:
+        raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+    if plan.problems:
+        raise ShardingError(
+            f"{len(plan.problems)} tensor(s) cannot be laid out natively on mesh {plan.mesh}:\n  "
+            + "\n  ".join(plan.problems)
+            + "\nNothing was written. Use --misaligned high-precision to export them dequantized."
+        )
+    tmp = dst.parent / f".{dst.name}.ckptq-tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    writer = CheckpointDirWriter(tmp)
+    descriptors: dict[str, dict] = {}
+    mappings: dict[str, tuple] = {}
+    requantized: dict[str, float] = {}
+    try:
+        for job in plan.jobs:
+            _write_job(view, job, writer, descriptors, mappings, requantized)
+            if progress:
+                progress(sum(job.bytes_per_rank.values()))
+        writer.finish(mappings, ckptq_tensors=descriptors, world_size=plan.mesh.world_size,
+                      extra={"mesh": str(plan.mesh)})
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return {
+        "path": str(dst),
+        "world_size": plan.mesh.world_size,
+        "bytes_per_rank": writer.bytes_per_rank,
+        "tensors": len(plan.jobs),
+        "requantized": requantized,
+    }
+
+
+def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, mappings, requantized) -> None:
+    src = job.sources[0]
+    if job.out == "bytes":
+        record, transforms = view.read_raw_bytes(src.fqn)
+        writer.add_bytes(0, job.fqn, record, transforms)
+        if view.mapping(src.fqn):
+            mappings[job.fqn] = view.mapping(src.fqn)
+        return
+    out, sqnr = _materialize(view, job)
+    if sqnr is not None:
+        requantized[job.fqn] = sqnr
+    base = view.mapping(src.fqn) if len(job.sources) == 1 and job.member is None else None
+    if isinstance(out, QuantizedTensor):
+        desc = out.descriptor()
+        desc["mode"] = "native"
+        written: set = set()
+        specs = out.specs
+        for rank, box in job.owners:
+            part = slice_box(out, box, fqn=job.fqn)
+            for spec in specs:
+                key = component_fqn(job.fqn, spec.name)
+                cbox = chunks.component_box(spec, out.shape, box, fqn=job.fqn, fmt=out.FORMAT)
+                if (key, cbox[0]) in written or math.prod(cbox[1]) == 0 and spec.dims:
+                    continue
+                written.add((key, cbox[0]))
+                writer.add_chunk(rank, key, spec.shape(out.shape), cbox[0], part._components[spec.name])
+                desc["components"][spec.name]["fqn"] = key
+                if base is not None:
+                    mappings[key] = (*base[:-1], f"{base[-1]}.{spec.name}")
+        descriptors[job.fqn] = desc
+        return
+    for rank, box in job.owners:
+        part = out
+        for d, (o, n) in enumerate(zip(*box)):
+            part = part.narrow(d, o, n)
+        writer.add_chunk(rank, job.fqn, out.shape, box[0], part)
+    if src.descriptor is not None or job.note:
+        d = dict(src.descriptor) if src.descriptor else {}
+        d.pop("components", None)
+        d.update({"mode": "high_precision", "stored_dtype": dtype_to_str(out.dtype), "shape": list(out.shape)})
+        if "format" in d:
+            descriptors[job.fqn] = d
+    if base is not None:
+        mappings[job.fqn] = base

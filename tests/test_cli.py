@@ -1,0 +1,178 @@
+"""The ``ckptq`` CLI through typer's CliRunner: exit codes, stdout/stderr split, ``--json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import pkgutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+import ckptq
+import ckptq.cli
+from ckptq.cli import app
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to (save|load) in a single process")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 384, generator=g)
+    sd = {
+        "nv": ckptq.quantize(x, "nvfp4"),
+        "mx": ckptq.quantize(x, "mxfp8"),
+        "fb": ckptq.quantize(x, "fp8_block"),
+        "ft": ckptq.quantize(x, "fp8_tensor"),
+        "bias": torch.tensor([0.5, float("inf")]),
+        "step": 7,
+    }
+    path = tmp_path_factory.mktemp("ck")
+    dcp.save(sd, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner(rules={"mx": "high_precision"}))
+    return path, sd
+
+
+def _run(args, env=None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def test_inspect_json(ckpt):
+    path, sd = ckpt
+    r = _run(["inspect", path, "--json"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)  # stdout holds the JSON and nothing else
+    rows = {t["fqn"]: t for t in report["tensors"]}
+    assert (rows["nv"]["format"], rows["nv"]["bytes"]) == ("nvfp4", 49152 + 6144 + 4)
+    assert rows["nv"]["bits_per_element"] == pytest.approx(55300 * 8 / (256 * 384))
+    assert (rows["mx"]["mode"], rows["mx"]["bytes"]) == ("high_precision", 2 * 256 * 384)
+    assert rows["step"]["format"] == "bytes"
+    assert report["summary"]["formats"] == {"bytes": 1, "float32": 1, "fp8_block": 1, "fp8_tensor": 1,
+                                            "mxfp8": 1, "nvfp4": 1}
+    assert "stats" not in rows["nv"]
+
+
+def test_inspect_stats_json_is_strict(ckpt):
+    path, sd = ckpt
+    r = _run(["inspect", path, "--stats", "--json"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+    rows = {t["fqn"]: t for t in report["tensors"]}
+    assert rows["bias"]["stats"] == {"min": 0.5, "max": "inf", "nan": 0, "inf": 1}
+    assert rows["nv"]["stats"]["amax"] == sd["nv"].components()["amax"].item()
+    assert rows["ft"]["stats"]["scale_min"] == sd["ft"].components()["scale_inv"].item()
+
+
+def test_inspect_table(ckpt):
+    path, _ = ckpt
+    r = _run(["inspect", path])
+    assert r.exit_code == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["FQN", "FORMAT", "MODE", "SHAPE", "DTYPE", "SIZE", "BITS/ELEM", "CHUNKS"]
+    nv = next(line for line in lines if line.startswith("nv "))
+    assert nv.split()[:3] == ["nv", "nvfp4", "native"] and "4.500" in nv and "54.00 KiB" in nv
+    assert any(line.startswith("world size") and line.split()[-1] == "1" for line in lines)
+    assert r.stderr == ""
+
+
+def test_inspect_table_with_stats(ckpt):
+    path, _ = ckpt
+    r = _run(["inspect", path, "--stats"])
+    assert r.exit_code == 0, r.stderr
+    header = r.stdout.splitlines()[0].split()
+    assert header[-7:] == ["MIN", "MAX", "NAN", "INF", "SCALE_MIN", "SCALE_MAX", "AMAX"]
+
+
+def test_inspect_missing_path_exits_1(tmp_path):
+    r = _run(["inspect", tmp_path / "nope"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("Error: ") and "nope" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_inspect_not_a_checkpoint_exits_1(tmp_path):
+    r = _run(["inspect", tmp_path, "--json"])
+    assert r.exit_code == 1 and "not a DCP checkpoint" in r.stderr and r.stdout == ""
+
+
+def test_debug_env_prints_traceback(tmp_path):
+    r = _run(["inspect", tmp_path / "nope"], env={"CKPTQ_DEBUG": "1"})
+    assert r.exit_code == 1 and "Traceback" in r.stderr and "Error: " in r.stderr
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch '{self.marker}'",))
+
+
+def test_inspect_refuses_malicious_metadata(tmp_path):
+    ck = tmp_path / "ck"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=ck)
+    marker = tmp_path / "pwned"
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    r = _run(["inspect", ck])
+    assert r.exit_code == 1
+    assert "Error: " in r.stderr and f"{os.system.__module__}.system" in r.stderr
+    assert not marker.exists()
+    # Also when the payload hides inside otherwise valid metadata.
+    ck2 = tmp_path / "ck2"
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=ck2)
+    md = pickle.loads((ck2 / ".metadata").read_bytes())
+    md.planner_data["x"] = _Payload(marker)
+    (ck2 / ".metadata").write_bytes(pickle.dumps(md))
+    r = _run(["inspect", ck2, "--stats", "--json"])
+    assert r.exit_code == 1 and r.stdout == ""
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", ".", "--bogus"], ["nosuchcommand"]])
+def test_usage_errors_exit_2(args):
+    assert _run(args).exit_code == 2
+
+
+def test_doctor(monkeypatch):
+    r = _run(["doctor", "--json"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["torch"] == torch.__version__ and report["ckptq"] == ckptq.__version__
+    assert report["backends"]["reference"]["active"] is True
+    r = _run(["doctor"])
+    assert r.exit_code == 0
+    assert any(line.split()[:2] == ["reference", "yes"] for line in r.stdout.splitlines())
+
+
+def test_doctor_fails_when_forced_backend_is_missing(monkeypatch):
+    import ckptq.ops
+
+    real = ckptq.ops.backend_report()
+    monkeypatch.setattr(ckptq.ops, "backend_report", lambda: {**real, "forced": "cuda"})
+    r = _run(["doctor", "--json"])
+    assert r.exit_code == 1 and "cuda" in r.stderr
+    assert json.loads(r.stdout)["forced"] == "cuda"  # the report is still printed
+
+
+def test_version():
+    r = _run(["--version"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"ckptq {ckptq.__version__}"
+
+
+def test_every_command_module_is_registered():
+    # Adding a command is one file: every public module of ckptq/cli is discovered and registered.
+    modules = {m.name for m in pkgutil.iter_modules(ckptq.cli.__path__) if not m.name.startswith("_")}
+    registered = {c.name for c in app.registered_commands}
+    assert {"inspect", "doctor"} <= modules
+    assert modules <= registered
+
+
+def test_main_entry_point(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["ckptq", "doctor", "--json"])
+    with pytest.raises(SystemExit) as ei:
+        ckptq.cli.main()
+    assert ei.value.code == 0
+    assert json.loads(capsys.readouterr().out)["backends"]
