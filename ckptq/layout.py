@@ -148,6 +148,16 @@ def shard_box(
             raise ShardingError(f"tensor '{fqn}' of shape {tuple(global_shape)}: {p} names dim {d}")
     offsets, sizes = [], []
     for d, n in enumerate(global_shape):
+        if not any(_strided_factor(p) is not None and p.dim == d for p in placements):
+            start, stop = 0, n  # Shard chains stay contiguous: closed form, no index tensors
+            for m, c, p in zip(mesh_sizes, coord, placements):
+                if _shard_dim(p) == d:
+                    size = stop - start
+                    chunk = -(-size // m)
+                    start, stop = min(start + chunk * c, stop), min(start + chunk * (c + 1), stop)
+            offsets.append(start if stop > start else n)
+            sizes.append(stop - start)
+            continue
         idx = owned_indices(n, d, mesh_sizes, coord, placements)
         if idx.numel() == 0:
             offsets.append(n)
