@@ -6,7 +6,7 @@ import dataclasses
 import io
 import logging
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .. import chunks, ops
-from ..errors import CheckpointFormatError, ShardingError
+from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import format_class
 from ..formats.base import QuantizedTensor, slice_box, str_to_dtype, unwrap_quantized
+from ..metrics import sqnr_db
 from ._common import ckptq_planner_data, component_fqn, local_box, local_tensor
 
 __all__ = ["QuantizedLoadPlanner"]
@@ -83,8 +84,19 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     (DCP silently mis-loads ``(Shard(d), _StridedShard(d, sf))``), the saved chunks must cover it,
     and its dtype must be the saved one.
 
+    Grouped weights: ``grouped={"experts.weight": ["experts.weight0", ..., "experts.weight7"]}`` maps
+    a stacked (N, out, in) FQN to its per-GEMM members. A stacked target is filled from saved
+    members and a member target from a saved stack, raw bytes (quantized) or values (plain); each
+    member keeps its own scales and amax (the stack's leading batch dim). Any placement of the
+    target works, e.g. ``Shard(d)`` of a member is ``Shard(d + 1)`` of the stack.
+
     Args:
         allow_partial_load: skip targets missing from the checkpoint instead of raising.
+        grouped: stacked FQN -> member FQNs (see above).
+        requantize_misaligned: instead of raising ShardingError for a quantized target whose shard
+            cuts a block of the global grid, re-encode its shard from the source values as a local
+            tensor (its own blocks; per-tensor amax of the whole tensor) and record the SQNR in
+            :attr:`requantized` (also logged).
         strict_dtype: raise when a plain target's dtype differs from the saved dtype (DCP would
             cast silently); ``False`` allows the cast.
         **kwargs: passed to ``DefaultLoadPlanner``.
@@ -93,10 +105,21 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     """
 
     def __init__(
-        self, *, allow_partial_load: bool = False, strict_dtype: bool = True, **kwargs: Any
+        self,
+        *,
+        allow_partial_load: bool = False,
+        strict_dtype: bool = True,
+        grouped: Optional[Mapping[str, Sequence[str]]] = None,
+        requantize_misaligned: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(allow_partial_load=allow_partial_load, **kwargs)
         self.strict_dtype = strict_dtype
+        self.grouped = {k: list(v) for k, v in (grouped or {}).items()}
+        self._member_of = {m: (k, i) for k, ms in self.grouped.items() for i, m in enumerate(ms)}
+        self.requantize_misaligned = requantize_misaligned
+        #: FQN -> SQNR (dB) of each misaligned target re-encoded locally (``requantize_misaligned``).
+        self.requantized: dict[str, float] = {}
         self._buffers: dict[tuple[str, tuple[int, ...]], _Buffer] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
@@ -111,7 +134,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         for fqn, obj in self.state_dict.items():
             desc = self._descriptors.get(fqn)
             native = desc is not None and desc.get("mode") == "native"
-            if unwrap_quantized(obj) is not None or (native and isinstance(obj, torch.Tensor)):
+            if unwrap_quantized(obj) is not None or (native and isinstance(obj, torch.Tensor)) or (
+                self._is_grouped(fqn) and isinstance(obj, torch.Tensor)
+            ):
                 mine[fqn] = obj
             else:
                 rest[fqn] = obj
@@ -150,11 +175,19 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     f"incomplete (e.g. saved with use_collectives=False) or from another tensor"
                 )
 
+    def _in_checkpoint(self, fqn: str) -> bool:
+        return fqn in self._descriptors or fqn in self.metadata.state_dict_metadata
+
+    def _is_grouped(self, fqn: str) -> bool:
+        return (fqn in self.grouped or fqn in self._member_of) and not self._in_checkpoint(fqn)
+
     def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         desc = self._descriptors.get(fqn)
         target = unwrap_quantized(obj)
         global_shape = tuple(obj.shape)
         box = local_box(obj, fqn)
+        if self._is_grouped(fqn):
+            return self._plan_grouped(fqn, obj, target, global_shape, box)
         if desc is not None and desc.get("mode") == "native":
             src_cls = format_class(desc["format"])
             if tuple(desc["shape"]) != global_shape:
@@ -164,7 +197,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 )
             src_recipe = src_cls._recipe_from_json(desc.get("recipe", {}))
             if target is not None and type(target) is src_cls and target.recipe == src_recipe:
-                return self._plan_raw(fqn, desc, target, global_shape, box)
+                if not (self.requantize_misaligned and not _aligned(target, global_shape, box)):
+                    return self._plan_raw(fqn, desc, target, global_shape, box)
         elif fqn not in self.metadata.state_dict_metadata:
             if self.allow_partial_load:
                 return []
@@ -195,10 +229,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         src_specs = src_cls.component_specs(global_shape, src_recipe) if native else []
         ndim = len(global_shape)
         align = [1] * ndim
+        local_encode = False  # re-encode the shard as a local tensor (misaligned, opted in)
         if target is not None:
             t_specs = target.component_specs(global_shape, target.recipe)
-            chunks.check_aligned(t_specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
-            align = list(chunks.alignment(t_specs, ndim))
+            if self.requantize_misaligned and not _aligned(target, global_shape, box):
+                local_encode = True
+            else:
+                chunks.check_aligned(t_specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
+                align = list(chunks.alignment(t_specs, ndim))
         if native:
             align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim))]
         full = ((0,) * ndim, global_shape)
@@ -239,6 +277,21 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 values = src.dequantize(torch.float32) if native else src
                 dest = local_tensor(obj)
                 dest.copy_(_narrow_box(values, rel))
+            elif local_encode:
+                values = _narrow_box(src.dequantize(torch.float32) if native else src.float(), rel).contiguous()
+                amax = None
+                if target.per_tensor_names():  # region is the whole tensor: its amax is global
+                    whole = src.dequantize(torch.float32) if native else src.float()
+                    amax = whole.abs().amax(dim=(-2, -1))
+                new = ops.requantize(values, target.FORMAT, amax=amax, **dataclasses.asdict(target.recipe))
+                for name, t in target._components.items():
+                    t.copy_(new._components[name])
+                self.requantized[fqn] = sqnr_db(values, new.dequantize(torch.float32))
+                logger.warning(
+                    "ckptq: tensor '%s': shard box %s cuts %s blocks of the global grid; re-encoded "
+                    "as a local tensor (requantize_misaligned=True), SQNR %.2f dB",
+                    fqn, box, target.FORMAT, self.requantized[fqn],
+                )
             else:
                 recipe = dataclasses.asdict(target.recipe)
                 new = ops.requantize(src, target.FORMAT, **recipe)
@@ -257,6 +310,69 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         group = _Group(fqn, len(items), finish)
         for b in buffers.values():
             b.group = group
+        return items
+
+    def _plan_grouped(self, fqn, obj, target, global_shape, box) -> list[ReadItem]:
+        """A stacked target from saved members, or a member target from a saved stack."""
+        if fqn in self.grouped:  # target = stack (N, ...); checkpoint = members
+            members = self.grouped[fqn]
+            if global_shape[0] != len(members):
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': stacked shape {global_shape} but {len(members)} grouped members"
+                )
+            (o0, *o), (s0, *sz) = box
+            pieces = [(members[i], (tuple(o), tuple(sz)), i - o0) for i in range(o0, o0 + s0)]
+            expect = global_shape[1:]
+        else:  # target = member i; checkpoint = stack
+            stacked, i = self._member_of[fqn]
+            pieces = [(stacked, ((i,) + box[0], (1,) + box[1]), None)]
+            expect = None
+
+        def dest_view(t: torch.Tensor, j: Optional[int]) -> torch.Tensor:
+            return t.unsqueeze(0) if j is None else t[j]
+
+        items: list[ReadItem] = []
+        for src_fqn, sbox, j in pieces:
+            desc = self._descriptors.get(src_fqn)
+            if target is not None:
+                cls = type(target)
+                if desc is None or desc.get("mode") != "native" or desc["format"] != cls.FORMAT or \
+                        cls._recipe_from_json(desc.get("recipe", {})) != target.recipe:
+                    raise UnsupportedFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a native {cls.FORMAT} "
+                        f"entry with recipe {target.recipe}; convert it first (ckptq convert / "
+                        f"ckptq reshard --grouped)"
+                    )
+                shape = tuple(desc["shape"])
+                if expect is not None and shape != tuple(expect) or expect is None and shape[1:] != global_shape:
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' has shape {shape}, which does not "
+                        f"match the target {global_shape}"
+                    )
+                specs = cls.component_specs(shape, target.recipe)
+                chunks.check_aligned(specs, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
+                for spec in specs:
+                    cfqn = self._component_key(src_fqn, desc, spec.name)
+                    self._check_component_md(src_fqn, cfqn, spec.shape(shape), spec.dtype)
+                    cbox = chunks.component_box(spec, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
+                    dest = dest_view(target._components[spec.name], j)
+                    items += self._read(cfqn, cbox, _Buffer(cbox[1], spec.dtype, tensor=dest), fqn)
+            else:
+                md = self.metadata.state_dict_metadata.get(src_fqn)
+                local = local_tensor(obj)
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a plain tensor entry of the "
+                        f"checkpoint ({_describe_md(md) if md is not None else 'missing'}); a plain "
+                        f"target reads plain members or stacks"
+                    )
+                if self.strict_dtype and md.properties.dtype != local.dtype:
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is {md.properties.dtype}, the "
+                        f"target {local.dtype}"
+                    )
+                dest = dest_view(local, j)
+                items += self._read(src_fqn, sbox, _Buffer(sbox[1], md.properties.dtype, tensor=dest), fqn)
         return items
 
     def _component_key(self, fqn: str, desc: dict, name: str) -> str:
@@ -314,6 +430,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _aligned(target: QuantizedTensor, global_shape, box) -> bool:
+    try:
+        chunks.check_aligned(target.component_specs(global_shape, target.recipe), global_shape, box)
+    except ShardingError:
+        return False
+    return True
 
 
 def _narrow_box(t: torch.Tensor, box: chunks.Box) -> torch.Tensor:

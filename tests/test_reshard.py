@@ -1,0 +1,220 @@
+"""Offline ``reshard`` / ``convert`` / ``verify`` (library and CLI), no process group."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from typer.testing import CliRunner
+
+import ckptq
+from ckptq.checkpoint import CheckpointView
+from ckptq.cli import app
+from ckptq.formats.base import slice_box
+from ckptq.layout import LayoutPlan, MeshSpec, parse_placement, rank_boxes
+from ckptq.metrics import bit_exact
+from ckptq.reshard import plan_reshard, run_reshard
+from ckptq.verify import verify_checkpoints
+
+runner = CliRunner()
+
+
+def _same(a, b) -> bool:
+    ca, cb = a.components(), b.components()
+    return ca.keys() == cb.keys() and all(bit_exact(ca[k], cb[k]) for k in ca)
+
+
+@pytest.fixture()
+def src(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    sd = {
+        "model": {
+            "layers.0.q_proj.weight": ckptq.quantize(torch.randn(512, 256, generator=g), "nvfp4"),
+            "layers.0.o_proj.weight": ckptq.quantize(torch.randn(256, 512, generator=g), "mxfp8", columnwise=True),
+            "layers.0.mlp.weight": ckptq.quantize(torch.randn(512, 256, generator=g), "fp8_block"),
+            "experts.weight0": ckptq.quantize(torch.randn(256, 128, generator=g), "fp8_tensor"),
+            "experts.weight1": ckptq.quantize(torch.randn(256, 128, generator=g), "fp8_tensor"),
+            "norm.weight": torch.randn(256, generator=g),
+        },
+        "step": 11,
+    }
+    path = tmp_path / "src"
+    dcp.save(sd, checkpoint_id=str(path), planner=ckptq.QuantizedSavePlanner())
+    return path, sd
+
+
+def _files(path):
+    return {p: os.path.getsize(os.path.join(path, p)) for p in os.listdir(path)}
+
+
+def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
+    path, sd = src
+    before = _files(path)
+    mesh = MeshSpec.parse("dp_shard=2,tp=2")
+    layout = LayoutPlan.from_arg(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
+    view = CheckpointView(path)
+    plan = plan_reshard(view, mesh, layout)
+    dst = tmp_path / "dst"
+    run_reshard(view, plan, dst)
+    assert _files(path) == before  # the source is never modified
+    assert sorted(os.listdir(dst)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    out = CheckpointView(dst)
+    assert out.record["world_size"] == 4 and out.record["mesh"] == "dp_shard=2,tp=2"
+    md = out.metadata
+    q = "model.layers.0.q_proj.weight"
+    # each target rank's chunks live in its own file: the FSDP2 x TP strided boxes of the data
+    placements = [parse_placement("SS(0,2)"), parse_placement("S(0)")]
+    boxes = rank_boxes((512, 256), mesh, placements)
+    infos = {tuple(k.offset): v.relative_path for k, v in md.storage_data.items() if k.fqn == f"{q}.data"}
+    for r, (off, size) in enumerate(boxes):
+        assert infos[(off[0], off[1] // 2)] == f"__{r}_0.distcp"
+    # reload on one process: every tensor bit-exact, plain entries too
+    flat = sd["model"]
+    targets = {"model": {k: torch.empty_like(v) for k, v in flat.items()}, "step": 0}
+    dcp.load(targets, checkpoint_id=str(dst), planner=ckptq.QuantizedLoadPlanner())
+    for k, v in flat.items():
+        got = targets["model"][k]
+        assert _same(got, v) if isinstance(v, ckptq.QuantizedTensor) else bit_exact(got, v), k
+    assert targets["step"] == 11
+    report = verify_checkpoints(path, dst)
+    assert report["summary"]["ok"] and report["summary"]["bit_exact"] == report["summary"]["compared"]
+
+
+def test_dry_run_writes_nothing_and_reports_misaligned(src, tmp_path):
+    path, _ = src
+    dst = tmp_path / "dst"
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "3", "--dry-run", "--json"])
+    assert res.exit_code == 1, res.output  # 512 / 3 rows: cuts at 171 split 128-blocks and 16x... blocks
+    plan = json.loads(res.stdout)
+    bad = {t["fqn"] for t in plan["tensors"] if t["problem"]}
+    assert "model.layers.0.mlp.weight" in bad  # fp8_block 128x128, cut at row 171
+    assert "model.layers.0.o_proj.weight" in bad  # mxfp8 columnwise 32-row blocks, cut at row 86
+    assert "model.layers.0.q_proj.weight" not in bad  # nvfp4 1x16 blocks: row cuts are free
+    assert not dst.exists()
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "3"])
+    assert res.exit_code == 1 and "Nothing was written" in res.output and not dst.exists()
+    assert not any(p.name.startswith(".dst") for p in tmp_path.iterdir())  # no temporary left behind
+
+
+def test_misaligned_high_precision_export(src, tmp_path):
+    path, sd = src
+    dst = tmp_path / "dst"
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "3", "--misaligned", "high-precision"])
+    assert res.exit_code == 0, res.output
+    out = CheckpointView(dst)
+    e = out.entry("model.layers.0.mlp.weight")
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "fp8_block"
+    assert bit_exact(out.read("model.layers.0.mlp.weight"), sd["model"]["layers.0.mlp.weight"].dequantize(torch.bfloat16))
+
+
+def test_existing_destination_needs_overwrite(src, tmp_path):
+    path, _ = src
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "2"])
+    assert res.exit_code == 1 and "--overwrite" in res.output
+    assert (dst / "keep.txt").read_text() == "mine"
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "2", "--overwrite"])
+    assert res.exit_code == 0 and not (dst / "keep.txt").exists()
+    res = runner.invoke(app, ["reshard", str(path), str(path / "inner"), "--mesh", "2"])
+    assert res.exit_code == 1 and "overlaps the source" in res.output
+
+
+def test_grouped_stack_and_split_round_trip(src, tmp_path):
+    path, sd = src
+    stacked, split = tmp_path / "stacked", tmp_path / "split"
+    assert runner.invoke(app, ["reshard", str(path), str(stacked), "--grouped", "stack", "--mesh", "2"]).exit_code == 0
+    e = CheckpointView(stacked).entry("model.experts.weight")
+    assert e.kind == "quantized" and e.shape == (2, 256, 128)
+    assert e.descriptor["components"]["scale_inv"]["shape"] == [2]  # one scale per member
+    st = CheckpointView(stacked).read("model.experts.weight")
+    for i in range(2):
+        assert bit_exact(st.components()["data"][i], sd["model"][f"experts.weight{i}"].components()["data"])
+    assert runner.invoke(app, ["reshard", str(stacked), str(split), "--grouped", "split"]).exit_code == 0
+    assert verify_checkpoints(path, split)["summary"]["ok"]
+
+
+def test_convert_and_verify_cli(src, tmp_path):
+    path, sd = src
+    dst = tmp_path / "conv"
+    res = runner.invoke(app, ["convert", str(path), str(dst), "--to", "nvfp4", "--two-d", "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    # SQNR of each re-encoded tensor vs its source values: NVFP4's E2M1 (1 mantissa bit) with 16x16
+    # E4M3 scales gives ~19 dB on Gaussian data (see tests/test_formats.py); 15 dB leaves margin
+    # for the second rounding on top of the source format's.
+    assert set(report["requantized"]) == {"model.layers.0.o_proj.weight", "model.layers.0.mlp.weight",
+                                          "model.experts.weight0", "model.experts.weight1",
+                                          "model.layers.0.q_proj.weight"}
+    assert all(s > 15 for s in report["requantized"].values())
+    conv = CheckpointView(dst).read("model.layers.0.mlp.weight")
+    ref = ckptq.quantize(sd["model"]["layers.0.mlp.weight"].dequantize(), "nvfp4", two_d=True)
+    assert _same(conv, ref)
+    res = runner.invoke(app, ["verify", str(path), str(dst), "--min-sqnr", "15", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["fqn"]: r for r in json.loads(res.stdout)["tensors"]}
+    assert rows["model.norm.weight"]["status"] == "bit_exact"
+    assert rows["model.layers.0.mlp.weight"]["status"] == "ok"
+    res = runner.invoke(app, ["verify", str(path), str(dst), "--min-sqnr", "40"])
+    assert res.exit_code == 1 and "below_threshold" in res.stdout
+
+
+def test_verify_detects_missing_and_changed(src, tmp_path):
+    path, sd = src
+    other = tmp_path / "other"
+    model = dict(sd["model"])
+    model.pop("norm.weight")
+    q = model["layers.0.q_proj.weight"]
+    comps = q.components()
+    data = comps["data"].clone()
+    data[0, 0] ^= 1  # flip one bit of one element
+    model["layers.0.q_proj.weight"] = type(q)({**comps, "data": data}, q.shape, q.dtype, q.recipe)
+    dcp.save({"model": model, "step": 11}, checkpoint_id=str(other), planner=ckptq.QuantizedSavePlanner())
+    report = verify_checkpoints(path, other)
+    status = {r["fqn"]: r["status"] for r in report["tensors"]}
+    assert status["model.norm.weight"] == "missing_in_b"
+    assert status["model.layers.0.q_proj.weight"] == "mismatch"
+    assert status["model.layers.0.mlp.weight"] == "bit_exact"
+    assert not report["summary"]["ok"] and report["summary"]["failed"] == 2
+
+
+def test_convert_to_high_precision_then_native_again(src, tmp_path):
+    path, sd = src
+    hp, back = tmp_path / "hp", tmp_path / "back"
+    assert runner.invoke(app, ["convert", str(path), str(hp), "--to", "bfloat16"]).exit_code == 0
+    e = CheckpointView(hp).entry("model.layers.0.q_proj.weight")
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "nvfp4"
+    assert runner.invoke(app, ["reshard", str(hp), str(back), "--mode", "native"]).exit_code == 0
+    got = CheckpointView(back).read("model.layers.0.q_proj.weight")
+    ref = ckptq.quantize(sd["model"]["layers.0.q_proj.weight"].dequantize(torch.bfloat16), "nvfp4")
+    assert _same(got, ref)
+
+
+def test_plan_file_and_bad_arguments(src, tmp_path):
+    path, _ = src
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"*.q_proj.weight": ["S(1)"], "*": ["R"]}))
+    dst = tmp_path / "dst"
+    res = runner.invoke(app, ["reshard", str(path), str(dst), "--mesh", "tp=4", "--plan", str(plan), "--json"])
+    assert res.exit_code == 0, res.output
+    tensors = {t["fqn"]: t for t in json.loads(res.stdout)["plan"]["tensors"]}
+    assert tensors["model.layers.0.q_proj.weight"]["placements"] == "(S(1))"
+    assert tensors["model.norm.weight"]["placements"] == "(R)"
+    for args in (["--mesh", "dp=two"], ["--plan", "nonsense"], ["--plan", "fsdp2-tp", "--mesh", "4"]):
+        res = runner.invoke(app, ["reshard", str(path), str(tmp_path / "x"), *args])
+        assert res.exit_code == 1 and "Error:" in res.output, args
+    res = runner.invoke(app, ["convert", str(path), str(tmp_path / "x"), "--to", "mxfp8", "--two-d"])
+    assert res.exit_code == 2 and "--two-d" in res.output
+
+
+def test_planning_needs_no_tensor_memory():
+    """2048-rank plan of a large layout from metadata alone (the scale benchmark, tiny here)."""
+    mesh = MeshSpec.parse("dp_shard=256,tp=8")
+    layout = LayoutPlan.from_arg(mesh, "fsdp2-tp", ["*q_proj*=col"])
+    boxes = rank_boxes((16384, 16384), mesh, layout.placements("l.q_proj.weight", 2))
+    assert len(boxes) == 2048 and boxes[1] == ((2048, 0), (8, 16384))  # tp rank 1 of dp rank 0
+    assert sum(s[0] * s[1] for _, s in boxes) == 16384 * 16384
