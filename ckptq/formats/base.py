@@ -233,13 +233,27 @@ class QuantizedTensor(torch.Tensor):
             f"recipe={self.recipe}, {comps})"
         )
 
+    # Traceable-wrapper-subclass protocol: the names __tensor_flatten__ returns must be attributes
+    # (torch reads them with getattr, e.g. transform_subclass). A component "data" would collide
+    # with Tensor.data, so inner tensors are exposed as "_c_<component>".
+    _INNER_PREFIX: ClassVar[str] = "_c_"
+
+    def __getattr__(self, name: str):
+        if name.startswith(QuantizedTensor._INNER_PREFIX):
+            comps = self.__dict__.get("_components")
+            if comps is not None and name[len(QuantizedTensor._INNER_PREFIX):] in comps:
+                return comps[name[len(QuantizedTensor._INNER_PREFIX):]]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def __tensor_flatten__(self):
-        return list(self._components), (self.recipe, tuple(self.shape), self.dtype)
+        names = [self._INNER_PREFIX + k for k in self._components]
+        return names, (self.recipe, tuple(self.shape), self.dtype)
 
     @classmethod
     def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
         recipe, shape, dtype = ctx
-        return cls(inner, shape, dtype, recipe)
+        comps = {k.removeprefix(cls._INNER_PREFIX): v for k, v in inner.items()}
+        return cls(comps, shape, dtype, recipe)
 
     def __reduce_ex__(self, protocol):
         # Pickle as builtins + plain tensors through one module-level factory (torch.save, deepcopy).
@@ -318,7 +332,8 @@ def _to_copy(func, args, kwargs):
     pin = kwargs.get("pin_memory", False)
 
     def move(k, v):
-        out = v.to(**kw) if kw else v.clone()
+        # aten._to_copy always returns new storage (``.to(..., copy=True)``, staging): never alias.
+        out = v.to(**kw, copy=True) if kw else v.clone()
         return out.pin_memory() if pin else out
 
     return self._rebuild(move)
@@ -448,3 +463,12 @@ def check_recipe_value(fmt: str, name: str, value, allowed) -> None:
         raise UnsupportedFormatError(
             f"{fmt}: {name}={value!r} is not supported; choose one of {list(allowed)}."
         )
+
+
+def check_recipe_flag(recipe, fmt: str, name: str) -> None:
+    """A boolean recipe option: True/False (or 1/0), stored as a bool; anything else (``"no"`` is
+    truthy!) raises UnsupportedFormatError instead of silently switching the option on."""
+    value = getattr(recipe, name)
+    if isinstance(value, str) or value not in (False, True):
+        raise UnsupportedFormatError(f"{fmt}: {name}={value!r} must be True or False.")
+    object.__setattr__(recipe, name, bool(value))

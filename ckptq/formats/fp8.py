@@ -8,6 +8,8 @@ Numerics: :mod:`ckptq.formats.numerics` (TE ``compute_scale_from_amax``).
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,7 +18,7 @@ import torch
 from ..chunks import ComponentSpec, DimMap
 from ..errors import UnsupportedFormatError
 from . import numerics
-from .base import QuantizedTensor, check_recipe_value
+from .base import QuantizedTensor, check_recipe_flag, check_recipe_value
 
 __all__ = ["Float8Recipe", "Float8Tensor", "Float8BlockRecipe", "Float8BlockTensor"]
 
@@ -25,6 +27,13 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _identity_dims(ndim: int) -> tuple[DimMap, ...]:
     return tuple(DimMap(d) for d in range(ndim))
+
+
+def _check_eps(recipe, fmt: str) -> None:
+    eps = recipe.eps
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise UnsupportedFormatError(f"{fmt}: eps={eps!r} must be a finite number >= 0 (amax floor).")
+    object.__setattr__(recipe, "eps", float(eps))
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class Float8Recipe:
 
     def __post_init__(self):
         check_recipe_value("fp8_tensor", "fp8_dtype", self.fp8_dtype, _FP8_DTYPES)
+        check_recipe_flag(self, "fp8_tensor", "pow2")
+        _check_eps(self, "fp8_tensor")
 
 
 class Float8Tensor(QuantizedTensor):
@@ -81,10 +92,17 @@ class Float8BlockRecipe:
 
     def __post_init__(self):
         check_recipe_value("fp8_block", "fp8_dtype", self.fp8_dtype, _FP8_DTYPES)
-        block = tuple(int(b) for b in self.block)
-        object.__setattr__(self, "block", block)
+        check_recipe_flag(self, "fp8_block", "pow2")
+        _check_eps(self, "fp8_block")
+        try:
+            block = tuple(int(b) for b in self.block)
+        except (TypeError, ValueError):
+            block = ()
         if len(block) != 2 or min(block) < 1:
-            raise UnsupportedFormatError(f"fp8_block: block={self.block} must be two positive ints")
+            raise UnsupportedFormatError(
+                f"fp8_block: block={self.block!r} must be two positive ints, e.g. (128, 128) or (1, 128)"
+            )
+        object.__setattr__(self, "block", block)
 
 
 class Float8BlockTensor(QuantizedTensor):

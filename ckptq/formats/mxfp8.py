@@ -15,7 +15,7 @@ import torch
 
 from ..chunks import ComponentSpec, DimMap
 from . import numerics
-from .base import QuantizedTensor
+from .base import QuantizedTensor, check_recipe_flag
 
 __all__ = ["MXFP8Recipe", "MXFP8Tensor"]
 
@@ -27,6 +27,9 @@ class MXFP8Recipe:
     """``mxfp8`` options: ``columnwise`` stores the 32x1-block columnwise copy too."""
 
     columnwise: bool = False
+
+    def __post_init__(self):
+        check_recipe_flag(self, "mxfp8", "columnwise")
 
 
 class MXFP8Tensor(QuantizedTensor):

@@ -15,7 +15,7 @@ import torch
 
 from ..chunks import ComponentSpec, DimMap
 from . import numerics
-from .base import QuantizedTensor
+from .base import QuantizedTensor, check_recipe_flag
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor"]
 
@@ -27,6 +27,9 @@ class NVFP4Recipe:
     """``nvfp4`` options: ``two_d`` uses 16x16 blocks (TE's default for weights) instead of 1x16."""
 
     two_d: bool = False
+
+    def __post_init__(self):
+        check_recipe_flag(self, "nvfp4", "two_d")
 
 
 class NVFP4Tensor(QuantizedTensor):
