@@ -70,14 +70,16 @@ class CheckpointView:
 
     Args:
         path: the checkpoint directory.
+        metadata: use this already-read ``Metadata`` (planning from metadata alone; reads of
+            tensor data still go to ``path``).
 
     Raises:
         CheckpointFormatError / UnsafeCheckpointError: from :func:`ckptq.io.read_metadata`.
     """
 
-    def __init__(self, path: PathLike):
+    def __init__(self, path: PathLike, *, metadata: Optional[Metadata] = None):
         self.path = Path(path)
-        self.metadata: Metadata = read_metadata(self.path)
+        self.metadata: Metadata = read_metadata(self.path) if metadata is None else metadata
         self.record = ckptq_planner_data(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._entries = self._build_entries()

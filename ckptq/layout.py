@@ -8,8 +8,8 @@ semantics: ceil-sized chunks, trailing ones short or empty) and ``_StridedShard(
 ``torch/distributed/tensor/placement_types.py``). FSDP2 shards dim 0; TP column-parallel is
 ``Shard(0)``, row-parallel ``Shard(1)``; a grouped (N, out, in) weight shifts those to d + 1.
 
-:func:`owned_indices` computes, per tensor dim, the explicit global indices a mesh coordinate
-holds; :func:`shard_box` turns them into the one contiguous box DCP stores, and raises
+:func:`owned_ranges` computes, per tensor dim, the global index runs a mesh coordinate holds
+(range arithmetic, no tensors: planning 2048 ranks stays cheap); :func:`shard_box` turns them into the one contiguous box DCP stores, and raises
 :class:`ckptq.ShardingError` when they are not contiguous (e.g. ``(Shard(0), _StridedShard(0, 2))``,
 which DCP saves as overlapping chunks and silently loads wrong).
 """
@@ -33,6 +33,7 @@ from .errors import ShardingError, UnsupportedFormatError
 
 __all__ = [
     "MeshSpec",
+    "owned_ranges",
     "owned_indices",
     "shard_box",
     "dtensor_box",
@@ -86,6 +87,7 @@ class MeshSpec:
         return math.prod(self.sizes)
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinate of ``rank`` (row-major, as ``init_device_mesh``)."""
         coord = []
         for size in reversed(self.sizes):
             coord.append(rank % size)
@@ -96,32 +98,60 @@ class MeshSpec:
         return ",".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
 
 
-def _chunk_index(idx: torch.Tensor, n: int, c: int) -> torch.Tensor:
-    """``torch.chunk(idx, n)[c]``, empty when the chunk does not exist (DTensor's rule)."""
-    parts = torch.chunk(idx, n)
-    return parts[c] if c < len(parts) else idx[:0]
+Ranges = list[tuple[int, int]]
 
 
-def owned_indices(
+def _take(ranges: Ranges, start: int, stop: int) -> Ranges:
+    """Positions ``[start, stop)`` of the concatenation of ``ranges`` (half-open index runs)."""
+    out, pos = [], 0
+    for a, b in ranges:
+        s, e = max(start, pos), min(stop, pos + b - a)
+        if s < e:
+            out.append((a + s - pos, a + e - pos))
+        pos += b - a
+        if pos >= stop:
+            break
+    return out
+
+
+def _chunk(ranges: Ranges, n: int, c: int) -> Ranges:
+    """``torch.chunk(indices, n)[c]`` (ceil-sized chunks; empty when chunk ``c`` does not exist)."""
+    length = sum(b - a for a, b in ranges)
+    size = -(-length // n)
+    return _take(ranges, min(c * size, length), min((c + 1) * size, length))
+
+
+def owned_ranges(
     dim_size: int,
     tensor_dim: int,
     mesh_sizes: Sequence[int],
     coord: Sequence[int],
     placements: Sequence[Placement],
-) -> torch.Tensor:
-    """Global indices along ``tensor_dim`` held at mesh coordinate ``coord`` (1-D int64, in the
-    order the local tensor stores them). Placements apply left to right over mesh dims."""
-    idx = torch.arange(dim_size)
+) -> Ranges:
+    """Global indices along ``tensor_dim`` held at mesh coordinate ``coord``, as increasing-order
+    runs ``[(start, stop), ...]`` in local storage order. Placements apply left to right."""
+    ranges: Ranges = [(0, dim_size)] if dim_size else []
     for n, c, p in zip(mesh_sizes, coord, placements):
         if _shard_dim(p) != tensor_dim:
             continue
         sf = _strided_factor(p)
         if sf is None:
-            idx = _chunk_index(idx, n, c)
+            ranges = _chunk(ranges, n, c)
         else:  # right-to-left: the sf pieces made by later mesh dims, each cut n ways
-            parts = list(torch.chunk(idx, sf)) if idx.numel() else []
-            idx = torch.cat([idx[:0]] + [_chunk_index(part, n, c) for part in parts])
-    return idx
+            ranges = [r for piece in range(sf) for r in _chunk(_chunk(ranges, sf, piece), n, c)]
+    merged: Ranges = []
+    for a, b in ranges:
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def owned_indices(dim_size, tensor_dim, mesh_sizes, coord, placements) -> torch.Tensor:
+    """:func:`owned_ranges` as a 1-D int64 tensor of global indices."""
+    runs = owned_ranges(dim_size, tensor_dim, mesh_sizes, coord, placements)
+    return torch.cat([torch.arange(0)] + [torch.arange(a, b) for a, b in runs])
 
 
 def shard_box(
@@ -148,32 +178,22 @@ def shard_box(
             raise ShardingError(f"tensor '{fqn}' of shape {tuple(global_shape)}: {p} names dim {d}")
     offsets, sizes = [], []
     for d, n in enumerate(global_shape):
-        if not any(_strided_factor(p) is not None and p.dim == d for p in placements):
-            start, stop = 0, n  # Shard chains stay contiguous: closed form, no index tensors
-            for m, c, p in zip(mesh_sizes, coord, placements):
-                if _shard_dim(p) == d:
-                    size = stop - start
-                    chunk = -(-size // m)
-                    start, stop = min(start + chunk * c, stop), min(start + chunk * (c + 1), stop)
-            offsets.append(start if stop > start else n)
-            sizes.append(stop - start)
-            continue
-        idx = owned_indices(n, d, mesh_sizes, coord, placements)
-        if idx.numel() == 0:
+        runs = owned_ranges(n, d, mesh_sizes, coord, placements)
+        if not runs:
             offsets.append(n)
             sizes.append(0)
-            continue
-        start = int(idx[0])
-        if not torch.equal(idx, torch.arange(start, start + idx.numel())):
+        elif len(runs) == 1:
+            offsets.append(runs[0][0])
+            sizes.append(runs[0][1] - runs[0][0])
+        else:
+            shown = ", ".join(f"{a}..{b - 1}" for a, b in runs[:4]) + (", ..." if len(runs) > 4 else "")
             raise ShardingError(
                 f"tensor '{fqn}' of shape {tuple(global_shape)}: with placements "
-                f"{format_placements(placements)} mesh coordinate {tuple(coord)} holds rows "
-                f"{idx[:8].tolist()}{'...' if idx.numel() > 8 else ''} of dim {d}, not one contiguous "
-                f"box; DCP would store and load this shard wrongly. Put the strided placement first "
-                f"((_StridedShard(d, sf), Shard(d)), FSDP2's order) or use another layout."
+                f"{format_placements(placements)} mesh coordinate {tuple(coord)} holds indices "
+                f"{shown} of dim {d}, not one contiguous box; DCP would store and load this shard "
+                f"wrongly. Put the strided placement first ((_StridedShard(d, sf), Shard(d)), "
+                f"FSDP2's order) or use another layout."
             )
-        offsets.append(start)
-        sizes.append(idx.numel())
     return tuple(offsets), tuple(sizes)
 
 
@@ -186,11 +206,31 @@ def dtensor_box(obj: Any, *, fqn: Optional[str] = None) -> Box:
 def rank_boxes(
     global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: Optional[str] = None
 ) -> list[Box]:
-    """:func:`shard_box` for every rank of ``mesh`` (rank order)."""
-    return [
-        shard_box(global_shape, mesh.sizes, mesh.coordinate(r), placements, fqn=fqn)
-        for r in range(mesh.world_size)
-    ]
+    """:func:`shard_box` for every rank of ``mesh`` (rank order). Each dim's runs depend only on
+    the coordinates of the mesh dims that shard it, so they are computed once per distinct value."""
+    if mesh.world_size == 1 or not placements:
+        return [shard_box(global_shape, mesh.sizes, mesh.coordinate(r), placements, fqn=fqn)
+                for r in range(mesh.world_size)]
+    shard_box(global_shape, mesh.sizes, mesh.coordinate(0), placements, fqn=fqn)  # validates
+    relevant = [[i for i, p in enumerate(placements) if _shard_dim(p) == d] for d in range(len(global_shape))]
+    cache: list[dict] = [{} for _ in global_shape]
+    out = []
+    for r in range(mesh.world_size):
+        coord = mesh.coordinate(r)
+        offsets, sizes = [], []
+        for d, n in enumerate(global_shape):
+            key = tuple(coord[i] for i in relevant[d])
+            hit = cache[d].get(key)
+            if hit is None:
+                runs = owned_ranges(n, d, mesh.sizes, coord, placements)
+                if len(runs) > 1:  # let shard_box build the error message
+                    shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)
+                hit = (runs[0][0], runs[0][1] - runs[0][0]) if runs else (n, 0)
+                cache[d][key] = hit
+            offsets.append(hit[0])
+            sizes.append(hit[1])
+        out.append((tuple(offsets), tuple(sizes)))
+    return out
 
 
 _PLACEMENT_RE = re.compile(

@@ -13,6 +13,7 @@ checkpoint size. Output goes to a temporary sibling directory renamed into place
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -245,15 +246,51 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
 
 
 def _box_bytes(job: TensorJob, box: chunks.Box) -> int:
+    """Stored bytes of ``box`` of the job's output (quantized: the components that follow the
+    matrix dims; per-tensor scalars are counted once, not per box)."""
     if job.out != "quantized" or job.problem:
-        return math.prod(box[1]) * torch.empty((), dtype=job.out_dtype).element_size()
-    cls = format_class(job.out_format)
+        return math.prod(box[1]) * _itemsize(job.out_dtype)
     total = 0
-    for spec in cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe)):
-        if spec.follows(len(job.shape) - 1) or spec.follows(len(job.shape) - 2):
-            cbox = chunks.component_box(spec, job.shape, box)
-            total += math.prod(cbox[1]) * torch.empty((), dtype=spec.dtype).element_size()
+    for itemsize, dims in _spec_dims(job.out_format, json_key(job.out_recipe), len(job.shape)):
+        if dims:
+            n = itemsize
+            for d, div in dims:
+                n *= _component_extent(box[0][d], box[1][d], div, job.shape[d])
+            total += n
     return total
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def json_key(recipe: Optional[dict]) -> str:
+    import json
+
+    return json.dumps(recipe, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_dims(fmt: str, recipe_json: str, ndim: int) -> tuple:
+    """Per component of a rank-``ndim`` tensor: (itemsize, ((logical dim, divisor), ...)) -- only
+    components that follow a matrix dim; sizes along any shape follow from these."""
+    import json
+
+    cls = format_class(fmt)
+    probe_shape = (1,) * ndim
+    out = []
+    for spec in cls.component_specs(probe_shape, cls._recipe_from_json(json.loads(recipe_json))):
+        if spec.follows(ndim - 1) or spec.follows(ndim - 2):
+            out.append((_itemsize(spec.dtype), tuple((dm.logical_dim, dm.divisor) for dm in spec.dims)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _component_extent(off: int, size: int, div: int, full: int) -> int:
+    if size == 0:
+        return 0
+    return chunks.cdiv(off + size, div) - off // div
 
 
 # --------------------------------------------------------------------------------------- running

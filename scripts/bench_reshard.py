@@ -1,0 +1,357 @@
+"""Benchmark offline resharding against the plain DCP route, and planning at 405B scale.
+
+One command: ``python scripts/bench_reshard.py [--layers 16] [--workdir DIR] [--markdown docs/benchmarks.md]``.
+
+1. A synthetic Llama-style checkpoint (hidden 4096, GQA 32/8 heads, intermediate 14336; attention
+   weights MXFP8, MLP weights NVFP4, stored natively; component bytes are random but valid) saved by
+   4 ranks with FSDP2 ``Shard(0)``.
+2. ``ckptq reshard`` to ``dp_shard=2,tp=2`` (FSDP2 over TP: q/k/v/gate/up column-, o/down
+   row-parallel) -- wall time, throughput (checkpoint bytes / s) and peak RSS of the process --
+   against the route a user has today with plain tools, in the same run: ``dcp_to_torch_save``, then
+   4 ranks each ``torch.load(mmap=True)`` the file and ``dcp.save`` their DTensor shards.
+3. Load time of the target layout (4 gloo ranks, quantized DTensor targets, QuantizedLoadPlanner)
+   from the resharded checkpoint vs from the original with DCP's load-time resharding.
+4. Planning at scale without tensors: DCP metadata of a Llama-3-405B layout (NVFP4 weights) saved by
+   1024 FSDP2 ranks, planned for dp_shard=256,tp=8 (2048 ranks): time and memory.
+
+Every measured step runs in its own process (peak RSS from ``wait4``); timings are the median of
+``--repeat`` runs. Results go to stdout as a markdown table (and into ``--markdown`` if given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+HIDDEN, KV, INTER = 4096, 1024, 14336
+COL = ["*.q_proj.weight", "*.k_proj.weight", "*.v_proj.weight", "*.gate_proj.weight", "*.up_proj.weight"]
+ROW = ["*.o_proj.weight", "*.down_proj.weight"]
+
+
+def _layer_shapes(layers: int):
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.self_attn.q_proj.weight", (HIDDEN, HIDDEN), "mxfp8"
+        yield f"{p}.self_attn.k_proj.weight", (KV, HIDDEN), "mxfp8"
+        yield f"{p}.self_attn.v_proj.weight", (KV, HIDDEN), "mxfp8"
+        yield f"{p}.self_attn.o_proj.weight", (HIDDEN, HIDDEN), "mxfp8"
+        yield f"{p}.mlp.gate_proj.weight", (INTER, HIDDEN), "nvfp4"
+        yield f"{p}.mlp.up_proj.weight", (INTER, HIDDEN), "nvfp4"
+        yield f"{p}.mlp.down_proj.weight", (HIDDEN, INTER), "nvfp4"
+        yield f"{p}.input_layernorm.weight", (HIDDEN,), None
+
+
+def _synthetic_local(shape, fmt, rows: slice, seed: int):
+    """A valid quantized shard with random bytes: rows ``rows`` of a (M, K) tensor."""
+    import torch
+
+    import ckptq
+
+    g = torch.Generator().manual_seed(seed)
+    m = rows.stop - rows.start
+    k = shape[1]
+    if fmt == "mxfp8":
+        data = torch.randint(0, 0x7F, (m, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+        scale = torch.randint(110, 130, (m, k // 32), dtype=torch.uint8, generator=g)
+        return ckptq.MXFP8Tensor({"data": data, "scale": scale}, (m, k), torch.bfloat16, ckptq.formats.MXFP8Recipe())
+    data = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(0x20, 0x7E, (m, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    amax = torch.tensor(3.5)  # one global amax: the shards agree
+    return ckptq.NVFP4Tensor({"data": data, "scale": scale, "amax": amax}, (m, k), torch.bfloat16,
+                             ckptq.formats.NVFP4Recipe())
+
+
+def _save_worker(rank, ws, path, layers):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import ckptq
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {}
+    for j, (fqn, shape, fmt) in enumerate(_layer_shapes(layers)):
+        n = shape[0] // ws
+        rows = slice(rank * n, rank * n + n)
+        local = torch.ones(n, dtype=torch.bfloat16) if fmt is None else _synthetic_local(shape, fmt, rows, 1000 * j + rank)
+        stride = (shape[1], 1) if len(shape) == 2 else (1,)
+        sd[fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
+    dcp.save(sd, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner())
+    return True
+
+
+def _run_measured(cmd: list[str], env=None) -> tuple[float, int]:
+    """Run ``cmd``; return (wall seconds, peak RSS bytes of that process and its children)."""
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: a full pipe would block the child
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env or os.environ.copy(), stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise RuntimeError(f"{cmd} failed:\n{err.read().decode()[-3000:]}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def _dir_bytes(path) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+# ------------------------------------------------------------------ plain route (re-save) worker
+def _resave_worker(rank, ws, pt_path, out, layers):
+    import resource
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    full = torch.load(pt_path, mmap=True, weights_only=True)
+    import fnmatch
+
+    sd = {}
+    for key, t in full.items():
+        if not isinstance(t, torch.Tensor):
+            sd[key] = t
+            continue
+        base = key.rsplit(".", 1)[0] if key.endswith((".data", ".scale", ".amax")) else key
+        if t.ndim == 0:
+            placements = [Replicate(), Replicate()]
+        elif any(fnmatch.fnmatchcase(base, g) for g in COL):
+            placements = [_StridedShard(0, split_factor=2), Shard(0)]
+        elif any(fnmatch.fnmatchcase(base, g) for g in ROW):
+            placements = [Shard(0), Shard(1)]
+        else:
+            placements = [Shard(0), Replicate()]
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        size, off = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        local = t
+        for d, (o, s) in enumerate(zip(off, size)):
+            local = local.narrow(d, o, s)
+        sd[key] = DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+    dcp.save(sd, checkpoint_id=out)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _load_worker(rank, ws, path, layers, repeat):
+    import time as _t
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import ckptq
+    from ckptq.io import SafeFileSystemReader
+    from ckptq.layout import LayoutPlan, MeshSpec, dtensor_box
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    spec = MeshSpec(("dp_shard", "tp"), (2, 2))
+    plan = LayoutPlan(spec, "fsdp2-tp", {**{g: "col" for g in COL}, **{g: "row" for g in ROW}})
+    times = []
+    for _ in range(repeat):
+        sd = {}
+        for fqn, shape, fmt in _layer_shapes(layers):
+            placements = plan.placements(fqn, len(shape))
+            probe = DTensor.from_local(torch.empty(0), mesh, placements, run_check=False, shape=torch.Size(shape),
+                                       stride=(shape[1], 1) if len(shape) == 2 else (1,))
+            (_, size) = dtensor_box(probe, fqn=fqn)
+            if fmt is None:
+                local = torch.empty(size, dtype=torch.bfloat16)
+            else:
+                local = torch.empty_like(_synthetic_local((size[0], size[1]), fmt, slice(0, size[0]), 0))
+            sd[fqn] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                         stride=(shape[1], 1) if len(shape) == 2 else (1,))
+        dist.barrier()
+        t0 = _t.perf_counter()
+        dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
+        dist.barrier()
+        times.append(_t.perf_counter() - t0)
+    return times
+
+
+# ------------------------------------------------------------------ 405B planning at scale
+PLAN_SCRIPT = r"""
+import resource, sys, time, tracemalloc
+sys.path.insert(0, {root!r})
+import torch
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
+from ckptq.checkpoint import CheckpointView
+from ckptq.layout import LayoutPlan, MeshSpec
+from ckptq.reshard import plan_reshard
+import ckptq
+
+H, KV, I, L, V, SAVERS = 16384, 1024, 53248, 126, 128256, 1024
+shapes = {{}}
+for i in range(L):
+    p = f"model.layers.{{i}}"
+    shapes.update({{f"{{p}}.self_attn.q_proj.weight": (H, H), f"{{p}}.self_attn.k_proj.weight": (KV, H),
+                   f"{{p}}.self_attn.v_proj.weight": (KV, H), f"{{p}}.self_attn.o_proj.weight": (H, H),
+                   f"{{p}}.mlp.gate_proj.weight": (I, H), f"{{p}}.mlp.up_proj.weight": (I, H),
+                   f"{{p}}.mlp.down_proj.weight": (H, I)}})
+shapes["model.embed_tokens.weight"] = (V, H)
+shapes["lm_head.weight"] = (V, H)
+params = sum(a * b for a, b in shapes.values())
+rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+probe = ckptq.quantize(torch.zeros(32, 32), "nvfp4")
+md, tensors = {{}}, {{}}
+for fqn, shape in shapes.items():
+    desc = probe.descriptor(shape)
+    desc["mode"] = "native"
+    for spec in probe.component_specs(shape, probe.recipe):
+        key = f"{{fqn}}.{{spec.name}}"
+        desc["components"][spec.name]["fqn"] = key
+        cshape = spec.shape(shape)
+        if spec.dims:  # FSDP2 Shard(0) over SAVERS ranks (torch.chunk boxes)
+            step = -(-cshape[0] // SAVERS)
+            chunks = [ChunkStorageMetadata(torch.Size([min(r * step, cshape[0])] + [0] * (len(cshape) - 1)),
+                                           torch.Size([max(0, min(step, cshape[0] - r * step))] + list(cshape[1:])))
+                      for r in range(SAVERS)]
+        else:
+            chunks = [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
+        md[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(cshape), chunks)
+    tensors[fqn] = desc
+metadata = Metadata(md, planner_data={{"__ckptq__": {{"version": 1, "world_size": SAVERS, "tensors": tensors}}}})
+t_meta = time.perf_counter() - t0
+rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+view = CheckpointView("/nonexistent", metadata=metadata)
+mesh = MeshSpec.parse("dp_shard=256,tp=8")
+layout = LayoutPlan(mesh, "fsdp2-tp", {{"*q_proj*": "col", "*k_proj*": "col", "*v_proj*": "col", "*gate_proj*": "col",
+                                        "*up_proj*": "col", "*o_proj*": "row", "*down_proj*": "row"}})
+t0 = time.perf_counter()
+plan = plan_reshard(view, mesh, layout)
+t_plan = time.perf_counter() - t0
+rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+per_rank = plan.bytes_per_rank()
+print(json.dumps({{"params": params, "tensors": len(shapes), "saved_chunks": sum(len(m.chunks) for m in md.values()),
+                  "target_ranks": mesh.world_size, "boxes": sum(len(j.owners) for j in plan.jobs),
+                  "problems": len(plan.problems), "metadata_build_s": t_meta, "plan_s": t_plan,
+                  "metadata_mib": (rss1 - rss0) / 1024, "plan_mib": (rss2 - rss1) / 1024,
+                  "max_rank_gib": max(per_rank.values()) / 2**30, "total_gib": sum(per_rank.values()) / 2**30}}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16, help="decoder layers (16: about 2.3 GB)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per timing (median)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--markdown", default=None, help="append the results table to this file")
+    ap.add_argument("--skip-scale", action="store_true")
+    args = ap.parse_args()
+    from _dist import run_distributed
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src, dst, pt, resaved = work / "src", work / "dst", work / "full.pt", work / "resaved"
+    for p in (src, dst, resaved):
+        shutil.rmtree(p, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "CKPTQ_DISABLE_PROGRESS_BARS": "1"}
+    t0 = time.perf_counter()
+    run_distributed(4, _save_worker, str(src), args.layers, timeout=3600)
+    size = _dir_bytes(src)
+    print(f"saved {size / 2**30:.2f} GiB with 4 ranks in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+    rules = sum([["--rule", f"{g}=col"] for g in COL] + [["--rule", f"{g}=row"] for g in ROW], [])
+    ck_runs = []
+    for _ in range(args.repeat):
+        shutil.rmtree(dst, ignore_errors=True)
+        ck_runs.append(_run_measured([sys.executable, "-m", "ckptq", "reshard", str(src), str(dst),
+                                      "--mesh", "dp_shard=2,tp=2", "--plan", "fsdp2-tp", *rules], env))
+    ck_wall = statistics.median(w for w, _ in ck_runs)
+    ck_rss = max(r for _, r in ck_runs)
+
+    base_runs = []
+    for _ in range(args.repeat):
+        pt.unlink(missing_ok=True)
+        shutil.rmtree(resaved, ignore_errors=True)
+        w1, r1 = _run_measured([sys.executable, "-c",
+                                "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+                                f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})"], env)
+        t1 = time.perf_counter()
+        rss_ranks = run_distributed(4, _resave_worker, str(pt), str(resaved), args.layers, timeout=3600)
+        base_runs.append((w1, time.perf_counter() - t1, r1, max(rss_ranks), sum(rss_ranks)))
+    b_conv = statistics.median(r[0] for r in base_runs)
+    b_save = statistics.median(r[1] for r in base_runs)
+    b_rss1 = max(r[2] for r in base_runs)
+    b_rss2 = max(r[3] for r in base_runs)
+    b_rss_sum = max(r[4] for r in base_runs)
+
+    load_dst = statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(dst), args.layers, args.repeat, timeout=3600)))
+    load_src = statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(src), args.layers, args.repeat, timeout=3600)))
+
+    scale = None
+    if not args.skip_scale:
+        script = "import json\n" + PLAN_SCRIPT.format(root=str(ROOT))
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        scale = json.loads(out.stdout.strip().splitlines()[-1])
+
+    gb = size / 1e9
+    machine = f"{platform.node()}: {os.cpu_count()} CPU cores, Linux {platform.release()}, Python {platform.python_version()}"
+    import torch
+
+    lines = [
+        f"### Offline reshard ({time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__})",
+        "",
+        f"Synthetic Llama-style checkpoint: {args.layers} layers (hidden 4096, GQA 32/8, intermediate 14336), "
+        f"attention MXFP8 + MLP NVFP4 native, {size / 2**30:.2f} GiB, saved by 4 ranks with FSDP2 Shard(0). "
+        f"Target: dp_shard=2,tp=2 (FSDP2 over TP). Median of {args.repeat} runs.",
+        "",
+        "| route | wall (s) | throughput (GB/s) | peak RSS (GiB) |",
+        "|---|---|---|---|",
+        f"| `ckptq reshard` (one process, streaming) | {ck_wall:.1f} | {gb / ck_wall:.2f} | {ck_rss / 2**30:.2f} |",
+        f"| plain: `dcp_to_torch_save` + 4-rank `torch.load(mmap=True)` + `dcp.save` | {b_conv + b_save:.1f} "
+        f"({b_conv:.1f} + {b_save:.1f}) | {gb / (b_conv + b_save):.2f} | {b_rss1 / 2**30:.2f} convert, "
+        f"{b_rss2 / 2**30:.2f} per re-save rank ({b_rss_sum / 2**30:.2f} for the 4) |",
+        f"| ratio | {(b_conv + b_save) / ck_wall:.2f}x faster | | |",
+        "",
+        "| load on dp_shard=2,tp=2 (4 gloo ranks, QuantizedLoadPlanner) | wall (s) |",
+        "|---|---|",
+        f"| from the resharded checkpoint (each rank reads its own file) | {load_dst:.2f} |",
+        f"| from the original FSDP2 x4 checkpoint (DCP load-time resharding) | {load_src:.2f} |",
+        "",
+    ]
+    if scale:
+        lines += [
+            f"Planning at scale (metadata only, no tensors): Llama-3-405B layout ({scale['params'] / 1e9:.0f}B params, "
+            f"{scale['tensors']} weights as NVFP4 native), saved by 1024 ranks ({scale['saved_chunks']:,} saved chunks), "
+            f"planned for dp_shard=256,tp=8 = {scale['target_ranks']} ranks ({scale['boxes']:,} target boxes, "
+            f"{scale['problems']} alignment problems, largest rank {scale['max_rank_gib']:.3f} GiB of {scale['total_gib']:.1f} GiB): "
+            f"building the metadata {scale['metadata_build_s']:.1f} s / {scale['metadata_mib']:.0f} MiB, "
+            f"planning {scale['plan_s']:.1f} s / {scale['plan_mib']:.0f} MiB.",
+            "",
+        ]
+    text = "\n".join(lines)
+    print(text)
+    print(json.dumps({"ckptq": ck_runs, "baseline": base_runs, "load_dst": load_dst, "load_src": load_src,
+                      "scale": scale, "bytes": size}), file=sys.stderr)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text + "\n")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
