@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert  # noqa: E402
 
 import ckptq  # noqa: E402
+from ckptq.io import SafeFileSystemReader  # noqa: E402
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
 
 #: format name -> quantization recipe (the DESIGN.md defaults, spelled out).
@@ -130,7 +131,7 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
 
     # 3. native load into empty QuantizedTensors of the same format and recipe: bit-exact?
     loaded = fresh_like(state)
-    dcp.load(loaded, checkpoint_id=str(native), planner=ckptq.QuantizedLoadPlanner())
+    dcp.load(loaded, storage_reader=SafeFileSystemReader(native), planner=ckptq.QuantizedLoadPlanner())
     exact, bad = 0, []
     for n in names:
         got, want = loaded[n], q[n]
@@ -158,7 +159,7 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     dcp.save(state, checkpoint_id=str(hp),
              planner=ckptq.QuantizedSavePlanner(mode="high_precision", dtype=torch.bfloat16))
     plain_target = {n: torch.empty(q[n].shape, dtype=torch.bfloat16) for n in names}
-    dcp.load(plain_target, checkpoint_id=str(hp))
+    dcp.load(plain_target, storage_reader=SafeFileSystemReader(hp))  # plain DCP planner
     hp_ok = sum(bit_exact(plain_target[n], q[n].dequantize(torch.bfloat16)) for n in names)
     row["hp_equals_dequant_bf16"] = f"{hp_ok}/{len(names)}"
     if hp_ok != len(names):
