@@ -28,6 +28,7 @@ __all__ = [
     "Box",
     "component_box",
     "check_aligned",
+    "is_aligned",
     "expand_to_aligned",
     "alignment",
     "box_within",
@@ -101,6 +102,15 @@ def alignment(specs: Sequence[ComponentSpec], ndim: int) -> tuple[int, ...]:
 
 def _describe(fqn: str | None) -> str:
     return f"tensor '{fqn}'" if fqn else "quantized tensor"
+
+
+def is_aligned(align: Sequence[int], logical_shape: Sequence[int], box: Box) -> bool:
+    """True when every cut of ``box`` is a multiple of ``align`` (per dim) or the dim's end; empty
+    boxes are aligned. ``align`` comes from :func:`alignment`."""
+    for off, size, a, full in zip(box[0], box[1], align, logical_shape):
+        if size and a > 1 and (off % a or ((off + size) % a and off + size != full)):
+            return False
+    return True
 
 
 def check_aligned(

@@ -17,6 +17,7 @@ which DCP saves as overlapping chunks and silently loads wrong).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import re
@@ -85,6 +86,11 @@ class MeshSpec:
     @property
     def world_size(self) -> int:
         return math.prod(self.sizes)
+
+    @functools.cached_property
+    def coordinates(self) -> list[tuple[int, ...]]:
+        """Mesh coordinate of every rank, in rank order."""
+        return [self.coordinate(r) for r in range(self.world_size)]
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of ``rank`` (row-major, as ``init_device_mesh``)."""
@@ -203,33 +209,52 @@ def dtensor_box(obj: Any, *, fqn: Optional[str] = None) -> Box:
     return shard_box(obj.shape, tuple(mesh.shape), mesh.get_coordinate(), obj.placements, fqn=fqn)
 
 
+def _dim_table(n: int, d: int, mesh_sizes: Sequence[int], placements: Sequence[Placement]) -> dict:
+    """Runs held along tensor dim ``d`` for every combination of coordinates of the mesh dims that
+    shard it (left to right, as :func:`owned_ranges`), built level by level so that each piece is
+    cut once per coordinate prefix: {coords of those mesh dims: runs}."""
+    table: dict[tuple, Ranges] = {(): [(0, n)] if n else []}
+    for m, p in zip(mesh_sizes, placements):
+        if _shard_dim(p) != d:
+            continue
+        sf = _strided_factor(p)
+        nxt = {}
+        for prefix, ranges in table.items():
+            pieces = [ranges] if sf is None else [_chunk(ranges, sf, k) for k in range(sf)]
+            for c in range(m):
+                nxt[prefix + (c,)] = [r for piece in pieces for r in _chunk(piece, m, c)]
+        table = nxt
+    return table
+
+
 def rank_boxes(
     global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: Optional[str] = None
 ) -> list[Box]:
-    """:func:`shard_box` for every rank of ``mesh`` (rank order). Each dim's runs depend only on
-    the coordinates of the mesh dims that shard it, so they are computed once per distinct value."""
-    if mesh.world_size == 1 or not placements:
-        return [shard_box(global_shape, mesh.sizes, mesh.coordinate(r), placements, fqn=fqn)
-                for r in range(mesh.world_size)]
+    """:func:`shard_box` for every rank of ``mesh`` (rank order), from per-dim tables of
+    :func:`_dim_table` (no work repeated across ranks that share coordinates)."""
     shard_box(global_shape, mesh.sizes, mesh.coordinate(0), placements, fqn=fqn)  # validates
     relevant = [[i for i, p in enumerate(placements) if _shard_dim(p) == d] for d in range(len(global_shape))]
-    cache: list[dict] = [{} for _ in global_shape]
+    boxes_per_dim = []
+    for d, n in enumerate(global_shape):
+        table = {}
+        for key, runs in _dim_table(n, d, mesh.sizes, placements).items():
+            merged: Ranges = []
+            for a, b in runs:
+                if merged and merged[-1][1] == a:
+                    merged[-1] = (merged[-1][0], b)
+                else:
+                    merged.append((a, b))
+            if len(merged) > 1:
+                coord = [0] * len(mesh.sizes)
+                for i, c in zip(relevant[d], key):
+                    coord[i] = c
+                shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)  # raises, with details
+            table[key] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
+        boxes_per_dim.append(table)
     out = []
-    for r in range(mesh.world_size):
-        coord = mesh.coordinate(r)
-        offsets, sizes = [], []
-        for d, n in enumerate(global_shape):
-            key = tuple(coord[i] for i in relevant[d])
-            hit = cache[d].get(key)
-            if hit is None:
-                runs = owned_ranges(n, d, mesh.sizes, coord, placements)
-                if len(runs) > 1:  # let shard_box build the error message
-                    shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)
-                hit = (runs[0][0], runs[0][1] - runs[0][0]) if runs else (n, 0)
-                cache[d][key] = hit
-            offsets.append(hit[0])
-            sizes.append(hit[1])
-        out.append((tuple(offsets), tuple(sizes)))
+    for coord in mesh.coordinates:
+        dims = [boxes_per_dim[d][tuple(coord[i] for i in relevant[d])] for d in range(len(global_shape))]
+        out.append((tuple(o for o, _ in dims), tuple(s for _, s in dims)))
     return out
 
 

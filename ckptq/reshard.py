@@ -231,27 +231,30 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
     if out == "quantized":
         cls = format_class(fmt)
         specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
+        align = chunks.alignment(specs, len(shape))
         try:
             for _, b in owners:
-                chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)
+                if not chunks.is_aligned(align, shape, b):
+                    chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)  # raises with details
         except ShardingError as e:
             if misaligned == "error":
                 job.problem = str(e)
             else:
                 job.out, job.out_format, job.out_recipe, job.out_dtype = "tensor", None, None, hp_dtype
                 job.note = f"written in high precision ({dtype_to_str(hp_dtype)}): {e}"
+    key = json_key(job.out_recipe)
     for r, b in owners:
-        job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b)
+        job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b, key)
     return job
 
 
-def _box_bytes(job: TensorJob, box: chunks.Box) -> int:
+def _box_bytes(job: TensorJob, box: chunks.Box, recipe_key: str) -> int:
     """Stored bytes of ``box`` of the job's output (quantized: the components that follow the
     matrix dims; per-tensor scalars are counted once, not per box)."""
     if job.out != "quantized" or job.problem:
         return math.prod(box[1]) * _itemsize(job.out_dtype)
     total = 0
-    for itemsize, dims in _spec_dims(job.out_format, json_key(job.out_recipe), len(job.shape)):
+    for itemsize, dims in _spec_dims(job.out_format, recipe_key, len(job.shape)):
         if dims:
             n = itemsize
             for d, div in dims:
