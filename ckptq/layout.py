@@ -145,6 +145,11 @@ def owned_ranges(
             ranges = _chunk(ranges, n, c)
         else:  # right-to-left: the sf pieces made by later mesh dims, each cut n ways
             ranges = [r for piece in range(sf) for r in _chunk(_chunk(ranges, sf, piece), n, c)]
+    return _merge_runs(ranges)
+
+
+def _merge_runs(ranges: Ranges) -> Ranges:
+    """Join runs that continue each other: [(0, 4), (4, 6)] -> [(0, 6)]."""
     merged: Ranges = []
     for a, b in ranges:
         if merged and merged[-1][1] == a:
@@ -238,12 +243,7 @@ def rank_boxes(
     for d, n in enumerate(global_shape):
         table = {}
         for key, runs in _dim_table(n, d, mesh.sizes, placements).items():
-            merged: Ranges = []
-            for a, b in runs:
-                if merged and merged[-1][1] == a:
-                    merged[-1] = (merged[-1][0], b)
-                else:
-                    merged.append((a, b))
+            merged = _merge_runs(runs)
             if len(merged) > 1:
                 coord = [0] * len(mesh.sizes)
                 for i, c in zip(relevant[d], key):
