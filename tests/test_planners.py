@@ -215,3 +215,12 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path):
     msg = _load_error({"w": torch.empty_like(_qt("fp8_tensor", {})), "obj": None}, str(tmp_path))
     assert "Weights only load failed" in msg or "Unsupported global" in msg
     assert not (tmp_path / "pwned").exists()
+
+
+def test_plain_dtype_mismatch_raises_unless_allowed(tmp_path):
+    dcp.save({"b": torch.arange(4.0)}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    msg = _load_error({"b": torch.zeros(4, dtype=torch.bfloat16)}, str(tmp_path))
+    assert "'b'" in msg and "torch.float32" in msg and "torch.bfloat16" in msg
+    out = {"b": torch.zeros(4, dtype=torch.bfloat16)}
+    dcp.load(out, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner(strict_dtype=False))
+    assert torch.equal(out["b"], torch.arange(4.0, dtype=torch.bfloat16))

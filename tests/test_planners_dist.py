@@ -268,3 +268,80 @@ def test_requantize_misaligned_opt_in_reports_sqnr(tmp_path):
         # (3 mantissa bits) under a new power-of-2 scale, so the error is that of one MXFP8
         # quantization (~31 dB on Gaussian data, tests/test_formats.py); 25 dB bounds it.
         assert set(requantized) == {"w"} and requantized["w"] > 25
+
+
+# ------------------------------------------------------------------ checks DCP does not make
+def _strided_wrong_order_worker(rank, ws, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    import ckptq
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    out = []
+    for name, local in (("plain", torch.zeros(2, 8)), ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(2, 8), "fp8_tensor")))):
+        # (Shard(0), _StridedShard(0, 2)): each rank holds two non-adjacent rows of the 8
+        target = DTensor.from_local(local, mesh, [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
+                                    shape=torch.Size((8, 8)), stride=(8, 1))
+        try:
+            dcp.load({name: target}, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner())
+            out.append("loaded")
+        except CheckpointException as e:
+            out.append("ShardingError" in str(e) and "not one contiguous box" in str(e) and f"'{name}'" in str(e))
+    return out
+
+
+def test_non_contiguous_target_raises_instead_of_silent_corruption(tmp_path):
+    """Plain DCP loads (Shard(0), _StridedShard(0, 2)) targets silently wrong (dcp-internals 3.3)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptq
+
+    x = torch.arange(64.0).reshape(8, 8)
+    dcp.save({"plain": x, "quantized": ckptq.quantize(x, "fp8_tensor")}, checkpoint_id=str(tmp_path),
+             planner=ckptq.QuantizedSavePlanner())
+    for out in run_distributed(4, _strided_wrong_order_worker, str(tmp_path)):
+        assert out == [True, True]
+
+
+def _per_rank_save_worker(rank, ws, root):
+    import torch.distributed.checkpoint as dcp
+
+    import ckptq
+
+    full = torch.arange(64.0).reshape(8, 8)
+    q = ckptq.quantize(full, "fp8_tensor")
+    box = ((4 * rank, 0), (4, 8))
+    sd = {"plain": _wrap_any(full[4 * rank:4 * rank + 4].clone(), 0, ws, (8, 8)),
+          "quantized": _wrap_any(_local(q, box), 0, ws, (8, 8))}
+    dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(), use_collectives=False)
+    return sorted(os.listdir(root))
+
+
+def _per_rank_load_worker(rank, ws, root):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import ckptq
+
+    out = []
+    for name, local in (("plain", torch.zeros(8, 4)),
+                        ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(8, 4), "fp8_tensor")))):
+        try:
+            dcp.load({name: _wrap_any(local, 1, ws, (8, 8))}, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner())
+            out.append("loaded")
+        except CheckpointException as e:
+            out.append("ShardingError" in str(e) and "cover" in str(e) and f"'{name}" in str(e))
+    return out
+
+
+def test_incomplete_coverage_raises(tmp_path):
+    """use_collectives=False writes per-rank metadata that lists only that rank's chunks; loading it
+    into another layout would leave half of each target untouched with plain DCP."""
+    files = run_distributed(2, _per_rank_save_worker, str(tmp_path))[0]
+    assert "__0.metadata" in files and ".metadata" not in files
+    for out in run_distributed(2, _per_rank_load_worker, str(tmp_path)):
+        assert out == [True, True]
