@@ -132,10 +132,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         rest, mine = {}, {}
         for fqn, obj in self.state_dict.items():
-            desc = self._descriptors.get(fqn)
-            native = desc is not None and desc.get("mode") == "native"
-            if unwrap_quantized(obj) is not None or (native and isinstance(obj, torch.Tensor)) or (
-                self._is_grouped(fqn) and isinstance(obj, torch.Tensor)
+            native = self._descriptors.get(fqn, {}).get("mode") == "native"
+            if isinstance(obj, torch.Tensor) and (
+                unwrap_quantized(obj) is not None or native or self._is_grouped(fqn)
             ):
                 mine[fqn] = obj
             else:
