@@ -14,8 +14,8 @@ One command: ``python scripts/bench_reshard.py [--layers 16] [--workdir DIR] [--
 4. Planning at scale without tensors: DCP metadata of a Llama-3-405B layout (NVFP4 weights) saved by
    1024 FSDP2 ranks, planned for dp_shard=256,tp=8 (2048 ranks): time and memory.
 
-Every measured step runs in its own process (peak RSS from ``wait4``); timings are the median of
-``--repeat`` runs. Results go to stdout as a markdown table (and into ``--markdown`` if given).
+Every measured step runs in its own process (peak RSS: ``VmHWM`` of that process at exit); timings
+are the median of ``--repeat`` runs. Results go to stdout as a markdown table (and into ``--markdown`` if given).
 """
 
 from __future__ import annotations
@@ -94,18 +94,42 @@ def _save_worker(rank, ws, path, layers):
     return True
 
 
-def _run_measured(cmd: list[str], env=None) -> tuple[float, int]:
-    """Run ``cmd``; return (wall seconds, peak RSS bytes of that process and its children)."""
-    with tempfile.TemporaryFile() as err:  # a file, not a pipe: a full pipe would block the child
+# Peak RSS is VmHWM of the measured process's own address space, written at its exit: wait4's
+# ru_maxrss would also count the parent's RSS at fork time (exec folds the old mm's high-water mark in).
+_HWM = ("import atexit, runpy, sys\n"
+        "out = sys.argv[1]\n"
+        "def _hwm():\n"
+        "    kib = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        "    open(out, 'w').write(kib)\n"
+        "atexit.register(_hwm)\n"
+        "if sys.argv[2] == '-m':\n"
+        "    sys.argv = sys.argv[3:]\n"
+        "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
+        "else:\n"
+        "    exec(sys.argv[3])\n")
+
+
+def _vm_hwm() -> int:
+    """Peak RSS (bytes) of this process's address space so far."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+
+
+def _run_measured(args: list[str], env=None) -> tuple[float, int]:
+    """Run ``python -m MODULE ...`` (args ``["-m", module, ...]``) or ``python -c CODE`` (args
+    ``["-c", code]``); return (wall seconds, peak RSS bytes of that process)."""
+    with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "err"), "w+") as err:
+        hwm = os.path.join(tmp, "hwm")
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env or os.environ.copy(), stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
+        # stderr to a file, not a pipe: a full pipe would block the child
+        proc = subprocess.run([sys.executable, "-c", _HWM, hwm, *args], env=env or os.environ.copy(),
+                              stdout=subprocess.DEVNULL, stderr=err)
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             err.seek(0)
-            raise RuntimeError(f"{cmd} failed:\n{err.read().decode()[-3000:]}")
-    return wall, usage.ru_maxrss * 1024
+            raise RuntimeError(f"{args[:2]} failed:\n{err.read()[-3000:]}")
+        with open(hwm) as f:
+            return wall, int(f.read()) * 1024
 
 
 def _dir_bytes(path) -> int:
@@ -114,8 +138,6 @@ def _dir_bytes(path) -> int:
 
 # ------------------------------------------------------------------ plain route (re-save) worker
 def _resave_worker(rank, ws, pt_path, out, layers):
-    import resource
-
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,7 +170,7 @@ def _resave_worker(rank, ws, pt_path, out, layers):
             local = local.narrow(d, o, s)
         sd[key] = DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     dcp.save(sd, checkpoint_id=out)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _vm_hwm()
 
 
 def _load_worker(rank, ws, path, layers, repeat):
@@ -277,7 +299,7 @@ def main() -> None:
     ck_runs = []
     for _ in range(args.repeat):
         shutil.rmtree(dst, ignore_errors=True)
-        ck_runs.append(_run_measured([sys.executable, "-m", "ckptq", "reshard", str(src), str(dst),
+        ck_runs.append(_run_measured(["-m", "ckptq", "reshard", str(src), str(dst),
                                       "--mesh", "dp_shard=2,tp=2", "--plan", "fsdp2-tp", *rules], env))
     ck_wall = statistics.median(w for w, _ in ck_runs)
     ck_rss = max(r for _, r in ck_runs)
@@ -286,8 +308,7 @@ def main() -> None:
     for _ in range(args.repeat):
         pt.unlink(missing_ok=True)
         shutil.rmtree(resaved, ignore_errors=True)
-        w1, r1 = _run_measured([sys.executable, "-c",
-                                "import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+        w1, r1 = _run_measured(["-c", "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
                                 f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})"], env)
         t1 = time.perf_counter()
         rss_ranks = run_distributed(4, _resave_worker, str(pt), str(resaved), args.layers, timeout=3600)
