@@ -32,6 +32,7 @@ __all__ = [
     "expand_to_aligned",
     "alignment",
     "box_within",
+    "narrow_box",
     "blocked_view",
     "unblock",
     "cdiv",
@@ -192,6 +193,13 @@ def box_within(inner: Box, outer: Box) -> Box:
     rel = tuple(i - o for i, o in zip(io, oo))
     assert all(r >= 0 and r + s <= os_ for r, s, os_ in zip(rel, isz, osz)), (inner, outer)
     return rel, tuple(isz)
+
+
+def narrow_box(t: torch.Tensor, box: Box) -> torch.Tensor:
+    """The view of ``t`` at ``box`` (offsets relative to ``t``'s origin)."""
+    for d, (o, n) in enumerate(zip(*box)):
+        t = t.narrow(d, o, n)
+    return t
 
 
 def blocked_view(x: torch.Tensor, block: tuple[int, int], pad_value: float = 0.0) -> torch.Tensor:

@@ -420,7 +420,7 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
             for spec in specs:
                 key = component_fqn(job.fqn, spec.name)
                 cbox = chunks.component_box(spec, out.shape, box, fqn=job.fqn, fmt=out.FORMAT)
-                if (key, cbox[0]) in written or math.prod(cbox[1]) == 0 and spec.dims:
+                if (key, cbox[0]) in written or (spec.dims and math.prod(cbox[1]) == 0):
                     continue
                 written.add((key, cbox[0]))
                 writer.add_chunk(rank, key, spec.shape(out.shape), cbox[0], part._components[spec.name])
@@ -430,15 +430,10 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
         descriptors[job.fqn] = desc
         return
     for rank, box in job.owners:
-        part = out
-        for d, (o, n) in enumerate(zip(*box)):
-            part = part.narrow(d, o, n)
-        writer.add_chunk(rank, job.fqn, out.shape, box[0], part)
-    if src.descriptor is not None or job.note:
-        d = dict(src.descriptor) if src.descriptor else {}
-        d.pop("components", None)
+        writer.add_chunk(rank, job.fqn, out.shape, box[0], chunks.narrow_box(out, box))
+    if src.descriptor is not None:  # a high-precision entry of a quantized tensor keeps its record
+        d = {k: v for k, v in src.descriptor.items() if k != "components"}
         d.update({"mode": "high_precision", "stored_dtype": dtype_to_str(out.dtype), "shape": list(out.shape)})
-        if "format" in d:
-            descriptors[job.fqn] = d
+        descriptors[job.fqn] = d
     if base is not None:
         mappings[job.fqn] = base

@@ -442,11 +442,8 @@ def slice_box(qt: QuantizedTensor, box: chunks.Box, *, fqn: Optional[str] = None
     chunks.check_aligned(specs, qt.shape, box, fqn=fqn, fmt=qt.FORMAT)
     comps = {}
     for s in specs:
-        c_off, c_size = chunks.component_box(s, qt.shape, box, fqn=fqn, fmt=qt.FORMAT)
-        v = qt._components[s.name]
-        for d, (o, n) in enumerate(zip(c_off, c_size)):
-            v = v.narrow(d, o, n)
-        comps[s.name] = v
+        cbox = chunks.component_box(s, qt.shape, box, fqn=fqn, fmt=qt.FORMAT)
+        comps[s.name] = chunks.narrow_box(qt._components[s.name], cbox)
     return type(qt)(comps, box[1], qt.dtype, qt.recipe)
 
 

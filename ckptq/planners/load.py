@@ -275,9 +275,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             if target is None:
                 values = src.dequantize(torch.float32) if native else src
                 dest = local_tensor(obj)
-                dest.copy_(_narrow_box(values, rel))
+                dest.copy_(chunks.narrow_box(values, rel))
             elif local_encode:
-                values = _narrow_box(src.dequantize(torch.float32) if native else src.float(), rel).contiguous()
+                values = chunks.narrow_box(src.dequantize(torch.float32) if native else src.float(), rel).contiguous()
                 amax = None
                 if target.per_tensor_names():  # region is the whole tensor: its amax is global
                     whole = src.dequantize(torch.float32) if native else src.float()
@@ -437,12 +437,6 @@ def _aligned(target: QuantizedTensor, global_shape, box) -> bool:
     except ShardingError:
         return False
     return True
-
-
-def _narrow_box(t: torch.Tensor, box: chunks.Box) -> torch.Tensor:
-    for d, (o, n) in enumerate(zip(*box)):
-        t = t.narrow(d, o, n)
-    return t
 
 
 def _describe_md(md: Any) -> str:
