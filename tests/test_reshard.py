@@ -246,14 +246,16 @@ def _peak_rss_of_reshard(src, dst, report) -> int:
 
 
 def test_reshard_memory_does_not_grow_with_checkpoint_size(tmp_path):
-    """Streaming: 8 vs 24 tensors of 16 MiB each. Holding the checkpoint would add >= 256 MiB; the
-    stated bound is the process baseline plus about 3x the largest tensor (assembled tensor, one
-    saved chunk being read, one target chunk being serialized), independent of the count."""
+    """Streaming: 6 vs 30 tensors of 16 MiB each. The stated bound is the process baseline plus
+    about 3x the largest tensor (assembled tensor, one saved chunk being read, one target chunk
+    being serialized), independent of the count. Holding the tensors would add 24 x 16 = 384 MiB;
+    allocator noise between runs was measured up to 4 tensors (64 MiB); the threshold, 8 tensors
+    (128 MiB), sits between the two."""
     tensor_bytes = 16 * 2**20
     peaks = []
-    for n in (8, 24):
+    for n in (6, 30):
         path = tmp_path / f"src{n}"
         dcp.save({f"w{i}": torch.full((2048, 8192), i, dtype=torch.uint8) for i in range(n)}, checkpoint_id=str(path))
         peaks.append(_peak_rss_of_reshard(path, tmp_path / f"dst{n}", tmp_path / f"hwm{n}"))
     assert peaks[0] > 100 * 2**20  # it measured the ckptq process (torch alone is more than this)
-    assert peaks[1] - peaks[0] < 4 * tensor_bytes, [p / 2**20 for p in peaks]
+    assert peaks[1] - peaks[0] < 8 * tensor_bytes, [p / 2**20 for p in peaks]
