@@ -8,6 +8,12 @@ DESIGN.md section 2, which follows TransformerEngine's kernels:
 * ``common/cast/nvfp4/core_nvfp4.cuh`` and ``dequantize_nvfp4.cuh`` (NVFP4 two-level scales).
 
 "min(a, FLT_MAX)" below is C's ``fminf``: a NaN operand yields the other operand (``torch.fmin``).
+NaN: every NaN the spec writes is canonical -- fp32 0x7FC00000 (amaxes, dequantized values), FP8
+0x7F, E2M1 0x7, E8M0 255 -- so that the bytes do not depend on which NaN torch's kernels propagate
+(its CPU fp16->fp32 conversion gives different NaN bits in the vectorized body and the tail; CPU
+reductions give 0x7FC00000 or 0xFFFFFFFF by layout; a product of two NaNs carries the one the
+compiler's operand order picks); a bf16/fp16 output NaN is what torch's conversion of 0x7FC00000
+gives on the device.
 Shapes: the last two dims of every input are the matrix (M, K) with K the reduction dim; leading dims
 are batch dims (experts, grouped GEMMs) with their own scales, so per-tensor values have the batch
 shape (``()`` for a 2-D tensor).
@@ -59,18 +65,31 @@ E2M1_VALUES = torch.tensor(
 _POW2_MASK = -8388608  # 0xFF800000 as int32: keep sign and exponent, clear the mantissa
 
 
+def _canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """Every NaN of the fp32 ``x`` becomes the canonical quiet NaN (0x7FC00000)."""
+    return torch.where(torch.isnan(x), torch.full((), float("nan"), dtype=_F32, device=x.device), x)
+
+
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == _F32 else x.to(_F32)
+
+
+def _amax(x: torch.Tensor, dim) -> torch.Tensor:
+    """``x.abs().amax(dim)``, fp32; NaN propagates as the canonical NaN (torch's CPU reductions
+    return 0x7FC00000 or 0xFFFFFFFF depending on the memory layout, and NVFP4 stores the amax)."""
+    return _canonical_nan(x.abs().amax(dim=dim))
 
 
 def cast_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """fp32 -> FP8 with round-to-nearest-even and saturation to +-max finite (E4M3 448, E5M2 57344).
 
-    NaN stays NaN, the sign of zero is kept, subnormals round correctly. The explicit clamp makes
-    inf saturate on every torch version (``cvt.rn.satfinite`` semantics).
+    NaN stays NaN: every NaN becomes the canonical 0x7F, as TE's ``cvt.rn.satfinite`` writes it
+    (which NaN a product of two NaNs carries, and so its sign, depends on the compiler's operand
+    order). The sign of zero is kept, subnormals round correctly. The explicit clamp makes inf
+    saturate on every torch version.
     """
     m = FP8_MAX[fp8_dtype]
-    return _f32(x).clamp(-m, m).to(fp8_dtype)
+    return _canonical_nan(_f32(x)).clamp(-m, m).to(fp8_dtype)
 
 
 def fp8_scale_from_amax(
@@ -170,8 +189,8 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _matrix_amax(x: torch.Tensor) -> torch.Tensor:
-    """amax over the last two dims (NaN propagates): batch shape, fp32."""
-    return _f32(x).abs().amax(dim=(-2, -1))
+    """amax over the last two dims (NaN propagates as the canonical NaN): batch shape, fp32."""
+    return _amax(_f32(x), (-2, -1))
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -194,10 +213,10 @@ def quantize_fp8_tensor(
     x = _f32(x)
     batch = x.shape[:-2]
     if scale is None:
-        a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax)).expand(batch).clone()
+        a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax, device=x.device)).expand(batch).clone()
         scale = fp8_scale_from_amax(a, FP8_MAX[fp8_dtype], pow2=pow2, eps=eps)
     else:
-        scale = _f32(torch.as_tensor(scale)).expand(batch).clone()
+        scale = _f32(torch.as_tensor(scale, device=x.device)).expand(batch).clone()
     data = cast_fp8(x * scale[..., None, None], fp8_dtype)
     return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
@@ -205,8 +224,8 @@ def quantize_fp8_tensor(
 def dequantize_fp8_tensor(
     data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = _F32
 ) -> torch.Tensor:
-    """``x = float(data) * scale_inv`` in fp32, then cast to ``dtype``."""
-    return (data.to(_F32) * scale_inv[..., None, None]).to(dtype)
+    """``x = float(data) * scale_inv`` in fp32 (NaN canonical), then cast to ``dtype``."""
+    return _canonical_nan(data.to(_F32) * scale_inv[..., None, None]).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -226,7 +245,7 @@ def quantize_fp8_block(
     :func:`fp8_scale_from_amax` with ``pow2`` (default on, as TE's ``Float8BlockScaling``).
     """
     xb = blocked_view(_f32(x), block)
-    amax = xb.abs().amax(dim=(-3, -1))
+    amax = _amax(xb, (-3, -1))
     scale = fp8_scale_from_amax(amax, FP8_MAX[fp8_dtype], pow2=pow2, eps=eps)
     data = cast_fp8(xb * scale[..., :, None, :, None], fp8_dtype)
     return {"data": unblock(data, x.shape), "scale_inv": torch.reciprocal(scale)}
@@ -235,9 +254,9 @@ def quantize_fp8_block(
 def dequantize_fp8_block(
     data: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = _F32
 ) -> torch.Tensor:
-    """``x = float(data) * scale_inv[block]`` in fp32, then cast to ``dtype``."""
+    """``x = float(data) * scale_inv[block]`` in fp32 (NaN canonical), then cast to ``dtype``."""
     xb = blocked_view(data.to(_F32), block)
-    return unblock(xb * scale_inv[..., :, None, :, None], data.shape).to(dtype)
+    return _canonical_nan(unblock(xb * scale_inv[..., :, None, :, None], data.shape)).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -245,7 +264,7 @@ def dequantize_fp8_block(
 # --------------------------------------------------------------------------------------------- #
 def _mx_quantize_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     xb = blocked_view(x, block)
-    amax = xb.abs().amax(dim=(-3, -1))
+    amax = _amax(xb, (-3, -1))
     e = e8m0_from_fp32(amax * INV_448)  # v = amax_block * (1/448): a multiply by the fp32 constant
     mult = pow2_from_e8m0_rcp(e)  # exact 2^(127 - e)
     data = cast_fp8(xb * mult[..., :, None, :, None], torch.float8_e4m3fn)
@@ -270,9 +289,9 @@ def quantize_mxfp8(x: torch.Tensor, *, columnwise: bool = False) -> dict[str, to
 def dequantize_mxfp8(
     data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = _F32, *, block: tuple[int, int] = (1, 32)
 ) -> torch.Tensor:
-    """``x = float(data) * 2^(scale - 127)``; byte 0 means 2^-127, byte 255 NaN."""
+    """``x = float(data) * 2^(scale - 127)`` (NaN canonical); byte 0 means 2^-127, byte 255 NaN."""
     xb = blocked_view(data.to(_F32), block)
-    return unblock(xb * e8m0_to_fp32(scale)[..., :, None, :, None], data.shape).to(dtype)
+    return _canonical_nan(unblock(xb * e8m0_to_fp32(scale)[..., :, None, :, None], data.shape)).to(dtype)
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -302,12 +321,12 @@ def quantize_nvfp4(
     """
     x = _f32(x)
     batch = x.shape[:-2]
-    a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax)).expand(batch).clone()
+    a = _matrix_amax(x) if amax is None else _f32(torch.as_tensor(amax, device=x.device)).expand(batch).clone()
     s_enc = nvfp4_global_encode_scale(a)
     s_dec = torch.reciprocal(s_enc)
     block = (16, 16) if two_d else (1, 16)
     xb = blocked_view(x, block)
-    amax_b = xb.abs().amax(dim=(-3, -1))
+    amax_b = _amax(xb, (-3, -1))
     s = cast_fp8(amax_b * (s_enc * INV_6)[..., None, None], torch.float8_e4m3fn)
     enc = torch.fmin(
         torch.reciprocal(s.to(_F32) * s_dec[..., None, None]), torch.tensor(FLT_MAX, dtype=_F32)
@@ -326,9 +345,9 @@ def dequantize_nvfp4(
     two_d: bool = False,
 ) -> torch.Tensor:
     """``x = e2m1(code) * ((float(s) * amax) * (1/2688))`` (TE dequantize kernel order; uses amax,
-    not S_dec), fp32 then cast to ``dtype``."""
+    not S_dec), fp32 (NaN canonical) then cast to ``dtype``."""
     codes = unpack_fp4(data)
     block = (16, 16) if two_d else (1, 16)
     mult = (scale.to(_F32) * _f32(amax)[..., None, None]) * INV_2688
     xb = blocked_view(e2m1_decode(codes), block)
-    return unblock(xb * mult[..., :, None, :, None], codes.shape).to(dtype)
+    return _canonical_nan(unblock(xb * mult[..., :, None, :, None], codes.shape)).to(dtype)

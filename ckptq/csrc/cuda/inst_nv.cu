@@ -1,0 +1,3 @@
+// Explicit instantiations of the requantize kernels for the nvfp4 target.
+#include "kernels.cuh"
+CKPTQ_INSTANTIATE_DST(ckptq::cudak::D_NV)
