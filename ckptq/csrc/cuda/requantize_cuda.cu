@@ -202,9 +202,9 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   if (p.columnwise) vec = vec && aligned(k.d_cw_data, 16);
   k.vec = vec;
 
-  // Per-matrix amax / scale of the per-tensor targets.
+  // Per-matrix amax / scale of the per-tensor targets. ``buf`` must outlive the main launch.
+  at::Tensor buf;
   if (per_tensor) {
-    at::Tensor buf;
     if (p.needs_tensor_amax()) {
       buf = p.df == Fmt::NVFP4 ? p.outs[2] : at::empty({p.B}, p.outs[0].options().dtype(at::kFloat));
       buf.zero_();
@@ -223,17 +223,6 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
     }
     if (p.scale_in.defined()) k.t_scale = p.scale_in.data_ptr<float>();
     if (p.df == Fmt::FP8_TENSOR) k.t_scale_inv = p.outs[1].data_ptr<float>();
-    const int64_t grid = grid_of(k);
-    switch (S) {
-      case S_F32: launch_for_dst<S_F32>(D, k, grid, st); break;
-      case S_BF16: launch_for_dst<S_BF16>(D, k, grid, st); break;
-      case S_F16: launch_for_dst<S_F16>(D, k, grid, st); break;
-      case S_FP8: launch_for_dst<S_FP8>(D, k, grid, st); break;
-      case S_MX: launch_for_dst<S_MX>(D, k, grid, st); break;
-      case S_NV: launch_for_dst<S_NV>(D, k, grid, st); break;
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return p.outs;
   }
   const int64_t grid = grid_of(k);
   switch (S) {
