@@ -11,6 +11,7 @@ from .errors import (
     ShardingError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
+    UsageError,
 )
 from .formats import (
     Float8BlockTensor,
@@ -20,8 +21,8 @@ from .formats import (
     QuantizedTensor,
     from_components,
     quantize,
+    requantize,
 )
-from .ops import requantize
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,8 @@ __all__ = [
     "NVFP4Tensor",
     "QuantizedSavePlanner",
     "QuantizedLoadPlanner",
+    "reshard_checkpoint",
+    "convert_checkpoint",
     "CkptqError",
     "CheckpointFormatError",
     "ShardingError",
@@ -43,12 +46,21 @@ __all__ = [
     "UnsupportedFormatError",
     "QuantizationError",
     "UnsafeCheckpointError",
+    "UsageError",
 ]
 
 
-def __getattr__(name):  # planners import torch.distributed.checkpoint lazily
+def __getattr__(name):  # planners and reshard import torch.distributed.checkpoint lazily
     if name in ("QuantizedSavePlanner", "QuantizedLoadPlanner"):
         from . import planners
 
         return getattr(planners, name)
+    if name in ("reshard_checkpoint", "convert_checkpoint"):
+        from . import reshard
+
+        return getattr(reshard, name)
+    if name == "io":  # ckptq.io.SafeFileSystemReader after a plain `import ckptq`
+        import importlib
+
+        return importlib.import_module(".io", __name__)
     raise AttributeError(f"module 'ckptq' has no attribute {name!r}")

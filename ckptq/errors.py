@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedFormatError",
     "QuantizationError",
     "UnsafeCheckpointError",
+    "UsageError",
 ]
 
 
@@ -45,3 +46,8 @@ class QuantizationError(CkptqError, ValueError):
 
 class UnsafeCheckpointError(CheckpointFormatError):
     """A pickle in a checkpoint references a global outside the allow-list; nothing from it was run."""
+
+
+class UsageError(CkptqError, ValueError):
+    """Bad user-supplied option text (a mesh, placement, plan, ``--to`` target, dtype or choice
+    that does not parse); the CLI exits 2, as for its own usage errors."""

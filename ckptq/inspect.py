@@ -8,15 +8,15 @@ code from the checkpoint (metadata through :mod:`ckptq.io.safe_pickle`, tensors 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .errors import CheckpointFormatError
+from . import adapters
+from .contract import Entry, fold_entries, has_record, read_record, saved_world_size
 from .formats.base import dtype_to_str
 from .io import SafeFileSystemReader, read_metadata
 from .io.reader import load_entries
@@ -53,7 +53,11 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
           ``bytes * 8 / numel`` (None for bytes entries and empty tensors);
         - ``chunks``: number of saved chunks of the entry (of the ``data`` component for native
           tensors); ``recipe`` (ckptq tensors) and ``components`` (native: name ->
-          ``{"fqn", "dtype", "shape", "bytes", "chunks"}``), else None.
+          ``{"fqn", "dtype", "shape", "bytes", "chunks"}``), else None;
+        - ``producer``: who made a quantized tensor when not ckptq (``"transformer_engine
+          MXFP8Tensor"``, from the descriptor), or what a known auxiliary entry of another library
+          is (TE's ``._extra_state``), else None; ``note``: why a foreign tensor is stored or read
+          in high precision (e.g. shards off the global block grid), else None.
         - with ``stats``: ``stats`` = ``{"min", "max", "nan", "inf"}`` of the values (dequantized
           in fp32 for native tensors; min/max ignore NaN and are None when there is no non-NaN value
           or the dtype has no order), plus for native tensors ``scale_min`` / ``scale_max`` (the
@@ -75,42 +79,15 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
         UnsafeCheckpointError: the metadata would run code or points outside the directory.
         UnsupportedFormatError: a ckptq record names a format this ckptq does not know (``stats``).
     """
-    from .planners._common import ckptq_planner_data
-
     root = Path(path)
     metadata = read_metadata(root)
     if root.is_file():
         root = root.parent
-    sdm = metadata.state_dict_metadata
-    record = ckptq_planner_data(metadata.planner_data)
-    has_record = isinstance(metadata.planner_data, Mapping) and "__ckptq__" in metadata.planner_data
-    descriptors: Mapping[str, Mapping] = record.get("tensors", {})
-
-    owner: dict[str, str] = {}  # component entry -> logical fqn
-    for fqn, desc in descriptors.items():
-        _check_descriptor(root, fqn, desc, sdm)
-        if desc.get("mode") == NATIVE:
-            for comp in desc["components"].values():
-                owner[comp["fqn"]] = fqn
-
-    rows: list[dict] = []
-    seen: set[str] = set()
-    for key, entry in sdm.items():
-        fqn = owner.get(key, key)
-        if fqn in seen:
-            continue
-        seen.add(fqn)
-        if fqn in descriptors:
-            rows.append(_quantized_row(fqn, descriptors[fqn], sdm))
-        elif isinstance(entry, TensorStorageMetadata):
-            rows.append(_plain_row(fqn, entry))
-        else:
-            rows.append(_bytes_row(fqn, metadata))
-
+    entries = fold_entries(metadata, where=str(root))
+    rows = [_row_of(e, metadata) for e in entries.values()]
     if stats:
-        _add_stats(root, metadata, rows, descriptors, progress)
-
-    return {"path": str(root), "tensors": rows, "summary": _summary(metadata, rows, record, has_record)}
+        _add_stats(root, metadata, rows, entries, progress)
+    return {"path": str(root), "tensors": rows, "summary": _summary(metadata, rows)}
 
 
 # ---------------------------------------------------------------------------------------- rows
@@ -140,82 +117,50 @@ def _row(fqn, fmt, mode, shape, dtype, stored_dtype, nbytes, chunks, recipe=None
     }
 
 
-def _plain_row(fqn: str, entry: TensorStorageMetadata) -> dict:
-    name = dtype_to_str(entry.properties.dtype)
-    return _row(fqn, name, PLAIN, list(entry.size), name, name, _entry_bytes(entry), len(entry.chunks))
+def _row_of(e: Entry, metadata: Metadata) -> dict:
+    row = _stored_row(e, metadata)
+    desc = e.descriptor or {}
+    producer = desc.get("producer")
+    if isinstance(producer, Mapping):
+        row["producer"] = " ".join(str(producer[k]) for k in ("name", "class") if producer.get(k))
+    else:
+        row["producer"] = adapters.describe_entry(e.fqn)
+    row["note"] = desc.get("note")
+    return row
 
 
-def _bytes_row(fqn: str, metadata: Metadata) -> dict:
-    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
-    infos = [info for index, info in storage.items() if getattr(index, "fqn", None) == fqn]
-    nbytes = sum(int(getattr(i, "length", 0)) for i in infos)
-    return _row(fqn, BYTES, BYTES, None, None, None, nbytes, max(1, len(infos)))
-
-
-def _quantized_row(fqn: str, desc: Mapping, sdm: Mapping) -> dict:
+def _stored_row(e: Entry, metadata: Metadata) -> dict:
+    sdm = metadata.state_dict_metadata
+    if e.kind == "bytes":
+        storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+        infos = [info for index, info in storage.items() if getattr(index, "fqn", None) == e.fqn]
+        nbytes = sum(int(getattr(i, "length", 0)) for i in infos)
+        return _row(e.fqn, BYTES, BYTES, None, None, None, nbytes, max(1, len(infos)))
+    if e.descriptor is None:  # a plain tensor
+        md, name = sdm[e.fqn], dtype_to_str(e.dtype)
+        return _row(e.fqn, name, PLAIN, list(e.shape), name, name, _entry_bytes(md), len(md.chunks))
+    desc = e.descriptor
     shape, fmt, recipe = list(desc["shape"]), desc["format"], dict(desc.get("recipe", {}))
-    if desc["mode"] == HIGH_PRECISION:
-        entry = sdm[fqn]
-        return _row(fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(entry.properties.dtype),
-                    _entry_bytes(entry), len(entry.chunks), recipe)
+    if e.kind == "tensor":  # high precision
+        md = sdm[e.fqn]
+        return _row(e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(md.properties.dtype),
+                    _entry_bytes(md), len(md.chunks), recipe)
     components = {}
-    for name, comp in desc["components"].items():
-        entry = sdm[comp["fqn"]]
+    for name, key in e.keys.items():
+        md = sdm[key]
         components[name] = {
-            "fqn": comp["fqn"],
-            "dtype": dtype_to_str(entry.properties.dtype),
-            "shape": [int(s) for s in entry.size],
-            "bytes": _entry_bytes(entry),
-            "chunks": len(entry.chunks),
+            "fqn": key,
+            "dtype": dtype_to_str(md.properties.dtype),
+            "shape": [int(s) for s in md.size],
+            "bytes": _entry_bytes(md),
+            "chunks": len(md.chunks),
         }
     data = components.get("data") or next(iter(components.values()))
-    return _row(fqn, fmt, NATIVE, shape, desc["dtype"], None, sum(c["bytes"] for c in components.values()),
+    return _row(e.fqn, fmt, NATIVE, shape, desc["dtype"], None, sum(c["bytes"] for c in components.values()),
                 data["chunks"], recipe, components)
 
 
-def _check_descriptor(root: Path, fqn: str, desc: Any, sdm: Mapping) -> None:
-    """The ckptq record of ``fqn`` must be well formed and match the stored entries."""
-    where = f"{root}: ckptq tensor '{fqn}'"
-    try:
-        fmt, mode, shape = desc["format"], desc["mode"], [int(s) for s in desc["shape"]]
-        desc["dtype"]
-        comps = desc["components"] if mode == NATIVE else {}
-        expected = {name: (c["fqn"], c["dtype"], [int(s) for s in c["shape"]]) for name, c in comps.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointFormatError(f"{where}: malformed descriptor {desc!r} ({type(e).__name__}: {e})") from e
-    if mode == HIGH_PRECISION:
-        entry = sdm.get(fqn)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointFormatError(
-                f"{where} ({fmt}, high_precision) has no tensor entry '{fqn}' in the checkpoint; "
-                f"the metadata and data disagree"
-            )
-        if list(entry.size) != shape:
-            raise CheckpointFormatError(
-                f"{where} ({fmt}, high_precision): stored shape {list(entry.size)} differs from the "
-                f"descriptor's logical shape {shape}"
-            )
-        return
-    if mode != NATIVE:
-        raise CheckpointFormatError(f"{where}: unknown mode '{mode}' (expected native or high_precision)")
-    if not expected:
-        raise CheckpointFormatError(f"{where} ({fmt}, native) lists no components")
-    for name, (cfqn, cdtype, cshape) in expected.items():
-        entry = sdm.get(cfqn)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointFormatError(
-                f"{where} ({fmt}): component '{name}' should be stored as tensor entry '{cfqn}', "
-                f"but the checkpoint has no such entry"
-            )
-        got = (dtype_to_str(entry.properties.dtype), list(entry.size))
-        if got != (cdtype, cshape):
-            raise CheckpointFormatError(
-                f"{where} ({fmt}): component '{name}' ('{cfqn}') is stored as {got[0]} {got[1]}, "
-                f"but the descriptor says {cdtype} {cshape}"
-            )
-
-
-def _summary(metadata: Metadata, rows: list[dict], record: Mapping, has_record: bool) -> dict:
+def _summary(metadata: Metadata, rows: list[dict]) -> dict:
     tensor_rows = [r for r in rows if r["mode"] != BYTES]
     total = sum(r["bytes"] for r in tensor_rows)
     bf16 = sum(2 * _numel(r["shape"]) for r in tensor_rows)
@@ -225,10 +170,7 @@ def _summary(metadata: Metadata, rows: list[dict], record: Mapping, has_record: 
     files = set()
     if isinstance(metadata.storage_data, Mapping):
         files = {str(getattr(i, "relative_path", "")) for i in metadata.storage_data.values()} - {""}
-    world_size, source = (record.get("world_size"), "ckptq") if has_record else (None, None)
-    if world_size is None:
-        ranks = [int(m.group(1)) for f in files if (m := re.match(r"__(\d+)_\d+\.distcp$", Path(f).name))]
-        world_size, source = (max(ranks) + 1, "files") if ranks else (None, None)
+    world_size, source = saved_world_size(metadata)
     return {
         "tensors": len(tensor_rows),
         "objects": len(rows) - len(tensor_rows),
@@ -241,7 +183,7 @@ def _summary(metadata: Metadata, rows: list[dict], record: Mapping, has_record: 
         "world_size_source": source,
         "files": len(files),
         "dcp_version": getattr(metadata, "version", None),
-        "ckptq_version": record.get("version") if has_record else None,
+        "ckptq_version": read_record(metadata.planner_data)["version"] if has_record(metadata.planner_data) else None,
     }
 
 
@@ -265,25 +207,14 @@ def _value_stats(x: torch.Tensor) -> dict:
     return out
 
 
-def _scale_decoders() -> dict[str, tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
-    from .formats import numerics
-
-    return {
-        "fp8_tensor": ("scale_inv", lambda s: s.float()),
-        "fp8_block": ("scale_inv", lambda s: s.float()),
-        "mxfp8": ("scale", numerics.e8m0_to_fp32),
-        "nvfp4": ("scale", lambda s: s.float()),
-    }
-
-
 def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
     from . import from_components
 
     qt = from_components(desc, comps)
     out = _value_stats(qt.dequantize(torch.float32))
-    name, decode = _scale_decoders().get(desc["format"], (None, None))
-    if name in comps:
-        s = _value_stats(decode(comps[name]))
+    cls = type(qt)
+    if cls.SCALE_COMPONENT in comps:
+        s = _value_stats(cls.decode_scale(comps[cls.SCALE_COMPONENT]))
         out.update(scale_min=s["min"], scale_max=s["max"], scale_nan=s["nan"])
     if "amax" in comps:
         amax = comps["amax"].float()
@@ -291,16 +222,17 @@ def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def _add_stats(root: Path, metadata: Metadata, rows: list[dict], descriptors: Mapping, progress: bool) -> None:
+def _add_stats(root: Path, metadata: Metadata, rows: list[dict], entries: Mapping[str, Entry], progress: bool) -> None:
     from tqdm import tqdm
 
     reader = SafeFileSystemReader(root, metadata=metadata)
     for row in tqdm(rows, desc="reading", unit="tensor", disable=not progress, leave=False):
-        if row["mode"] == BYTES:
+        e = entries[row["fqn"]]
+        if e.kind == "bytes":
             row["stats"] = None
-        elif row["mode"] == NATIVE:
-            comp_keys = {name: c["fqn"] for name, c in row["components"].items()}
-            loaded = load_entries(reader, metadata, list(comp_keys.values()))
-            row["stats"] = _quantized_stats(descriptors[row["fqn"]], {n: loaded[k] for n, k in comp_keys.items()})
+            continue
+        loaded = load_entries(reader, metadata, list(e.keys.values()))
+        if e.kind == "quantized":
+            row["stats"] = _quantized_stats(e.descriptor, {n: loaded[k] for n, k in e.keys.items()})
         else:
-            row["stats"] = _value_stats(load_entries(reader, metadata, [row["fqn"]])[row["fqn"]])
+            row["stats"] = _value_stats(loaded[e.fqn])

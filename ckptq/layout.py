@@ -11,18 +11,16 @@ semantics: ceil-sized chunks, trailing ones short or empty) and ``_StridedShard(
 :func:`owned_ranges` computes, per tensor dim, the global index runs a mesh coordinate holds
 (range arithmetic, no tensors: planning 2048 ranks stays cheap); :func:`shard_box` turns them into the one contiguous box DCP stores, and raises
 :class:`ckptq.ShardingError` when they are not contiguous (e.g. ``(Shard(0), _StridedShard(0, 2))``,
-which DCP saves as overlapping chunks and silently loads wrong).
+which DCP saves as overlapping chunks and silently loads wrong). Parsing of user strings (meshes,
+placements, plan files) lives in :mod:`ckptq.parse`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-import json
 import math
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -30,7 +28,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .chunks import Box
-from .errors import ShardingError, UnsupportedFormatError
+from .errors import ShardingError, UsageError
 
 __all__ = [
     "MeshSpec",
@@ -40,9 +38,11 @@ __all__ = [
     "dtensor_box",
     "rank_boxes",
     "LayoutPlan",
-    "parse_placement",
+    "PRESETS",
     "format_placements",
 ]
+
+PRESETS = ("replicate", "fsdp2", "fsdp2-tp")
 
 
 def _strided_factor(p: Placement) -> Optional[int]:
@@ -66,22 +66,10 @@ class MeshSpec:
 
     @classmethod
     def parse(cls, text: str) -> "MeshSpec":
-        """Parse ``"dp_shard=4,tp=2"`` (or ``"4"`` for a 1-D mesh named ``dp_shard``)."""
-        text = text.strip()
-        if re.fullmatch(r"\d+", text):
-            return cls(("dp_shard",), (int(text),))
-        names, sizes = [], []
-        for part in text.split(","):
-            m = re.fullmatch(r"\s*([A-Za-z_][\w]*)\s*=\s*(\d+)\s*", part)
-            if not m or int(m.group(2)) < 1:
-                raise UnsupportedFormatError(
-                    f"mesh '{text}': expected comma-separated name=size pairs such as dp_shard=4,tp=2"
-                )
-            names.append(m.group(1))
-            sizes.append(int(m.group(2)))
-        if len(set(names)) != len(names):
-            raise UnsupportedFormatError(f"mesh '{text}': repeated mesh dim name")
-        return cls(tuple(names), tuple(sizes))
+        """:func:`ckptq.parse.parse_mesh` (``"dp_shard=4,tp=2"`` or ``"4"``); raises UsageError."""
+        from .parse import parse_mesh
+
+        return parse_mesh(text)
 
     @property
     def world_size(self) -> int:
@@ -258,25 +246,6 @@ def rank_boxes(
     return out
 
 
-_PLACEMENT_RE = re.compile(
-    r"\s*(?:(R|Replicate)(?:\(\))?|(?:S|Shard)\((\d+)\)|(?:SS|_StridedShard)\((\d+)\s*,\s*(?:sf=|split_factor=)?(\d+)\))\s*"
-)
-
-
-def parse_placement(text: str) -> Placement:
-    """``"R"``/``"Replicate()"``, ``"S(1)"``/``"Shard(1)"``, ``"SS(0,2)"``/``"_StridedShard(0, 2)"``."""
-    m = _PLACEMENT_RE.fullmatch(text)
-    if not m:
-        raise UnsupportedFormatError(
-            f"placement '{text}': expected R, S(d), Shard(d), SS(d,sf) or _StridedShard(d, sf)"
-        )
-    if m.group(1):
-        return Replicate()
-    if m.group(2) is not None:
-        return Shard(int(m.group(2)))
-    return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
-
-
 def format_placements(placements: Sequence[Placement]) -> str:
     out = []
     for p in placements:
@@ -300,61 +269,38 @@ class LayoutPlan:
         ``Shard(0)``, row -> ``Shard(1)``, both +1 for 3-D grouped weights; unmatched tensors are
         replicated over tp), plus FSDP2 on ``dp_shard``: ``_StridedShard(d, tp)`` when TP shards
         the same dim d = 0, else ``Shard(0)`` (FSDP2's ``_init_sharding_spec_tp``).
-    A file (JSON, or YAML if PyYAML is installed) maps FQN globs to placement lists, first match
-    wins, e.g. ``{"*.q_proj.weight": ["S(0)", "S(0)"], "*": ["S(0)", "R"]}``; tensors of rank < 1
-    (scalars) are always replicated.
+    ``file``: ``rules`` maps FQN globs to placement lists, first match wins (a JSON/YAML file such
+    as ``{"*.q_proj.weight": ["S(0)", "S(0)"], "*": ["S(0)", "R"]}`` through
+    :func:`ckptq.parse.parse_plan`). Tensors of rank < 1 (scalars) are always replicated.
+
+    Raises:
+        UsageError: an unknown preset, fsdp2-tp without a ``tp`` mesh dim, a rule that is not col or
+            row, or a file rule whose placement count differs from the mesh's dims.
     """
 
     def __init__(self, mesh: MeshSpec, preset: str = "fsdp2", rules: Optional[Mapping[str, Any]] = None):
         self.mesh = mesh
         self.preset = preset
         self.rules = dict(rules or {})
-        if preset not in ("replicate", "fsdp2", "fsdp2-tp", "file"):
-            raise UnsupportedFormatError(
-                f"plan '{preset}': presets are replicate, fsdp2, fsdp2-tp, or a JSON/YAML file"
-            )
+        if preset not in PRESETS + ("file",):
+            raise UsageError(f"--plan {preset}: presets are {', '.join(PRESETS)}, or a JSON/YAML file")
         if preset == "fsdp2-tp" and "tp" not in mesh.names:
-            raise UnsupportedFormatError(f"plan fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
+            raise UsageError(f"--plan fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
         if preset == "file":
-            self.rules = {k: [parse_placement(p) for p in v] for k, v in self.rules.items()}
             for k, v in self.rules.items():
-                if len(v) != len(mesh.sizes):
-                    raise UnsupportedFormatError(
-                        f"plan rule '{k}': {len(v)} placements for the {len(mesh.sizes)}-D mesh {mesh}"
-                    )
+                if len(v) != len(mesh.sizes) or not all(isinstance(p, Placement) for p in v):
+                    raise UsageError(f"--plan rule '{k}': {list(v)} is not {len(mesh.sizes)} placements, one per dim of mesh {mesh}")
         elif preset == "fsdp2-tp":
             for k, v in self.rules.items():
                 if v not in ("col", "row"):
-                    raise UnsupportedFormatError(f"plan rule '{k}={v}': expected col or row")
+                    raise UsageError(f"--rule {k}={v}: expected col or row")
 
     @classmethod
     def from_arg(cls, mesh: MeshSpec, plan: str, rules: Sequence[str] = ()) -> "LayoutPlan":
-        """``plan`` is a preset name or a path to a JSON/YAML file; ``rules`` are ``glob=col|row``."""
-        if plan in ("replicate", "fsdp2", "fsdp2-tp"):
-            parsed = {}
-            for r in rules:
-                if "=" not in r:
-                    raise UnsupportedFormatError(f"rule '{r}': expected GLOB=col or GLOB=row")
-                k, v = r.rsplit("=", 1)
-                parsed[k.strip()] = v.strip()
-            return cls(mesh, plan, parsed)
-        path = Path(plan)
-        if not path.is_file():
-            raise UnsupportedFormatError(
-                f"plan '{plan}' is neither a preset (replicate, fsdp2, fsdp2-tp) nor a file"
-            )
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise UnsupportedFormatError("YAML plans need PyYAML (pip install pyyaml); or use JSON") from None
-            data = yaml.safe_load(text)
-        else:
-            data = json.loads(text)
-        if not isinstance(data, dict):
-            raise UnsupportedFormatError(f"plan file {path}: expected a mapping of FQN glob -> placements")
-        return cls(mesh, "file", data)
+        """:func:`ckptq.parse.parse_plan`: a preset or JSON/YAML file, ``rules`` ``glob=col|row``."""
+        from .parse import parse_plan
+
+        return parse_plan(mesh, plan, rules)
 
     def placements(self, fqn: str, ndim: int) -> tuple[Placement, ...]:
         n = len(self.mesh.sizes)

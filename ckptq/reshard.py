@@ -23,19 +23,20 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import chunks, ops
-from .checkpoint import CheckpointDirWriter, CheckpointView, Entry
+from . import chunks
+from .checkpoint import CheckpointView
+from .contract import CKPTQ_KEY, Entry, emit_components, high_precision_descriptor, make_record, native_descriptor
 from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
-from .formats import FORMATS, format_class, quantize
+from .formats import FORMATS, format_class, quantize, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db
-from .planners._common import component_fqn
+from .io.writer import CheckpointDirWriter
 
-__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "HP_DTYPES"]
+__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "reshard_checkpoint", "convert_checkpoint",
+           "HP_DTYPES"]
 
-HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+from .parse import HP_DTYPES  # noqa: E402  (user-facing names live with the parsing; re-exported)
 
 
 @dataclasses.dataclass
@@ -220,6 +221,9 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
             out, fmt, recipe, dtype = "tensor", None, None, HP_DTYPES[to]
     if out == "quantized" and mode == "high_precision":
         out, fmt, recipe, dtype = "tensor", None, None, hp_dtype
+    foreign_note = desc.get("note") if desc is not None and src.kind == "tensor" and out == "quantized" else None
+    if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
+        out, fmt, recipe, dtype = "tensor", None, None, src.dtype
     placements = layout.placements(fqn, len(shape))
     boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
     owners, seen = [], set()
@@ -227,7 +231,14 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
         if b not in seen and math.prod(b[1]) > 0:
             seen.add(b)
             owners.append((r, b))
+    if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
+        owners = [(0, boxes[0])]
     job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
+    if foreign_note:
+        if misaligned == "error":
+            job.problem = f"tensor '{fqn}' ({desc['format']}): {foreign_note}"
+        else:
+            job.note = f"kept in high precision ({dtype_to_str(dtype)}): {foreign_note}"
     if out == "quantized":
         cls = format_class(fmt)
         specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
@@ -271,7 +282,7 @@ def _itemsize(dtype: torch.dtype) -> int:
 def json_key(recipe: Optional[dict]) -> str:
     import json
 
-    return json.dumps(recipe, sort_keys=True)
+    return json.dumps(recipe, sort_keys=True, default=dtype_to_str)  # fp8_dtype may be a torch.dtype
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,7 +334,7 @@ def _materialize(view: CheckpointView, job: TensorJob) -> tuple[Any, Optional[fl
         recipe = cls._recipe_from_json(job.out_recipe)
         if isinstance(src, cls) and src.recipe == recipe:
             return src, None
-        out = ops.requantize(src, job.out_format, **dataclasses.asdict(recipe))
+        out = requantize(src, job.out_format, **dataclasses.asdict(recipe))
         if out.dtype != job.out_dtype:
             out = type(out)(out._components, out.shape, job.out_dtype, out.recipe)
         ref = src.dequantize(torch.float32) if isinstance(src, QuantizedTensor) else src.float()
@@ -364,6 +375,7 @@ def run_reshard(
             + "\n  ".join(plan.problems)
             + "\nNothing was written. Use --misaligned high-precision to export them dequantized."
         )
+    _remove_stale_temporaries(dst)
     tmp = dst.parent / f".{dst.name}.ckptq-tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -376,8 +388,7 @@ def run_reshard(
             _write_job(view, job, writer, descriptors, mappings, requantized)
             if progress:
                 progress(sum(job.bytes_per_rank.values()))
-        writer.finish(mappings, ckptq_tensors=descriptors, world_size=plan.mesh.world_size,
-                      extra={"mesh": str(plan.mesh)})
+        writer.finish({**mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))})
     except BaseException:
         writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -411,29 +422,161 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
         requantized[job.fqn] = sqnr
     base = view.mapping(src.fqn) if len(job.sources) == 1 and job.member is None else None
     if isinstance(out, QuantizedTensor):
-        desc = out.descriptor()
-        desc["mode"] = "native"
+        kept = sqnr is None and src.descriptor is not None  # the source's bytes: its producer record stays
+        desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.get("producer") if kept else None)
         written: set = set()
-        specs = out.specs
         for rank, box in job.owners:
-            part = slice_box(out, box, fqn=job.fqn)
-            for spec in specs:
-                key = component_fqn(job.fqn, spec.name)
-                cbox = chunks.component_box(spec, out.shape, box, fqn=job.fqn, fmt=out.FORMAT)
-                if (key, cbox[0]) in written or (spec.dims and math.prod(cbox[1]) == 0):
+            for c in emit_components(slice_box(out, box, fqn=job.fqn), job.fqn, out.shape, box):
+                if (c.key, c.box[0]) in written or math.prod(c.box[1]) == 0:
                     continue
-                written.add((key, cbox[0]))
-                writer.add_chunk(rank, key, spec.shape(out.shape), cbox[0], part._components[spec.name])
-                desc["components"][spec.name]["fqn"] = key
-                if base is not None:
-                    mappings[key] = (*base[:-1], f"{base[-1]}.{spec.name}")
+                written.add((c.key, c.box[0]))
+                writer.add_chunk(rank, c.key, c.size, c.box[0], c.tensor)
+        if base is not None:
+            for name, comp in desc["components"].items():
+                mappings[comp["fqn"]] = (*base[:-1], f"{base[-1]}.{name}")
         descriptors[job.fqn] = desc
         return
     for rank, box in job.owners:
         writer.add_chunk(rank, job.fqn, out.shape, box[0], chunks.narrow_box(out, box))
     if src.descriptor is not None:  # a high-precision entry of a quantized tensor keeps its record
-        d = {k: v for k, v in src.descriptor.items() if k != "components"}
-        d.update({"mode": "high_precision", "stored_dtype": dtype_to_str(out.dtype), "shape": list(out.shape)})
-        descriptors[job.fqn] = d
+        descriptors[job.fqn] = high_precision_descriptor(src.descriptor, out.dtype, out.shape)
     if base is not None:
         mappings[job.fqn] = base
+
+
+# --------------------------------------------------------------------------------------- one call per command
+def _remove_stale_temporaries(dst: Path) -> None:
+    """Remove ``.DST.ckptq-tmp-PID`` folders of ``dst`` left by a killed run (PID no longer alive)."""
+    import glob
+    import logging
+
+    prefix = f".{dst.name}.ckptq-tmp-"
+    for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (maybe another run into the same destination)
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # alive under another user, or not a PID: not ours to judge
+        shutil.rmtree(p, ignore_errors=True)
+        logging.getLogger("ckptq").warning("removed %s, left by a killed ckptq run (process %s is gone)", p, pid)
+
+
+def reshard_checkpoint(
+    src: Union[str, os.PathLike],
+    dst: Union[str, os.PathLike],
+    *,
+    mesh: Union[str, MeshSpec] = "1",
+    plan: Union[str, LayoutPlan] = "fsdp2",
+    rules: Union[list[str], tuple[str, ...]] = (),
+    mode: Optional[str] = None,
+    dtype: Union[str, torch.dtype] = "bfloat16",
+    grouped: Optional[str] = None,
+    grouped_glob: str = "*weight",
+    misaligned: str = "error",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: Union[bool, Callable[[int], None], None] = None,
+) -> dict:
+    """Lay checkpoint ``src`` out for a target mesh in ``dst`` (``ckptq reshard``): plan, then write.
+
+    Args:
+        mesh: ``"dp_shard=4,tp=2"``, ``"8"`` or a :class:`MeshSpec`.
+        plan: a preset (``replicate``, ``fsdp2``, ``fsdp2-tp``), a JSON/YAML file of FQN glob ->
+            placements, or a :class:`LayoutPlan`; ``rules``: fsdp2-tp ``GLOB=col|row`` strings.
+        mode: ``None`` (keep), ``"native"`` or ``"high-precision"`` for every quantized tensor.
+        dtype: storage dtype of high-precision output (``bfloat16``, ``float16``, ``float32``, ...).
+        grouped: ``"stack"`` / ``"split"`` grouped weights whose stems match ``grouped_glob``.
+        misaligned: ``"error"`` or ``"high-precision"`` (export tensors whose cuts split blocks).
+        overwrite: replace an existing ``dst``. dry_run: plan only, write nothing.
+        progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
+
+    Returns:
+        ``{"plan": ReshardPlan.summary()}`` and, unless ``dry_run``, the keys of :func:`run_reshard`'s report.
+
+    Raises:
+        UsageError: option text that does not parse. ShardingError: misaligned tensors (nothing is
+        written). CkptqError: ``dst`` exists or overlaps ``src``; see :func:`plan_reshard`.
+    """
+    from . import parse
+
+    options = dict(
+        mode=parse.parse_choice("--mode", mode, ("native", "high-precision")),
+        hp_dtype=parse.parse_hp_dtype(dtype),
+        grouped=parse.parse_choice("--grouped", grouped, ("stack", "split")),
+        grouped_glob=grouped_glob,
+    )
+    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress)
+
+
+def convert_checkpoint(
+    src: Union[str, os.PathLike],
+    dst: Union[str, os.PathLike],
+    *,
+    to: str,
+    block: Union[str, tuple[int, int], None] = None,
+    two_d: Optional[bool] = None,
+    columnwise: Optional[bool] = None,
+    fp8_dtype: Union[str, torch.dtype, None] = None,
+    pow2: Optional[bool] = None,
+    mesh: Union[str, MeshSpec] = "1",
+    plan: Union[str, LayoutPlan] = "fsdp2",
+    rules: Union[list[str], tuple[str, ...]] = (),
+    misaligned: str = "error",
+    overwrite: bool = False,
+    dry_run: bool = False,
+    progress: Union[bool, Callable[[int], None], None] = None,
+) -> dict:
+    """Requantize every quantized tensor of ``src`` to format ``to`` into ``dst`` (``ckptq convert``),
+    or dequantize it to a high-precision dtype, optionally laying it out for another mesh.
+
+    Args:
+        to: ``native`` (every quantized tensor natively in its own format, e.g. a TransformerEngine
+            checkpoint's tensors as ckptq components), ``nvfp4``, ``mxfp8``, ``fp8_block``,
+            ``fp8_tensor``, or ``bfloat16``/``float16``/``float32``.
+        block, two_d, columnwise, fp8_dtype, pow2: recipe options of ``to`` (``None``: its default);
+            ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``.
+        mesh, plan, rules, misaligned, overwrite, dry_run, progress: as :func:`reshard_checkpoint`.
+
+    Returns:
+        As :func:`reshard_checkpoint`.
+
+    Raises:
+        UsageError: an unknown ``to``, a recipe option ``to`` does not take, option text that does
+        not parse; otherwise as :func:`reshard_checkpoint`.
+    """
+    from . import parse
+
+    to = parse.parse_target(to)
+    recipe = parse.parse_recipe(to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2)
+    if to == "native":  # every quantized tensor natively in its own format
+        options = dict(mode="native", hp_dtype=torch.bfloat16)
+    else:
+        options = dict(to=to, to_recipe=recipe, hp_dtype=HP_DTYPES.get(to, torch.bfloat16))
+    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress)
+
+
+def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress) -> dict:
+    from . import parse
+
+    misaligned = parse.parse_choice("--misaligned", misaligned, ("error", "high-precision"))
+    mesh = parse.parse_mesh(mesh)
+    layout = parse.parse_plan(mesh, plan, rules)
+    view = CheckpointView(src)
+    rplan = plan_reshard(view, mesh, layout, misaligned=misaligned, **options)
+    summary = rplan.summary()
+    if dry_run:
+        return {"plan": summary}
+    if progress is True:
+        from tqdm import tqdm
+
+        total = sum(r["bytes"] for r in summary["ranks"])
+        with tqdm(total=total, unit="B", unit_scale=True, desc="writing", leave=False) as bar:
+            report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=bar.update)
+    else:
+        report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress or None)
+    return {**report, "plan": summary}

@@ -16,7 +16,7 @@ For each source -> target pair it measures, on the same device and in the same r
 * ``copy``: ``dst.copy_(src)`` of buffers that move the same number of bytes; ``ratio`` is
   ``t_copy / t_ckptq``, i.e. the fraction of copy bandwidth the kernel reaches;
 * ``eager``: the pure-PyTorch reference (the spec) through the same API, ``CKPTQ_BACKEND=reference``;
-* ``compile``: the reference numerics (``ckptq.formats.numerics``) under ``torch.compile``;
+* ``compile``: the reference numerics (``ckptq.numerics``) under ``torch.compile``;
 * ``torchao``: torchao's own quantize function for that target where torchao is installed
   (``nvfp4_quantize``, ``triton_to_mxfp8_dim0``, ``triton_fp8_blockwise_weight_quant_rhs``,
   ``NVFP4Tensor.dequantize``), eager and under ``torch.compile``; torchao's numerics differ from
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ckptq  # noqa: E402
 from ckptq import ops  # noqa: E402
-from ckptq.formats import numerics as N  # noqa: E402
+from ckptq import numerics as N  # noqa: E402
 
 HP = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ["fp32", "bf16", "fp16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4"]

@@ -219,6 +219,7 @@ import torch
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
                                                    TensorStorageMetadata)
 from ckptq.checkpoint import CheckpointView
+from ckptq.contract import CKPTQ_KEY, make_record, native_descriptor
 from ckptq.layout import LayoutPlan, MeshSpec
 from ckptq.reshard import plan_reshard
 import ckptq
@@ -239,11 +240,9 @@ t0 = time.perf_counter()
 probe = ckptq.quantize(torch.zeros(32, 32), "nvfp4")
 md, tensors = {{}}, {{}}
 for fqn, shape in shapes.items():
-    desc = probe.descriptor(shape)
-    desc["mode"] = "native"
+    desc = native_descriptor(probe, fqn, shape)
     for spec in probe.component_specs(shape, probe.recipe):
-        key = f"{{fqn}}.{{spec.name}}"
-        desc["components"][spec.name]["fqn"] = key
+        key = desc["components"][spec.name]["fqn"]
         cshape = spec.shape(shape)
         if spec.dims:  # FSDP2 Shard(0) over SAVERS ranks (torch.chunk boxes)
             step = -(-cshape[0] // SAVERS)
@@ -254,7 +253,7 @@ for fqn, shape in shapes.items():
             chunks = [ChunkStorageMetadata(torch.Size([]), torch.Size([]))]
         md[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(cshape), chunks)
     tensors[fqn] = desc
-metadata = Metadata(md, planner_data={{"__ckptq__": {{"version": 1, "world_size": SAVERS, "tensors": tensors}}}})
+metadata = Metadata(md, planner_data={{CKPTQ_KEY: make_record(tensors, SAVERS)}})
 t_meta = time.perf_counter() - t0
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 view = CheckpointView("/nonexistent", metadata=metadata)

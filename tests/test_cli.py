@@ -180,3 +180,105 @@ def test_main_entry_point(monkeypatch, capsys):
         ckptq.cli.main()
     assert ei.value.code == 0
     assert json.loads(capsys.readouterr().out)["backends"]
+
+
+def test_malformed_mesh_is_a_usage_error(ckpt, tmp_path):
+    path, _ = ckpt
+    r = _run(["reshard", path, tmp_path / "out", "--mesh", "dp_shard=x"])
+    assert r.exit_code == 2, r.stderr
+    assert r.stderr.startswith("Error: --mesh dp_shard=x: expected") and "Traceback" not in r.stderr
+    assert "Try 'ckptq reshard --help' for help." in r.stderr
+    assert r.stdout == "" and not (tmp_path / "out").exists()
+
+
+def test_convert_to_an_unknown_target_names_the_flag_and_the_formats(ckpt, tmp_path):
+    path, _ = ckpt
+    r = _run(["convert", path, tmp_path / "out", "--to", "int3"])
+    assert r.exit_code == 2
+    assert r.stderr.splitlines()[0] == (
+        "Error: --to int3: expected native (keep each tensor's format), a format (fp8_block, fp8_tensor, "
+        "mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, bf16, fp16, fp32)"
+    )
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--dtype", "int8"], "--dtype int8"),
+    (["--misaligned", "maybe"], "--misaligned maybe"),
+    (["--grouped", "stacks"], "--grouped stacks"),
+    (["--mode", "fast"], "--mode fast"),
+    (["--plan", "fsdp2-tp", "--mesh", "dp_shard=2,tp=2", "--rule", "*.q"], "--rule *.q"),
+    (["--plan", "no-such-plan.json"], "--plan no-such-plan.json"),
+])
+def test_reshard_option_typos_exit_2(ckpt, tmp_path, args, flag):
+    path, _ = ckpt
+    r = _run(["reshard", path, tmp_path / "out", *args])
+    assert r.exit_code == 2 and r.stderr.startswith(f"Error: {flag}: "), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _tree_bytes(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
+    from ckptq.layout import MeshSpec
+
+    path, _ = ckpt
+    cases = [
+        (["reshard", path, tmp_path / "cli1", "--mesh", "2", "--mode", "native"],
+         lambda dst: ckptq.reshard_checkpoint(path, dst, mesh="2", mode="native")),
+        (["convert", path, tmp_path / "cli2", "--to", "fp8_block", "--block", "1x128", "--no-pow2",
+          "--mesh", "dp_shard=2", "--misaligned", "high-precision"],
+         lambda dst: ckptq.convert_checkpoint(path, dst, to="fp8_block", block=(1, 128), pow2=False,
+                                              mesh=MeshSpec(("dp_shard",), (2,)), misaligned="high_precision")),
+        (["convert", path, tmp_path / "cli3", "--to", "fp16"], lambda dst: ckptq.convert_checkpoint(path, dst, to="fp16")),
+    ]
+    for i, (args, call) in enumerate(cases):
+        r = _run([*args, "--json"])
+        assert r.exit_code == 0, r.stderr
+        result = call(tmp_path / f"lib{i}")
+        assert set(result) == {"path", "world_size", "bytes_per_rank", "tensors", "requantized", "plan"}
+        assert result["plan"] == json.loads(r.stdout)["plan"]
+        assert _tree_bytes(tmp_path / f"lib{i}") == _tree_bytes(args[2]), args
+        assert _run(["verify", tmp_path / f"lib{i}", args[2]]).exit_code == 0
+    dry = ckptq.reshard_checkpoint(path, tmp_path / "dry", mesh="2", dry_run=True)
+    assert set(dry) == {"plan"} and dry["plan"]["world_size"] == 2 and not (tmp_path / "dry").exists()
+
+
+def test_convert_with_fp8_dtype(ckpt, tmp_path):
+    path, _ = ckpt
+    result = ckptq.convert_checkpoint(path, tmp_path / "out", to="fp8_tensor", fp8_dtype="e5m2")
+    assert result["tensors"] == 6
+    from ckptq.checkpoint import CheckpointView
+
+    quantized = [e for e in CheckpointView(tmp_path / "out").entries() if e.kind == "quantized"]
+    assert quantized and all(e.descriptor["recipe"]["fp8_dtype"] == "float8_e5m2" for e in quantized)
+
+
+def _dead_pid() -> int:
+    for pid in range(999_999, 10_000_000):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return pid
+        except OSError:
+            pass
+    pytest.skip("no free PID found")
+
+
+def test_reshard_removes_stale_temporaries_of_killed_runs(ckpt, tmp_path, caplog):
+    path, _ = ckpt
+    stale = tmp_path / f".out.ckptq-tmp-{_dead_pid()}"
+    live = tmp_path / f".out.ckptq-tmp-{os.getppid()}"  # a running process: maybe another reshard
+    other = tmp_path / f".other.ckptq-tmp-{_dead_pid()}"  # another destination's: not ours
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "__0_0.distcp").write_bytes(b"partial")
+    with caplog.at_level("WARNING", logger="ckptq"):
+        r = _run(["reshard", path, tmp_path / "out", "--dry-run"])  # a dry run writes (and removes) nothing
+        assert r.exit_code == 0 and stale.exists()
+        r = _run(["reshard", path, tmp_path / "out"])
+    assert r.exit_code == 0, r.stderr
+    assert not stale.exists() and live.exists() and other.exists()
+    notes = [rec.getMessage() for rec in caplog.records if rec.name == "ckptq"]
+    assert len(notes) == 1 and str(stale) in notes[0] and "killed" in notes[0]

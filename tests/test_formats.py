@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptq
-from ckptq.formats import numerics as N
+from ckptq import numerics as N
 from conftest import assert_same_bytes, assert_same_components, raw_bytes
 
 E4M3 = torch.float8_e4m3fn

@@ -18,7 +18,7 @@ import torch
 import ckptq
 from ckptq import ops
 from ckptq.errors import CkptqError
-from ckptq.formats import numerics
+from ckptq import numerics
 from ckptq.metrics import bit_exact
 from ckptq.ops import _backends
 
@@ -84,7 +84,7 @@ def convert(src, fmt: str, rec: dict, **kw):
             return {"x": numerics._canonical_nan(numerics._f32(src)).to(HP[fmt])}
         (y,) = torch.ops.ckptq.requantize([src], sf, [], fmt, [])
         return {"x": y}
-    return ops.requantize(src, fmt, **rec, **kw).components()
+    return ckptq.requantize(src, fmt, **rec, **kw).components()
 
 
 def assert_same(ref: dict, got: dict, what: str):

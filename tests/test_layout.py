@@ -11,7 +11,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
-from ckptq.layout import LayoutPlan, MeshSpec, format_placements, parse_placement, rank_boxes, shard_box
+from ckptq.layout import LayoutPlan, MeshSpec, format_placements, rank_boxes, shard_box
+from ckptq.parse import parse_placement
 
 
 def _random_case(rng: random.Random):
@@ -106,7 +107,7 @@ def test_mesh_and_placement_parsing():
     assert m.world_size == 8 and m.coordinate(5) == (2, 1) and str(m) == "dp_shard=4,tp=2"
     assert MeshSpec.parse("8").names == ("dp_shard",)
     for bad in ("dp=0", "dp=2,dp=2", "x", "tp=two"):
-        with pytest.raises(ckptq.UnsupportedFormatError):
+        with pytest.raises(ckptq.UsageError, match="--mesh"):  # a typo is a usage error (was UnsupportedFormatError)
             MeshSpec.parse(bad)
     assert isinstance(parse_placement("R"), Replicate)
     assert parse_placement("Shard(1)") == Shard(1)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptq
 from ckptq.metrics import bit_exact
-from ckptq.planners._common import CKPTQ_KEY
+from ckptq.contract import CKPTQ_KEY
 
 
 CASES = [

@@ -65,7 +65,8 @@ def _global(shape_name: str, i: int):
 
 
 def _rank_box(shape, layout: str, rank: int):
-    from ckptq.layout import MeshSpec, parse_placement, shard_box
+    from ckptq.layout import MeshSpec, shard_box
+    from ckptq.parse import parse_placement
 
     mesh_shape, pl = LAYOUTS[layout]
     if pl is None:
@@ -89,7 +90,7 @@ def _dtensor(local, shape, layout: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from ckptq.layout import parse_placement
+    from ckptq.parse import parse_placement
 
     mesh_shape, pl = LAYOUTS[layout]
     if pl is None:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from ..errors import CkptqError
+from ..errors import CkptqError, UsageError
 from . import _output
 
 __all__ = ["app", "command", "main", "debug_enabled"]
@@ -49,9 +49,11 @@ def _root(
 def command(name: Optional[str] = None, **kwargs: Any) -> Callable[[Callable], Callable]:
     """Register a function as ``ckptq <name>`` behind the CLI's error boundary.
 
-    Inside the command, a :class:`ckptq.CkptqError` or ``OSError`` prints ``Error: <message>`` to
-    stderr and exits 1 (with the traceback when ``CKPTQ_DEBUG=1``); any other exception is a bug
-    and propagates with its traceback. ``typer.Exit`` passes through.
+    Inside the command, a :class:`ckptq.UsageError` (option text that does not parse) prints
+    ``Error: <message>`` and typer's ``Try '... --help' for help.`` to stderr and exits 2; another
+    :class:`ckptq.CkptqError` or an ``OSError`` prints ``Error: <message>`` and exits 1 (both with the
+    traceback when ``CKPTQ_DEBUG=1``); any other exception is a bug and propagates with its
+    traceback. ``typer.Exit`` passes through.
 
     Args:
         name: the command name (default: the function name).
@@ -66,6 +68,8 @@ def command(name: Optional[str] = None, **kwargs: Any) -> Callable[[Callable], C
             except (CkptqError, OSError) as e:
                 if debug_enabled():
                     traceback.print_exc(file=sys.stderr)
+                if isinstance(e, UsageError):
+                    _output.usage_error(str(e), f"ckptq {name or fn.__name__}")
                 _output.error(str(e) or type(e).__name__)
                 raise typer.Exit(1) from None
 

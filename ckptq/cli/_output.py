@@ -79,9 +79,12 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def usage_error(message: str) -> NoReturn:
-    """Report a usage error (``Error: <message>`` to stderr) and exit 2."""
+def usage_error(message: str, command: Optional[str] = None) -> NoReturn:
+    """Report a usage error (``Error: <message>``, then typer's ``Try '<command> --help' for help.``
+    when ``command`` is given) to stderr and exit 2."""
     error(message)
+    if command:
+        log(f"Try '{command} --help' for help.")
     raise typer.Exit(2)
 
 

@@ -26,25 +26,8 @@ MisalignedOpt = Annotated[str, typer.Option("--misaligned", help="'error' (write
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")]
 
 
-def _run(src, dst, mesh, plan, rules, *, mode, dtype, to, to_recipe, grouped, grouped_glob, misaligned,
-         overwrite, dry_run, json_output) -> None:
-    from ..checkpoint import CheckpointView
-    from ..layout import LayoutPlan, MeshSpec
-    from ..reshard import HP_DTYPES, plan_reshard, run_reshard
-
-    if dtype not in HP_DTYPES:
-        out.usage_error(f"--dtype {dtype}: expected one of {sorted(HP_DTYPES)}")
-    for name, value, allowed in (("--misaligned", misaligned, ("error", "high-precision")),
-                                 ("--grouped", grouped, (None, "stack", "split"))):
-        if value not in allowed:
-            out.usage_error(f"{name} {value}: expected one of {[a for a in allowed if a]}")
-    mesh_spec = MeshSpec.parse(mesh)
-    layout = LayoutPlan.from_arg(mesh_spec, plan, rules or [])
-    view = CheckpointView(src)
-    rplan = plan_reshard(view, mesh_spec, layout, mode=mode, hp_dtype=HP_DTYPES[dtype], to=to,
-                         to_recipe=to_recipe, grouped=grouped, grouped_glob=grouped_glob,
-                         misaligned=misaligned.replace("-", "_"))
-    summary = rplan.summary()
+def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
+    summary = result["plan"]
     if dry_run:
         if json_output:
             out.echo_json(summary)
@@ -53,19 +36,13 @@ def _run(src, dst, mesh, plan, rules, *, mode, dtype, to, to_recipe, grouped, gr
         if summary["problems"]:
             out.fail(f"{len(summary['problems'])} tensor(s) cannot be laid out natively (see PROBLEM)")
         return
-    from tqdm import tqdm
-
-    total = sum(r["bytes"] for r in summary["ranks"])
-    with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not out.progress_enabled(),
-              leave=False) as bar:
-        report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=bar.update)
     if json_output:
-        out.echo_json({**report, "plan": summary})
+        out.echo_json(result)
         return
     _print_plan(summary)
-    for fqn, s in report["requantized"].items():
+    for fqn, s in result["requantized"].items():
         out.log(f"requantized '{fqn}': SQNR {s:.2f} dB vs the source values")
-    out.log(f"wrote {report['path']} for {report['world_size']} ranks")
+    out.log(f"wrote {result['path']} for {result['world_size']} ranks")
 
 
 def _print_plan(summary: dict) -> None:
@@ -100,20 +77,12 @@ def reshard(
     json_output: JsonOpt = False,
 ) -> None:
     """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor."""
-    if mode not in (None, "native", "high-precision"):
-        out.usage_error(f"--mode {mode}: expected native or high-precision")
-    _run(src, dst, mesh, plan, rule, mode=mode and mode.replace("-", "_"), dtype=dtype, to=None,
-         to_recipe=None, grouped=grouped, grouped_glob=grouped_glob, misaligned=misaligned,
-         overwrite=overwrite, dry_run=dry_run, json_output=json_output)
+    from ..reshard import reshard_checkpoint
 
-
-def _parse_block(text: Optional[str]):
-    if text is None:
-        return None
-    parts = text.lower().replace(",", "x").split("x")
-    if len(parts) != 2 or not all(p.isdigit() for p in parts):
-        out.usage_error(f"--block {text}: expected BMxBK such as 1x128 or 128x128")
-    return (int(parts[0]), int(parts[1]))
+    result = reshard_checkpoint(src, dst, mesh=mesh, plan=plan, rules=rule or (), mode=mode, dtype=dtype,
+                                grouped=grouped, grouped_glob=grouped_glob, misaligned=misaligned,
+                                overwrite=overwrite, dry_run=dry_run, progress=out.progress_enabled())
+    _report(result, dry_run=dry_run, json_output=json_output)
 
 
 @command("convert")
@@ -135,24 +104,10 @@ def convert(
     json_output: JsonOpt = False,
 ) -> None:
     """Requantize every quantized tensor of a checkpoint to another format (streaming), optionally resharding."""
-    import torch
+    from ..reshard import convert_checkpoint
 
-    recipe = {"block": _parse_block(block), "two_d": two_d, "columnwise": columnwise, "pow2": pow2,
-              "fp8_dtype": {None: None, "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}.get(fp8_dtype, "bad")}
-    if recipe["fp8_dtype"] == "bad":
-        out.usage_error(f"--fp8-dtype {fp8_dtype}: expected e4m3 or e5m2")
-    recipe = {k: v for k, v in recipe.items() if v is not None}
-    from ..formats import FORMATS
-
-    if to in FORMATS:
-        import dataclasses
-
-        known = {f.name for f in dataclasses.fields(FORMATS[to].Recipe)}
-        extra = sorted(set(recipe) - known)
-        if extra:
-            out.usage_error(f"--to {to} does not take {', '.join('--' + e.replace('_', '-') for e in extra)}")
-    elif recipe:
-        out.usage_error(f"--to {to}: recipe options apply only to quantized formats")
-    _run(src, dst, mesh, plan, rule, mode=None, dtype=to if to not in FORMATS else "bfloat16", to=to,
-         to_recipe=recipe, grouped=None, grouped_glob="*weight", misaligned=misaligned,
-         overwrite=overwrite, dry_run=dry_run, json_output=json_output)
+    result = convert_checkpoint(src, dst, to=to, block=block, two_d=two_d, columnwise=columnwise,
+                                fp8_dtype=fp8_dtype, pow2=pow2, mesh=mesh, plan=plan, rules=rule or (),
+                                misaligned=misaligned, overwrite=overwrite, dry_run=dry_run,
+                                progress=out.progress_enabled())
+    _report(result, dry_run=dry_run, json_output=json_output)

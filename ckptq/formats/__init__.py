@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from .. import ops
 from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
 from .base import DESCRIPTOR_VERSION, FORMATS, QuantizedTensor, dtype_to_str, str_to_dtype
 from .fp8 import Float8BlockRecipe, Float8BlockTensor, Float8Recipe, Float8Tensor
@@ -24,6 +25,7 @@ __all__ = [
     "NVFP4Recipe",
     "FORMATS",
     "quantize",
+    "requantize",
     "from_components",
     "format_class",
     "make_recipe",
@@ -85,8 +87,6 @@ def quantize(
         QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4.
         UnsupportedFormatError: unknown format or recipe option.
     """
-    from .. import ops
-
     cls = format_class(fmt)
     rec = make_recipe(fmt, **recipe)
     if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
@@ -99,17 +99,41 @@ def quantize(
             f"{fmt}: cannot quantize a {x.dtype} tensor of shape {tuple(x.shape)}; expected "
             f"float32/bfloat16/float16 of rank >= 2 (..., M, K)"
         )
-    if fmt == "nvfp4" and x.shape[-1] % 2:
-        raise QuantizationError(
-            f"nvfp4: the last dim of shape {tuple(x.shape)} is odd ({x.shape[-1]}); E2M1 values are "
-            f"packed two per byte, so K must be even. Pad K or choose another format."
-        )
-    if amax is not None and fmt not in ("nvfp4", "fp8_tensor"):
-        raise UnsupportedFormatError(f"{fmt}: amax= applies only to nvfp4 and fp8_tensor")
-    if scale is not None and fmt != "fp8_tensor":
-        raise UnsupportedFormatError(f"{fmt}: scale= applies only to fp8_tensor")
+    cls.check_overrides(x.shape, amax, scale)
     comps = ops.quantize(cls, x, rec, amax=amax, scale=scale)
     return cls(comps, x.shape, x.dtype, rec)
+
+
+def requantize(
+    src: torch.Tensor,
+    fmt: str,
+    *,
+    amax: Optional[Any] = None,
+    scale: Optional[Any] = None,
+    **recipe: Any,
+) -> QuantizedTensor:
+    """Convert ``src`` (quantized or high precision) to ``fmt`` with ``recipe``.
+
+    The logical dtype of the result is ``src.dtype``. The result equals, byte for byte,
+    ``ckptq.quantize(src.dequantize(torch.float32), fmt, amax=..., scale=..., **recipe)``; the
+    kernel backends compute it in one fused pass without the high-precision intermediate.
+
+    Raises:
+        UnsupportedFormatError: unknown format or recipe option, ``amax=``/``scale=`` where the
+            format has no per-tensor value.
+        QuantizationError: nvfp4 with an odd last dim.
+    """
+    if not isinstance(src, QuantizedTensor):
+        hp = src if src.dtype in _FLOAT_INPUTS else src.float()
+        out = quantize(hp, fmt, amax=amax, scale=scale, **recipe)
+        if out.dtype != src.dtype:
+            out = type(out)(out._components, out.shape, src.dtype, out.recipe)
+        return out
+    cls = format_class(fmt)
+    rec = make_recipe(fmt, **recipe)
+    cls.check_overrides(src.shape, amax, scale)
+    comps = ops.requantize(src, cls, rec, amax=amax, scale=scale)
+    return cls(comps, src.shape, src.dtype, rec)
 
 
 def from_components(descriptor: Mapping[str, Any], components: Mapping[str, torch.Tensor]) -> QuantizedTensor:

@@ -17,7 +17,7 @@ from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 
-from .. import chunks
+from .. import chunks, ops
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 
 __all__ = ["QuantizedTensor", "DESCRIPTOR_VERSION", "dtype_to_str", "str_to_dtype", "FORMATS"]
@@ -62,12 +62,24 @@ class QuantizedTensor(torch.Tensor):
         recipe: a frozen dataclass of the format's options (block, fp8 dtype, pow2, ...).
         _components: name -> plain tensor, in the canonical (compact, unswizzled) layout.
 
-    Subclasses define ``FORMAT``, ``Recipe``, :meth:`component_specs` and the numerics hooks
-    :meth:`_quantize` / :meth:`_dequantize` (which go through :mod:`ckptq.ops`).
+    Subclasses define ``FORMAT``, ``Recipe``, :meth:`component_specs`, the reference numerics
+    ``_reference_quantize(x, recipe, amax=, scale=)`` / ``_reference_dequantize(comps, recipe,
+    dtype)`` (:mod:`ckptq.numerics`), and the hooks through which :mod:`ckptq.ops` and
+    :mod:`ckptq.inspect` handle the format without knowing it: :meth:`kernel_args` /
+    :meth:`recipe_from_kernel_args`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
+    :meth:`check_overrides`, ``SCALE_COMPONENT`` / :meth:`decode_scale`. A subclass with a
+    ``FORMAT`` registers itself in :data:`FORMATS` and with :func:`ckptq.ops.register_format`.
     """
 
     FORMAT: ClassVar[str] = ""
     Recipe: ClassVar[type] = object
+    #: the components the ``ckptq::requantize`` kernels take as a source, in their order
+    SOURCE_COMPONENTS: ClassVar[tuple[str, ...]] = ()
+    #: the override keywords (``"amax"``, ``"scale"``) :func:`ckptq.quantize` and
+    #: :func:`ckptq.requantize` accept for this target: those of a per-tensor value
+    PER_TENSOR_OVERRIDES: ClassVar[frozenset[str]] = frozenset()
+    #: the rowwise block-scale component that :meth:`decode_scale` decodes (None: none)
+    SCALE_COMPONENT: ClassVar[Optional[str]] = None
     _OPS: ClassVar[dict[Any, Callable]] = {}
 
     _components: dict[str, torch.Tensor]
@@ -77,6 +89,7 @@ class QuantizedTensor(torch.Tensor):
         super().__init_subclass__(**kwargs)
         if cls.FORMAT:
             FORMATS[cls.FORMAT] = cls
+            ops.register_format(cls)
 
     @staticmethod
     def __new__(
@@ -109,6 +122,42 @@ class QuantizedTensor(torch.Tensor):
     def component_specs(cls, shape: Sequence[int], recipe: Any) -> list[chunks.ComponentSpec]:
         """Specs of every component present for ``shape`` and ``recipe``, in canonical order."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ format hooks
+    @classmethod
+    def kernel_args(cls, recipe: Any) -> dict:
+        """The ``ckptq::requantize`` arguments describing this format with ``recipe``:
+        ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}`` (see
+        :func:`ckptq.ops.make_kernel_args`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def recipe_from_kernel_args(
+        cls, block: Sequence[int], fp8_dtype: Optional[torch.dtype], pow2: bool, eps: float, columnwise: bool
+    ) -> Any:
+        """Inverse of :meth:`kernel_args`: the recipe the op arguments describe (the fake kernels'
+        output shapes). Raises UnsupportedFormatError as the recipe does for invalid values."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_overrides(cls, shape: Sequence[int], amax: Any = None, scale: Any = None) -> None:
+        """Validate a quantize/requantize call to this format for a logical ``shape``: ``amax=`` /
+        ``scale=`` only where the format has that per-tensor value (``PER_TENSOR_OVERRIDES``);
+        formats with shape constraints (NVFP4: K even) extend it.
+
+        Raises:
+            UnsupportedFormatError: an override the format does not take.
+        """
+        for name, value in (("amax", amax), ("scale", scale)):
+            if value is not None and name not in cls.PER_TENSOR_OVERRIDES:
+                # reverse-sorted, as the message has always read ("nvfp4 and fp8_tensor")
+                takers = sorted((f for f, c in FORMATS.items() if name in c.PER_TENSOR_OVERRIDES), reverse=True)
+                raise UnsupportedFormatError(f"{cls.FORMAT}: {name}= applies only to {' and '.join(takers)}")
+
+    @classmethod
+    def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:
+        """The ``SCALE_COMPONENT`` tensor ``t`` decoded to fp32 (the default: a plain cast)."""
+        return t.float()
 
     @property
     def specs(self) -> list[chunks.ComponentSpec]:
@@ -222,8 +271,6 @@ class QuantizedTensor(torch.Tensor):
     # ------------------------------------------------------------------ numerics
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """High-precision values of the logical shape, computed in fp32 and cast to ``dtype``."""
-        from .. import ops
-
         return ops.dequantize(self, dtype)
 
     def __repr__(self) -> str:

@@ -3,7 +3,7 @@
 Layouts (DESIGN.md section 2), logical (..., M, K):
 * ``fp8_tensor``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (...) -- one decode multiplier per matrix.
 * ``fp8_block``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (..., ceil(M/bm), ceil(K/bk)).
-Numerics: :mod:`ckptq.formats.numerics` (TE ``compute_scale_from_amax``).
+Numerics: :mod:`ckptq.numerics` (TE ``compute_scale_from_amax``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Sequence
 
 import torch
 
+from .. import numerics, ops
 from ..chunks import ComponentSpec, DimMap
 from ..errors import UnsupportedFormatError
-from . import numerics
 from .base import QuantizedTensor, check_recipe_flag, check_recipe_value
 
 __all__ = ["Float8Recipe", "Float8Tensor", "Float8BlockRecipe", "Float8BlockTensor"]
@@ -60,6 +60,17 @@ class Float8Tensor(QuantizedTensor):
 
     FORMAT = "fp8_tensor"
     Recipe = Float8Recipe
+    SOURCE_COMPONENTS = ("data", "scale_inv")
+    PER_TENSOR_OVERRIDES = frozenset({"amax", "scale"})
+    SCALE_COMPONENT = "scale_inv"
+
+    @classmethod
+    def kernel_args(cls, recipe: Float8Recipe) -> dict:
+        return ops.make_kernel_args(cls.FORMAT, fp8_dtype=recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps)
+
+    @classmethod
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> Float8Recipe:
+        return Float8Recipe(fp8_dtype=fp8_dtype, pow2=pow2, eps=eps)
 
     @classmethod
     def component_specs(cls, shape: Sequence[int], recipe: Float8Recipe) -> list[ComponentSpec]:
@@ -111,6 +122,18 @@ class Float8BlockTensor(QuantizedTensor):
 
     FORMAT = "fp8_block"
     Recipe = Float8BlockRecipe
+    SOURCE_COMPONENTS = ("data", "scale_inv")
+    SCALE_COMPONENT = "scale_inv"
+
+    @classmethod
+    def kernel_args(cls, recipe: Float8BlockRecipe) -> dict:
+        return ops.make_kernel_args(
+            cls.FORMAT, block=recipe.block, fp8_dtype=recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps
+        )
+
+    @classmethod
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> Float8BlockRecipe:
+        return Float8BlockRecipe(block=tuple(block), fp8_dtype=fp8_dtype, pow2=pow2, eps=eps)
 
     @classmethod
     def component_specs(cls, shape: Sequence[int], recipe: Float8BlockRecipe) -> list[ComponentSpec]:

@@ -3,7 +3,7 @@
 Layout (DESIGN.md section 2), logical (..., M, K): ``data`` e4m3 (..., M, K); ``scale`` E8M0 stored as
 uint8 (..., M, ceil(K/32)); optional independently quantized columnwise copy (TE 1-D MXFP8):
 ``columnwise_data`` e4m3 (..., M, K) and ``columnwise_scale`` uint8 (..., ceil(M/32), K).
-Numerics: :func:`ckptq.formats.numerics.quantize_mxfp8` (TE ``float_to_e8m0`` scale rounding).
+Numerics: :func:`ckptq.numerics.quantize_mxfp8` (TE ``float_to_e8m0`` scale rounding).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
+from .. import numerics, ops
 from ..chunks import ComponentSpec, DimMap
-from . import numerics
 from .base import QuantizedTensor, check_recipe_flag
 
 __all__ = ["MXFP8Recipe", "MXFP8Tensor"]
@@ -37,6 +37,21 @@ class MXFP8Tensor(QuantizedTensor):
 
     FORMAT = "mxfp8"
     Recipe = MXFP8Recipe
+    SOURCE_COMPONENTS = ("data", "scale")
+    SCALE_COMPONENT = "scale"
+
+    @classmethod
+    def kernel_args(cls, recipe: MXFP8Recipe) -> dict:
+        return ops.make_kernel_args(cls.FORMAT, block=(1, MX_BLOCK), columnwise=recipe.columnwise)
+
+    @classmethod
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> MXFP8Recipe:
+        return MXFP8Recipe(columnwise=columnwise)
+
+    @classmethod
+    def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:
+        """E8M0 bytes -> fp32 powers of two (255 -> NaN)."""
+        return numerics.e8m0_to_fp32(t)
 
     @classmethod
     def component_specs(cls, shape: Sequence[int], recipe: MXFP8Recipe) -> list[ComponentSpec]:

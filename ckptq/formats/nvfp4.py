@@ -3,7 +3,7 @@
 Layout (DESIGN.md section 2), logical (..., M, K), K even: ``data`` uint8 (..., M, K/2) with element 2i
 in the low nibble; ``scale`` float8_e4m3fn (..., M, ceil(K/16)) for 1x16 blocks, or
 (..., ceil(M/16), ceil(K/16)) for 16x16 blocks (``two_d``); ``amax`` fp32 (...).
-Numerics: :func:`ckptq.formats.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
+Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Sequence
 
 import torch
 
+from .. import numerics, ops
 from ..chunks import ComponentSpec, DimMap
-from . import numerics
+from ..errors import QuantizationError
 from .base import QuantizedTensor, check_recipe_flag
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor"]
@@ -41,6 +42,27 @@ class NVFP4Tensor(QuantizedTensor):
 
     FORMAT = "nvfp4"
     Recipe = NVFP4Recipe
+    SOURCE_COMPONENTS = ("data", "scale", "amax")
+    PER_TENSOR_OVERRIDES = frozenset({"amax"})
+    SCALE_COMPONENT = "scale"
+
+    @classmethod
+    def kernel_args(cls, recipe: NVFP4Recipe) -> dict:
+        return ops.make_kernel_args(cls.FORMAT, block=(NVFP4_BLOCK if recipe.two_d else 1, NVFP4_BLOCK))
+
+    @classmethod
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> NVFP4Recipe:
+        return NVFP4Recipe(two_d=bool(block) and int(block[0]) > 1)
+
+    @classmethod
+    def check_overrides(cls, shape, amax=None, scale=None) -> None:
+        """Also raises QuantizationError for an odd K (E2M1 values are packed two per byte)."""
+        if shape[-1] % 2:
+            raise QuantizationError(
+                f"nvfp4: the last dim of shape {tuple(shape)} is odd ({shape[-1]}); E2M1 values are "
+                f"packed two per byte, so K must be even. Pad K or choose another format."
+            )
+        super().check_overrides(shape, amax, scale)
 
     @classmethod
     def component_specs(cls, shape: Sequence[int], recipe: NVFP4Recipe) -> list[ComponentSpec]:

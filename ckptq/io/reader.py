@@ -4,13 +4,16 @@
   ``read_metadata`` uses :mod:`ckptq.io.safe_pickle`, and its ``read_data`` checks every non-tensor
   (BYTE_IO) item with ``torch.load(weights_only=True)`` before DCP's planner loads it (DCP's
   ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)``). Tensor items are
-  already read by DCP with ``weights_only=True``.
+  already read by DCP with ``weights_only=True``. Checkpoints that other libraries wrote with
+  pickled quantized tensors (TransformerEngine) are presented through the ckptq contract
+  (:mod:`ckptq.io.foreign`), their records unpickled with the adapters' stand-ins only.
 - :func:`read_metadata` opens a checkpoint directory for tools (``ckptq inspect``) with clear
   :class:`~ckptq.errors.CheckpointFormatError` s for missing, truncated and non-DCP paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import warnings
@@ -109,12 +112,22 @@ class SafeFileSystemReader(FileSystemReader):
                 f"a DCP checkpoint"
             )
         _check_locations_inside(metadata, self.path, str(path))
+        from .foreign import virtualize
+
+        metadata = virtualize(metadata, Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        from .foreign import ForeignLocation, read_foreign_items
+
+        foreign = [it for it in plan.items if isinstance(self.storage_data.get(it.storage_index), ForeignLocation)]
+        if foreign:  # entries of a checkpoint another library wrote (see ckptq.io.foreign)
+            read_foreign_items(Path(self.path), self.storage_data, foreign, planner)
+            served = {id(it) for it in foreign}
+            plan = dataclasses.replace(plan, items=[it for it in plan.items if id(it) not in served])
         return super().read_data(plan, _WeightsOnlyBytes(planner, str(self.path)))
 
 

@@ -28,7 +28,7 @@ STACK_GLOBAL opcodes). The result is exactly:
 torch 2.11 pickles the same classes (its ``metadata.py`` and ``filesystem.py`` declare the same
 dataclasses; ``CURRENT_DCP_VERSION`` is ``"1.0.0"`` in both).
 
-ckptq's own ``planner_data["__ckptq__"]`` holds builtins only (dict, list, str, int, float, bool,
+ckptq's own record (``planner_data[ckptq.contract.CKPTQ_KEY]``) holds builtins only (dict, list, str, int, float, bool,
 None), which need no globals.
 """
 

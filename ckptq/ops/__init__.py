@@ -2,10 +2,16 @@
 
 Backends, in order of preference: ``cuda`` and ``cpu`` (C++ kernels in ``ckptq/csrc``, when built;
 exposed as the ``torch.ops.ckptq.requantize`` / ``torch.ops.ckptq.amax`` custom ops, see
-:mod:`ckptq.ops._library`) and ``reference`` (pure PyTorch, :mod:`ckptq.formats.numerics`, always
-there; the spec). Every backend produces the same bytes as the reference. The kernels fuse decode
+:mod:`ckptq.ops._library`) and ``reference`` (pure PyTorch, :mod:`ckptq.numerics`, always there;
+the spec). Every backend produces the same bytes as the reference. The kernels fuse decode
 (source format) and encode (target format) into one pass over the data; per-tensor targets
 (``fp8_tensor``, ``nvfp4`` without ``amax=``) first reduce the amax over the source.
+
+The entry points take QuantizedTensor subclasses (and their instances) and use their hooks
+(``kernel_args``, ``SOURCE_COMPONENTS``, ``component_specs``, ``_reference_quantize`` /
+``_reference_dequantize``); the formats register themselves (:func:`register_format`), so this
+package never imports :mod:`ckptq.formats`. Override validation is the caller's
+(``QuantizedTensor.check_overrides``).
 
 ``CKPTQ_BACKEND=reference|cpu|cuda`` forces one (details in :mod:`ckptq.ops._backends`);
 :func:`force` does the same for a ``with`` block.
@@ -14,17 +20,15 @@ there; the spec). Every backend produces the same bytes as the reference. The ke
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import QuantizationError, UnsupportedFormatError
+from .. import numerics
 from . import _backends
 from ._backends import force
-from ._library import HP_FORMATS
-
-if TYPE_CHECKING:
-    from ..formats.base import QuantizedTensor
+from ._library import _FORMATS, HP_FORMATS, register_format
+from ._library import format_class as _format_class
 
 __all__ = [
     "quantize",
@@ -35,6 +39,8 @@ __all__ = [
     "backend_report",
     "force",
     "kernel_args",
+    "make_kernel_args",
+    "register_format",
 ]
 
 
@@ -58,23 +64,30 @@ def backend_report() -> dict:
 
 
 # ------------------------------------------------------------------------------ op arguments
-def kernel_args(fmt: str, recipe: Any) -> dict:
+def make_kernel_args(
+    fmt: str,
+    *,
+    block: Sequence[int] = (),
+    fp8_dtype: Optional[torch.dtype] = None,
+    pow2: bool = False,
+    eps: float = 0.0,
+    columnwise: bool = False,
+) -> dict:
+    """The ``ckptq::requantize`` arguments describing one side (source or target) of the op:
+    ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}``, unused ones at their defaults."""
+    return {"format": fmt, "block": [int(b) for b in block], "fp8_dtype": fp8_dtype, "pow2": bool(pow2),
+            "eps": float(eps), "columnwise": bool(columnwise)}
+
+
+def kernel_args(fmt: str, recipe: Any = None) -> dict:
     """The ``ckptq::requantize`` arguments describing format ``fmt`` with ``recipe``.
 
     Returns ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}``; ``recipe`` is the
     format's recipe dataclass (ignored for the high-precision formats ``fp32``/``bf16``/``fp16``).
+    A quantized format answers through its class's ``kernel_args`` hook.
     """
-    out = {"format": fmt, "block": [], "fp8_dtype": None, "pow2": False, "eps": 0.0, "columnwise": False}
-    if fmt == "fp8_tensor":
-        out.update(fp8_dtype=recipe.fp8_dtype, pow2=bool(recipe.pow2), eps=float(recipe.eps))
-    elif fmt == "fp8_block":
-        out.update(block=[int(b) for b in recipe.block], fp8_dtype=recipe.fp8_dtype, pow2=bool(recipe.pow2),
-                   eps=float(recipe.eps))
-    elif fmt == "mxfp8":
-        out.update(block=[1, 32], columnwise=bool(recipe.columnwise))
-    elif fmt == "nvfp4":
-        out.update(block=[16, 16] if recipe.two_d else [1, 16])
-    return out
+    cls = _format_class(fmt)
+    return make_kernel_args(fmt) if cls is None else cls.kernel_args(recipe)
 
 
 def _pow2(n: int) -> bool:
@@ -96,16 +109,18 @@ def _cuda_supports(src: dict, dst: dict) -> bool:
     return True
 
 
-def _source_components(qt: "QuantizedTensor") -> list[torch.Tensor]:
-    names = {"fp8_tensor": ("data", "scale_inv"), "fp8_block": ("data", "scale_inv"), "mxfp8": ("data", "scale"),
-             "nvfp4": ("data", "scale", "amax")}[qt.FORMAT]
-    return [qt._components[n] for n in names]
+def _source(qt) -> tuple[dict, list[torch.Tensor]]:
+    """The op arguments and the source component list of a QuantizedTensor (its class's hooks)."""
+    cls = type(qt)
+    return cls.kernel_args(qt.recipe), [qt._components[n] for n in cls.SOURCE_COMPONENTS]
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, tuple(_FORMATS.values()))
 
 
 def _per_matrix(value: Any, batch: tuple, device: torch.device) -> torch.Tensor:
     """An ``amax=``/``scale=`` override as the reference takes it: fp32, expanded to the batch shape."""
-    from ..formats import numerics
-
     return numerics._f32(torch.as_tensor(value)).expand(batch).contiguous().to(device)
 
 
@@ -123,102 +138,68 @@ def _use_kernel(backend: str, src: dict, dst: dict, shape) -> bool:
 
 
 # -------------------------------------------------------------------------------- entry points
+def _encode(cls, src_list, src: dict, recipe: Any, shape, device, amax, scale) -> dict[str, torch.Tensor]:
+    """Run the kernel from ``src_list`` to ``cls`` with ``recipe``; the target's components by name."""
+    batch = tuple(shape[:-2])
+    a = None if amax is None or scale is not None else _per_matrix(amax, batch, device)
+    s = None if scale is None else _per_matrix(scale, batch, device)
+    outs = _run(src_list, src, cls.kernel_args(recipe), amax=a, scale=s)
+    return {spec.name: t for spec, t in zip(cls.component_specs(shape, recipe), outs)}
+
+
 def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dict[str, torch.Tensor]:
     """Components of ``x`` (fp32/bf16/fp16, shape (..., M, K)) quantized as ``cls`` (a
     QuantizedTensor subclass) with ``recipe``; ``amax``/``scale`` override the per-matrix value
     (see :func:`ckptq.quantize`). Returns ``{component name: tensor}`` in canonical order."""
     backend = _backends.select(x.device)
-    src = kernel_args(HP_FORMATS.get(x.dtype, ""), None)
-    dst = kernel_args(cls.FORMAT, recipe)
-    if x.dtype not in HP_FORMATS or not _use_kernel(backend, src, dst, x.shape):
+    src = kernel_args(HP_FORMATS.get(x.dtype, ""))
+    if x.dtype not in HP_FORMATS or not _use_kernel(backend, src, cls.kernel_args(recipe), x.shape):
         return cls._reference_quantize(x, recipe, amax=amax, scale=scale)
-    batch = tuple(x.shape[:-2])
-    a = None if amax is None or scale is not None else _per_matrix(amax, batch, x.device)
-    s = None if scale is None else _per_matrix(scale, batch, x.device)
-    outs = _run([x], src, dst, amax=a, scale=s)
-    return {spec.name: t for spec, t in zip(cls.component_specs(x.shape, recipe), outs)}
+    return _encode(cls, [x], src, recipe, x.shape, x.device, amax, scale)
 
 
-def dequantize(qt: "QuantizedTensor", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """High-precision values of ``qt`` (fp32 math, cast to ``dtype`` at the end), shape ``qt.shape``."""
+def dequantize(qt, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """High-precision values of the QuantizedTensor ``qt`` (fp32 math, cast to ``dtype`` at the
+    end), shape ``qt.shape``."""
     backend = _backends.select(qt.device)
-    src = kernel_args(qt.FORMAT, qt.recipe)
-    dst = kernel_args(HP_FORMATS.get(dtype, "fp32"), None)
+    src, comps = _source(qt)
+    dst = kernel_args(HP_FORMATS.get(dtype, "fp32"))
     if not _use_kernel(backend, src, dst, qt.shape):
         return type(qt)._reference_dequantize(qt._components, qt.recipe, dtype)
-    (x,) = _run(_source_components(qt), src, dst)
+    (x,) = _run(comps, src, dst)
     return x if x.dtype == dtype else x.to(dtype)  # e.g. float64: fp32 math, then the cast
 
 
-def amax(src: "QuantizedTensor | torch.Tensor") -> torch.Tensor:
-    """Per-matrix amax of ``src``'s (decoded) values: fp32 of the batch shape, NaN propagates.
+def requantize(qt, cls, recipe: Any, *, amax=None, scale=None) -> dict[str, torch.Tensor]:
+    """Components of the QuantizedTensor ``qt`` re-encoded as ``cls`` with ``recipe`` (``amax``/
+    ``scale`` as in :func:`quantize`); ``{component name: tensor}`` in canonical order.
+
+    Equal, byte for byte, to ``quantize(cls, dequantize(qt, torch.float32), recipe, ...)``, which
+    is what runs where no kernel takes the pair (reference backend, empty tensors, blocks the CUDA
+    kernels do not take); a kernel backend fuses decode and encode into one pass. Overrides are
+    not validated here (see ``QuantizedTensor.check_overrides``).
+    """
+    backend = _backends.select(qt.device)
+    src, comps = _source(qt)
+    if not _use_kernel(backend, src, cls.kernel_args(recipe), qt.shape):
+        return quantize(cls, dequantize(qt, torch.float32), recipe, amax=amax, scale=scale)
+    return _encode(cls, comps, src, recipe, qt.shape, qt.device, amax, scale)
+
+
+def amax(src) -> torch.Tensor:
+    """Per-matrix amax of ``src``'s (decoded) values (a QuantizedTensor or a plain tensor): fp32 of
+    the batch shape, NaN propagates.
 
     This is the amax an ``nvfp4`` or ``fp8_tensor`` target computes; reduce it over the shards of
     one tensor (e.g. ``all_reduce(MAX)``) and pass it as ``amax=`` so that all shards share scales.
     """
-    from ..formats import QuantizedTensor as QT, numerics
-
     backend = _backends.select(src.device)
-    if isinstance(src, QT):
-        s = kernel_args(src.FORMAT, src.recipe)
-        comps = _source_components(src)
+    quantized = _is_quantized(src)
+    if quantized:
+        s, comps = _source(src)
     else:
-        s = kernel_args(HP_FORMATS.get(src.dtype, ""), None)
-        comps = [src]
-    if s["format"] and _use_kernel(backend, s, kernel_args("fp32", None), src.shape):
+        s, comps = kernel_args(HP_FORMATS.get(src.dtype, "")), [src]
+    if s["format"] and _use_kernel(backend, s, kernel_args("fp32"), src.shape):
         return torch.ops.ckptq.amax(comps, s["format"], s["block"])
-    hp = src.dequantize(torch.float32) if isinstance(src, QT) else src
+    hp = dequantize(src, torch.float32) if quantized else src
     return numerics._matrix_amax(hp)
-
-
-def requantize(
-    src: "QuantizedTensor | torch.Tensor",
-    fmt: str,
-    *,
-    amax: Optional[Any] = None,
-    scale: Optional[Any] = None,
-    **recipe: Any,
-) -> "QuantizedTensor":
-    """Convert ``src`` (quantized or high precision) to ``fmt`` with ``recipe``.
-
-    The logical dtype of the result is ``src.dtype``. The result equals, byte for byte,
-    ``ckptq.quantize(src.dequantize(torch.float32), fmt, amax=..., scale=..., **recipe)``; the
-    kernel backends compute it in one fused pass without the high-precision intermediate.
-
-    Raises:
-        UnsupportedFormatError: unknown format or recipe option, ``amax=``/``scale=`` where the
-            format has no per-tensor value.
-        QuantizationError: nvfp4 with an odd last dim.
-    """
-    from ..formats import QuantizedTensor as QT, format_class, make_recipe, quantize as _quantize
-
-    if not isinstance(src, QT):
-        hp = src
-        out = _quantize(hp.float() if hp.dtype not in HP_FORMATS else hp, fmt, amax=amax, scale=scale, **recipe)
-        if out.dtype != src.dtype:
-            out = type(out)(out._components, out.shape, src.dtype, out.recipe)
-        return out
-
-    cls = format_class(fmt)
-    rec = make_recipe(fmt, **recipe)
-    if amax is not None and fmt not in ("nvfp4", "fp8_tensor"):
-        raise UnsupportedFormatError(f"{fmt}: amax= applies only to nvfp4 and fp8_tensor")
-    if scale is not None and fmt != "fp8_tensor":
-        raise UnsupportedFormatError(f"{fmt}: scale= applies only to fp8_tensor")
-    if fmt == "nvfp4" and src.shape[-1] % 2:
-        raise QuantizationError(
-            f"nvfp4: the last dim of shape {tuple(src.shape)} is odd ({src.shape[-1]}); E2M1 values are "
-            f"packed two per byte, so K must be even. Pad K or choose another format."
-        )
-    backend = _backends.select(src.device)
-    s, d = kernel_args(src.FORMAT, src.recipe), kernel_args(fmt, rec)
-    if not _use_kernel(backend, s, d, src.shape):
-        hp = src.dequantize(torch.float32)
-        out = _quantize(hp, fmt, amax=amax, scale=scale, **recipe)
-        return type(out)(out._components, out.shape, src.dtype, out.recipe)
-    batch = tuple(src.shape[:-2])
-    a = None if amax is None or scale is not None else _per_matrix(amax, batch, src.device)
-    sc = None if scale is None else _per_matrix(scale, batch, src.device)
-    outs = _run(_source_components(src), s, d, amax=a, scale=sc)
-    comps = {spec.name: t for spec, t in zip(cls.component_specs(src.shape, rec), outs)}
-    return cls(comps, src.shape, src.dtype, rec)

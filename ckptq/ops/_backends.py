@@ -1,7 +1,7 @@
 """Loading of the compiled backends, and the choice of backend per device.
 
 Backends, fastest first: ``cuda`` (``ckptq._C_cuda``, CUDA tensors) and ``cpu`` (``ckptq._C``, CPU
-tensors); ``reference`` (pure PyTorch, :mod:`ckptq.formats.numerics`) always works and is the spec.
+tensors); ``reference`` (pure PyTorch, :mod:`ckptq.numerics`) always works and is the spec.
 
 * The extensions are imported lazily, the first time a backend is asked for, each inside
   ``try/except``: a missing or broken ``.so`` (not built, built against another torch, missing CUDA
@@ -70,7 +70,7 @@ def _try_load(name: str) -> tuple[bool, str, Optional[str]]:
 def status(name: str) -> tuple[bool, str, Optional[str]]:
     """``(active, reason, path)`` of backend ``name`` (loads it on first call)."""
     if name == "reference":
-        return True, "pure PyTorch (ckptq.formats.numerics), always available; the spec", None
+        return True, "pure PyTorch (ckptq.numerics), always available; the spec", None
     with _lock:
         if name not in _state:
             _state[name] = _try_load(name)

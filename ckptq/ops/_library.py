@@ -30,7 +30,17 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["REQUANTIZE_SCHEMA", "AMAX_SCHEMA", "HP_FORMATS", "logical_shape", "output_specs"]
+from ..errors import CkptqError
+
+__all__ = [
+    "REQUANTIZE_SCHEMA",
+    "AMAX_SCHEMA",
+    "HP_FORMATS",
+    "register_format",
+    "format_class",
+    "logical_shape",
+    "output_specs",
+]
 
 REQUANTIZE_SCHEMA = (
     "requantize(Tensor[] src, str src_format, int[] src_block, str dst_format, int[] dst_block, "
@@ -43,49 +53,68 @@ AMAX_SCHEMA = "amax(Tensor[] src, str src_format, int[] src_block) -> Tensor"
 HP_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _HP_DTYPES = {v: k for k, v in HP_FORMATS.items()}
 
+#: quantized format name -> its QuantizedTensor subclass, filled by :func:`register_format` (the
+#: formats register themselves, so that ops never imports :mod:`ckptq.formats`).
+_FORMATS: dict[str, type] = {}
 
-def _cdiv(a, b):
-    return -(-a // b)
+
+def register_format(cls: type) -> type:
+    """Make the QuantizedTensor subclass ``cls`` known to the ops under ``cls.FORMAT``.
+
+    The ops use its hooks: ``kernel_args`` / ``recipe_from_kernel_args`` (the op arguments),
+    ``SOURCE_COMPONENTS`` (the kernels' source order), ``component_specs`` (output shapes and
+    dtypes) and ``_reference_quantize`` / ``_reference_dequantize`` (the reference backend).
+    """
+    _FORMATS[cls.FORMAT] = cls
+    return cls
 
 
-def logical_shape(src: Sequence[torch.Tensor], src_format: str) -> tuple[tuple, object, object]:
+def format_class(fmt: str) -> Optional[type]:
+    """The registered QuantizedTensor subclass of quantized format ``fmt``; None for the
+    high-precision formats and unknown names."""
+    return _FORMATS.get(fmt)
+
+
+def _recipe(cls: type, block, fp8_dtype=None, pow2=False, eps=0.0, columnwise=False):
+    """``cls``'s recipe from op arguments; an invalid combination fails as the kernels do (RuntimeError)."""
+    try:
+        return cls.recipe_from_kernel_args(list(block), fp8_dtype, bool(pow2), float(eps), bool(columnwise))
+    except (CkptqError, TypeError, ValueError) as e:  # the recipe's own validation
+        torch._check(False, lambda: f"ckptq: {e}")
+
+
+def logical_shape(
+    src: Sequence[torch.Tensor], src_format: str, src_block: Sequence[int] = ()
+) -> tuple[tuple, object, object]:
     """``(batch, M, K)`` of the logical tensor whose ``src_format`` components are ``src``.
 
-    ``src[0]`` is the element data: (..., M, K), or (..., M, K/2) packed for nvfp4.
+    ``src[0]`` is the element data (..., M, K / d), where ``d`` is the divisor of the format's
+    ``data`` component along K (2 for nvfp4's packed E2M1, 1 otherwise).
     """
     data = src[0]
     torch._check(data.dim() >= 2, lambda: f"ckptq: source data must have rank >= 2, got {tuple(data.shape)}")
     *batch, m, k = data.shape
-    if src_format == "nvfp4":
-        k = 2 * k
+    cls = format_class(src_format)
+    if cls is not None:
+        rec = _recipe(cls, src_block, data.dtype)
+        spec = next(s for s in cls.component_specs(tuple(data.shape), rec) if s.name == "data")
+        k = k * spec.block_of(data.dim() - 1)
     return tuple(batch), m, k
 
 
 def output_specs(
-    batch: tuple, m, k, dst_format: str, dst_block: Sequence[int], fp8_dtype: Optional[torch.dtype], columnwise: bool
+    batch: tuple, m, k, dst_format: str, dst_block: Sequence[int], fp8_dtype: Optional[torch.dtype], columnwise: bool,
+    pow2: bool = False, eps: float = 0.0,
 ) -> list[tuple[tuple, torch.dtype]]:
-    """Shapes and dtypes of the target components, canonical order (DESIGN.md section 2)."""
-    b = tuple(batch)
+    """Shapes and dtypes of the target components, canonical order (the format's ``component_specs``)."""
+    shape = tuple(batch) + (m, k)
     if dst_format in _HP_DTYPES:
-        return [(b + (m, k), _HP_DTYPES[dst_format])]
-    if dst_format == "fp8_tensor":
-        return [(b + (m, k), fp8_dtype), (b, torch.float32)]
-    if dst_format == "fp8_block":
-        bm, bk = dst_block
-        return [(b + (m, k), fp8_dtype), (b + (_cdiv(m, bm), _cdiv(k, bk)), torch.float32)]
-    if dst_format == "mxfp8":
-        out = [(b + (m, k), torch.float8_e4m3fn), (b + (m, _cdiv(k, 32)), torch.uint8)]
-        if columnwise:
-            out += [(b + (m, k), torch.float8_e4m3fn), (b + (_cdiv(m, 32), k), torch.uint8)]
-        return out
-    if dst_format == "nvfp4":
-        bm = dst_block[0] if len(dst_block) else 1
-        return [
-            (b + (m, k // 2), torch.uint8),
-            (b + (_cdiv(m, bm), _cdiv(k, 16)), torch.float8_e4m3fn),
-            (b, torch.float32),
-        ]
-    raise ValueError(f"ckptq: unknown target format {dst_format!r}")
+        return [(shape, _HP_DTYPES[dst_format])]
+    cls = format_class(dst_format)
+    if cls is None:
+        raise ValueError(f"ckptq: unknown target format {dst_format!r}")
+    rec = _recipe(cls, dst_block, fp8_dtype, pow2, eps, columnwise)
+    return [(s.shape(shape), s.dtype) for s in cls.component_specs(shape, rec)]
 
 
 _lib = torch.library.Library("ckptq", "DEF")  # noqa: referenced to keep the registration alive
@@ -98,18 +127,13 @@ def _requantize_fake(
     src, src_format, src_block, dst_format, dst_block, fp8_dtype=None, pow2=False, eps=0.0,
     columnwise=False, amax=None, scale=None,
 ):
-    batch, m, k = logical_shape(src, src_format)
-    if dst_format in ("fp8_tensor", "fp8_block"):
-        torch._check(
-            fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2),
-            lambda: f"ckptq: target {dst_format} needs fp8_dtype e4m3fn or e5m2, got {fp8_dtype}",
-        )
+    batch, m, k = logical_shape(src, src_format, src_block)
     dev = src[0].device
     return [src[0].new_empty(shape, dtype=dt, device=dev) for shape, dt in
-            output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise)]
+            output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise, pow2, eps)]
 
 
 @torch.library.register_fake("ckptq::amax")
 def _amax_fake(src, src_format, src_block):
-    batch, _, _ = logical_shape(src, src_format)
+    batch, _, _ = logical_shape(src, src_format, src_block)
     return src[0].new_empty(batch, dtype=torch.float32)

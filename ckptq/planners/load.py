@@ -6,7 +6,7 @@ import dataclasses
 import io
 import logging
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from .. import chunks, ops
+from .. import adapters, chunks
+from ..contract import Entry, fold_entries
 from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
-from ..formats import format_class
-from ..formats.base import QuantizedTensor, slice_box, str_to_dtype, unwrap_quantized
+from ..formats import format_class, requantize
+from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
 from ..metrics import sqnr_db
-from ._common import ckptq_planner_data, component_fqn, local_box, local_tensor
+from ._common import local_box, local_tensor
 
 __all__ = ["QuantizedLoadPlanner"]
 
@@ -42,7 +43,7 @@ class _Buffer:
     shape: tuple[int, ...]
     dtype: torch.dtype
     tensor: Optional[torch.Tensor] = None  # preset for raw loads into a target's component
-    group: Optional["_Group"] = None
+    route: Optional["_Route"] = None
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
@@ -51,12 +52,251 @@ class _Buffer:
 
 
 @dataclasses.dataclass
-class _Group:
-    """The read items of one transformed tensor; ``finish`` runs once the last one is committed."""
+class _Target:
+    """One state_dict value to load.
+
+    ``qt`` is the canonical quantized target: the value's own ckptq tensor, or fresh canonical
+    buffers of a foreign tensor (``adapter`` set; inserted into ``local`` when its reads complete);
+    None for a plain target.
+    """
 
     fqn: str
-    pending: int
-    finish: Callable[[], None]
+    obj: torch.Tensor
+    local: torch.Tensor
+    qt: Optional[QuantizedTensor]
+    adapter: Optional[adapters.Adapter]
+    global_shape: tuple[int, ...]
+    box: chunks.Box
+
+
+class _Route:
+    """One read strategy for one target: :meth:`plan` returns its read items; :meth:`complete`
+    runs once the last of them is committed (then a foreign target gets its canonical bytes)."""
+
+    def __init__(self, planner: "QuantizedLoadPlanner", t: _Target, entry: Optional[Entry]):
+        self.p, self.t, self.entry = planner, t, entry
+        self.pending = 0
+
+    def plan(self) -> list[ReadItem]:
+        raise NotImplementedError
+
+    def read(self, key: str, cbox: chunks.Box, buf: _Buffer) -> list[ReadItem]:
+        items = self.p._read(key, cbox, buf, self.t.fqn)
+        buf.route = self
+        self.pending += len(items)
+        return items
+
+    def complete(self) -> None:
+        """Work after the reads (decode / re-encode); nothing for raw reads."""
+
+    def committed(self) -> None:
+        self.pending -= 1
+        if self.pending:
+            return
+        self.complete()
+        t = self.t
+        if t.adapter is not None:
+            sqnr = t.adapter.insert(t.local, t.qt, t.fqn)
+            if sqnr is not None:
+                self.p.derived[t.fqn] = sqnr
+
+
+class _Raw(_Route):
+    """Native source in the target's format and recipe: each component read straight into the
+    target's component tensors (raw bytes, resharded by DCP's box math on component chunks)."""
+
+    def plan(self) -> list[ReadItem]:
+        t = self.t
+        specs = t.qt.component_specs(t.global_shape, t.qt.recipe)
+        chunks.check_aligned(specs, t.global_shape, t.box, fqn=t.fqn, fmt=t.qt.FORMAT)
+        items = []
+        for spec in specs:
+            cbox = chunks.component_box(spec, t.global_shape, t.box, fqn=t.fqn, fmt=t.qt.FORMAT)
+            dest = t.qt._components[spec.name]
+            items += self.read(self.entry.keys[spec.name], cbox, _Buffer(cbox[1], spec.dtype, tensor=dest))
+        return items
+
+
+class _Decode(_Route):
+    """Read the source region enclosing the target's box (block-aligned for the source's and the
+    target's blocks; the whole tensor when the target has a per-tensor value, so that every shard
+    derives the same global amax) into temporary buffers, then :meth:`apply` it."""
+
+    def target_alignment(self) -> list[int]:
+        return [1] * len(self.t.global_shape)
+
+    def plan(self) -> list[ReadItem]:
+        t, e = self.t, self.entry
+        ndim = len(t.global_shape)
+        align = self.target_alignment()
+        self.native = e is not None and e.kind == "quantized"
+        if self.native:
+            self.src_cls = format_class(e.format)
+            self.src_recipe = self.src_cls._recipe_from_json(e.descriptor.get("recipe", {}))
+            src_specs = self.src_cls.component_specs(t.global_shape, self.src_recipe)
+            align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim))]
+        full = ((0,) * ndim, t.global_shape)
+        if t.qt is not None and t.qt.per_tensor_names() and t.box != full:
+            self.region = full
+        else:
+            self.region = chunks.expand_to_aligned(align, t.global_shape, t.box)
+        if math.prod(t.box[1]) == 0:
+            return []
+        self.buffers: dict[str, _Buffer] = {}
+        items: list[ReadItem] = []
+        if self.native:
+            for spec in src_specs:
+                cbox = chunks.component_box(spec, t.global_shape, self.region, fqn=t.fqn, fmt=self.src_cls.FORMAT)
+                self.buffers[spec.name] = _Buffer(cbox[1], spec.dtype)
+                items += self.read(e.keys[spec.name], cbox, self.buffers[spec.name])
+        else:
+            md = self.p.metadata.state_dict_metadata[t.fqn]
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != t.global_shape:
+                raise CheckpointFormatError(
+                    f"tensor '{t.fqn}': checkpoint entry is {_describe_md(md)}, the target is a tensor "
+                    f"of shape {t.global_shape}"
+                )
+            self.buffers["values"] = _Buffer(self.region[1], md.properties.dtype)
+            items += self.read(t.fqn, self.region, self.buffers["values"])
+        return items
+
+    def source(self) -> Any:
+        """The source region: a QuantizedTensor (native source) or a plain tensor of values."""
+        if not self.native:
+            return self.buffers["values"].get()
+        comps = {k: b.get() for k, b in self.buffers.items()}
+        return self.src_cls.from_components(comps, self.region[1], str_to_dtype(self.entry.descriptor["dtype"]),
+                                            self.src_recipe, fqn=self.t.fqn)
+
+    def values(self, src: Any) -> torch.Tensor:
+        return src.dequantize(torch.float32) if self.native else src
+
+    def complete(self) -> None:
+        self.apply(self.source(), chunks.box_within(self.t.box, self.region))
+        self.buffers.clear()
+
+    def apply(self, src: Any, rel: chunks.Box) -> None:
+        raise NotImplementedError
+
+
+class _ToPlain(_Decode):
+    """A plain target: the source decoded (native) or read as is, cut to the target's box."""
+
+    def apply(self, src: Any, rel: chunks.Box) -> None:
+        local_tensor(self.t.obj).copy_(chunks.narrow_box(self.values(src), rel))
+
+
+class _Requantize(_Decode):
+    """A quantized target of another format or recipe (or a high-precision source): the source
+    re-encoded with the target's recipe through :func:`ckptq.requantize`, then cut to the box."""
+
+    def target_alignment(self) -> list[int]:
+        t = self.t
+        specs = t.qt.component_specs(t.global_shape, t.qt.recipe)
+        chunks.check_aligned(specs, t.global_shape, t.box, fqn=t.fqn, fmt=t.qt.FORMAT)
+        return list(chunks.alignment(specs, len(t.global_shape)))
+
+    def apply(self, src: Any, rel: chunks.Box) -> None:
+        target = self.t.qt
+        new = requantize(src, target.FORMAT, **dataclasses.asdict(target.recipe))
+        logger.info(
+            "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
+            self.t.fqn, self.entry.format if self.native else "high-precision", target.FORMAT, target.recipe,
+        )
+        part = slice_box(new, rel, fqn=self.t.fqn)
+        for name, t in target._components.items():
+            t.copy_(part._components[name])
+
+
+class _LocalEncode(_Decode):
+    """A quantized target whose shard cuts blocks of the global grid (``requantize_misaligned``):
+    its box re-encoded as a local tensor (its own blocks; the whole tensor's amax), SQNR recorded."""
+
+    def apply(self, src: Any, rel: chunks.Box) -> None:
+        t, target = self.t, self.t.qt
+        whole = self.values(src).float()
+        values = chunks.narrow_box(whole, rel).contiguous()
+        amax = whole.abs().amax(dim=(-2, -1)) if target.per_tensor_names() else None  # region = whole tensor
+        new = requantize(values, target.FORMAT, amax=amax, **dataclasses.asdict(target.recipe))
+        for name, c in target._components.items():
+            c.copy_(new._components[name])
+        self.p.requantized[t.fqn] = sqnr_db(values, new.dequantize(torch.float32))
+        logger.warning(
+            "ckptq: tensor '%s': shard box %s cuts %s blocks of the global grid; re-encoded "
+            "as a local tensor (requantize_misaligned=True), SQNR %.2f dB",
+            t.fqn, t.box, target.FORMAT, self.p.requantized[t.fqn],
+        )
+
+
+class _Grouped(_Route):
+    """A stacked (N, ...) target filled from saved members, or a member target from a saved stack:
+    raw bytes per member (quantized; scales and amax are the stack's leading batch dim) or values."""
+
+    def plan(self) -> list[ReadItem]:
+        p, t = self.p, self.t
+        fqn, global_shape, box = t.fqn, t.global_shape, t.box
+        if t.adapter is not None:
+            raise UnsupportedFormatError(
+                f"tensor '{fqn}': grouped loads fill ckptq or plain targets; load the "
+                f"{type(t.local).__name__} members one by one"
+            )
+        if fqn in p.grouped:  # target = stack (N, ...); checkpoint = members
+            members = p.grouped[fqn]
+            if global_shape[0] != len(members):
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': stacked shape {global_shape} but {len(members)} grouped members"
+                )
+            (o0, *o), (s0, *sz) = box
+            pieces = [(members[i], (tuple(o), tuple(sz)), i - o0) for i in range(o0, o0 + s0)]
+            expect = global_shape[1:]
+        else:  # target = member i; checkpoint = stack
+            stacked, i = p._member_of[fqn]
+            pieces = [(stacked, ((i,) + box[0], (1,) + box[1]), None)]
+            expect = None
+
+        def dest_view(x: torch.Tensor, j: Optional[int]) -> torch.Tensor:
+            return x.unsqueeze(0) if j is None else x[j]
+
+        items: list[ReadItem] = []
+        for src_fqn, sbox, j in pieces:
+            e = p._entries.get(src_fqn)
+            if t.qt is not None:
+                cls = type(t.qt)
+                if e is None or e.kind != "quantized" or e.format != cls.FORMAT or \
+                        cls._recipe_from_json(e.descriptor.get("recipe", {})) != t.qt.recipe:
+                    raise UnsupportedFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a native {cls.FORMAT} "
+                        f"entry with recipe {t.qt.recipe}; convert it first (ckptq convert / "
+                        f"ckptq reshard --grouped)"
+                    )
+                shape = tuple(e.shape)
+                if expect is not None and shape != tuple(expect) or expect is None and shape[1:] != global_shape:
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' has shape {shape}, which does not "
+                        f"match the target {global_shape}"
+                    )
+                specs = cls.component_specs(shape, t.qt.recipe)
+                chunks.check_aligned(specs, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
+                for spec in specs:
+                    cbox = chunks.component_box(spec, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
+                    dest = dest_view(t.qt._components[spec.name], j)
+                    items += self.read(e.keys[spec.name], cbox, _Buffer(cbox[1], spec.dtype, tensor=dest))
+            else:
+                md = p.metadata.state_dict_metadata.get(src_fqn)
+                if not isinstance(md, TensorStorageMetadata):
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a plain tensor entry of the "
+                        f"checkpoint ({_describe_md(md) if md is not None else 'missing'}); a plain "
+                        f"target reads plain members or stacks"
+                    )
+                if p.strict_dtype and md.properties.dtype != t.local.dtype:
+                    raise CheckpointFormatError(
+                        f"tensor '{fqn}': grouped source '{src_fqn}' is {md.properties.dtype}, the "
+                        f"target {t.local.dtype}"
+                    )
+                dest = dest_view(t.local, j)
+                items += self.read(src_fqn, sbox, _Buffer(sbox[1], md.properties.dtype, tensor=dest))
+        return items
 
 
 class QuantizedLoadPlanner(DefaultLoadPlanner):
@@ -120,11 +360,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self.requantize_misaligned = requantize_misaligned
         #: FQN -> SQNR (dB) of each misaligned target re-encoded locally (``requantize_misaligned``).
         self.requantized: dict[str, float] = {}
+        #: FQN -> SQNR (dB) of derived copies a foreign target had to requantize on insertion
+        #: (e.g. a TransformerEngine columnwise copy that the checkpoint does not hold).
+        self.derived: dict[str, float] = {}
         self._buffers: dict[tuple[str, tuple[int, ...]], _Buffer] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._descriptors = ckptq_planner_data(getattr(metadata, "planner_data", None))["tensors"]
+        self._entries = fold_entries(metadata) if metadata is not None else {}
         self._buffers = {}
 
     # ---------------------------------------------------------------- planning
@@ -132,9 +375,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         assert self.metadata is not None
         rest, mine = {}, {}
         for fqn, obj in self.state_dict.items():
-            native = self._descriptors.get(fqn, {}).get("mode") == "native"
+            native = fqn in self._entries and self._entries[fqn].kind == "quantized"
             if isinstance(obj, torch.Tensor) and (
-                unwrap_quantized(obj) is not None or native or self._is_grouped(fqn)
+                adapters.local_quantized(obj) is not None or native or self._is_grouped(fqn)
             ):
                 mine[fqn] = obj
             else:
@@ -175,222 +418,48 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 )
 
     def _in_checkpoint(self, fqn: str) -> bool:
-        return fqn in self._descriptors or fqn in self.metadata.state_dict_metadata
+        return fqn in self._entries
 
     def _is_grouped(self, fqn: str) -> bool:
         return (fqn in self.grouped or fqn in self._member_of) and not self._in_checkpoint(fqn)
 
-    def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
-        desc = self._descriptors.get(fqn)
-        target = unwrap_quantized(obj)
-        global_shape = tuple(obj.shape)
-        box = local_box(obj, fqn)
-        if self._is_grouped(fqn):
-            return self._plan_grouped(fqn, obj, target, global_shape, box)
-        if desc is not None and desc.get("mode") == "native":
-            src_cls = format_class(desc["format"])
-            if tuple(desc["shape"]) != global_shape:
-                raise CheckpointFormatError(
-                    f"tensor '{fqn}': checkpoint has logical shape {tuple(desc['shape'])}, the target "
-                    f"has {global_shape}; load into a tensor of the saved shape"
-                )
-            src_recipe = src_cls._recipe_from_json(desc.get("recipe", {}))
-            if target is not None and type(target) is src_cls and target.recipe == src_recipe:
-                if not (self.requantize_misaligned and not _aligned(target, global_shape, box)):
-                    return self._plan_raw(fqn, desc, target, global_shape, box)
-        elif fqn not in self.metadata.state_dict_metadata:
-            if self.allow_partial_load:
-                return []
+    def _target(self, fqn: str, obj: torch.Tensor) -> _Target:
+        found = adapters.local_quantized(obj)
+        local, adapter = found if found is not None else (local_tensor(obj), None)
+        qt = None if found is None else (local if adapter is None else adapter.empty_canonical(local, fqn))
+        return _Target(fqn, obj, local, qt, adapter, tuple(obj.shape), local_box(obj, fqn))
+
+    def _route(self, t: _Target) -> _Route:
+        """The read strategy for ``t`` (see the class docstring)."""
+        if self._is_grouped(t.fqn):
+            return _Grouped(self, t, None)
+        entry = self._entries.get(t.fqn)
+        if entry is None:
             raise CheckpointFormatError(
-                f"tensor '{fqn}' ({type(target).__name__}) is not in the checkpoint; pass "
+                f"tensor '{t.fqn}' ({type(t.local).__name__}) is not in the checkpoint; pass "
                 f"allow_partial_load=True to skip it"
             )
-        return self._plan_transform(fqn, desc, obj, target, global_shape, box)
+        if entry.kind == "quantized":
+            if tuple(entry.shape) != t.global_shape:
+                raise CheckpointFormatError(
+                    f"tensor '{t.fqn}': checkpoint has logical shape {tuple(entry.shape)}, the target "
+                    f"has {t.global_shape}; load into a tensor of the saved shape"
+                )
+            src_cls = format_class(entry.format)
+            if t.qt is not None and type(t.qt) is src_cls and \
+                    t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.get("recipe", {})):
+                if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
+                    return _Raw(self, t, entry)
+        if t.qt is None:
+            return _ToPlain(self, t, entry)
+        if self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box):
+            return _LocalEncode(self, t, entry)
+        return _Requantize(self, t, entry)
 
-    def _plan_raw(self, fqn, desc, target: QuantizedTensor, global_shape, box) -> list[ReadItem]:
-        """Native source, same format and recipe: read each component into the target's own."""
-        specs = target.component_specs(global_shape, target.recipe)
-        chunks.check_aligned(specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
-        items = []
-        for spec in specs:
-            cfqn = self._component_key(fqn, desc, spec.name)
-            cbox = chunks.component_box(spec, global_shape, box, fqn=fqn, fmt=target.FORMAT)
-            self._check_component_md(fqn, cfqn, spec.shape(global_shape), spec.dtype)
-            dest = target._components[spec.name]
-            items += self._read(cfqn, cbox, _Buffer(cbox[1], spec.dtype, tensor=dest), fqn)
-        return items
-
-    def _plan_transform(self, fqn, desc, obj, target, global_shape, box) -> list[ReadItem]:
-        """Read a source region into temporary buffers; decode (and re-encode) when complete."""
-        native = desc is not None and desc.get("mode") == "native"
-        src_cls = format_class(desc["format"]) if native else None
-        src_recipe = src_cls._recipe_from_json(desc.get("recipe", {})) if native else None
-        src_specs = src_cls.component_specs(global_shape, src_recipe) if native else []
-        ndim = len(global_shape)
-        align = [1] * ndim
-        local_encode = False  # re-encode the shard as a local tensor (misaligned, opted in)
-        if target is not None:
-            t_specs = target.component_specs(global_shape, target.recipe)
-            if self.requantize_misaligned and not _aligned(target, global_shape, box):
-                local_encode = True
-            else:
-                chunks.check_aligned(t_specs, global_shape, box, fqn=fqn, fmt=target.FORMAT)
-                align = list(chunks.alignment(t_specs, ndim))
-        if native:
-            align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim))]
-        full = ((0,) * ndim, global_shape)
-        if target is not None and target.per_tensor_names() and box != full:
-            region = full  # the target's per-tensor amax must come from the whole tensor
-        else:
-            region = chunks.expand_to_aligned(align, global_shape, box)
-        if math.prod(box[1]) == 0:
+    def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
+        if self.allow_partial_load and not self._in_checkpoint(fqn) and not self._is_grouped(fqn):
             return []
-
-        buffers: dict[str, _Buffer] = {}
-        items: list[ReadItem] = []
-        if native:
-            for spec in src_specs:
-                cfqn = self._component_key(fqn, desc, spec.name)
-                self._check_component_md(fqn, cfqn, spec.shape(global_shape), spec.dtype)
-                cbox = chunks.component_box(spec, global_shape, region, fqn=fqn, fmt=src_cls.FORMAT)
-                buffers[spec.name] = _Buffer(cbox[1], spec.dtype)
-                items += self._read(cfqn, cbox, buffers[spec.name], fqn)
-        else:
-            md = self.metadata.state_dict_metadata[fqn]
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != global_shape:
-                raise CheckpointFormatError(
-                    f"tensor '{fqn}': checkpoint entry is {_describe_md(md)}, the target is a tensor "
-                    f"of shape {global_shape}"
-                )
-            buffers["values"] = _Buffer(region[1], md.properties.dtype)
-            items += self._read(fqn, region, buffers["values"], fqn)
-
-        def finish() -> None:
-            if native:
-                comps = {k: b.get() for k, b in buffers.items()}
-                src = src_cls.from_components(comps, region[1], str_to_dtype(desc["dtype"]), src_recipe, fqn=fqn)
-            else:
-                src = buffers["values"].get()
-            rel = chunks.box_within(box, region)
-            if target is None:
-                values = src.dequantize(torch.float32) if native else src
-                dest = local_tensor(obj)
-                dest.copy_(chunks.narrow_box(values, rel))
-            elif local_encode:
-                values = chunks.narrow_box(src.dequantize(torch.float32) if native else src.float(), rel).contiguous()
-                amax = None
-                if target.per_tensor_names():  # region is the whole tensor: its amax is global
-                    whole = src.dequantize(torch.float32) if native else src.float()
-                    amax = whole.abs().amax(dim=(-2, -1))
-                new = ops.requantize(values, target.FORMAT, amax=amax, **dataclasses.asdict(target.recipe))
-                for name, t in target._components.items():
-                    t.copy_(new._components[name])
-                self.requantized[fqn] = sqnr_db(values, new.dequantize(torch.float32))
-                logger.warning(
-                    "ckptq: tensor '%s': shard box %s cuts %s blocks of the global grid; re-encoded "
-                    "as a local tensor (requantize_misaligned=True), SQNR %.2f dB",
-                    fqn, box, target.FORMAT, self.requantized[fqn],
-                )
-            else:
-                recipe = dataclasses.asdict(target.recipe)
-                new = ops.requantize(src, target.FORMAT, **recipe)
-                logger.info(
-                    "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
-                    fqn,
-                    desc["format"] if native else "high-precision",
-                    target.FORMAT,
-                    target.recipe,
-                )
-                part = slice_box(new, rel, fqn=fqn)
-                for name, t in target._components.items():
-                    t.copy_(part._components[name])
-            buffers.clear()
-
-        group = _Group(fqn, len(items), finish)
-        for b in buffers.values():
-            b.group = group
-        return items
-
-    def _plan_grouped(self, fqn, obj, target, global_shape, box) -> list[ReadItem]:
-        """A stacked target from saved members, or a member target from a saved stack."""
-        if fqn in self.grouped:  # target = stack (N, ...); checkpoint = members
-            members = self.grouped[fqn]
-            if global_shape[0] != len(members):
-                raise CheckpointFormatError(
-                    f"tensor '{fqn}': stacked shape {global_shape} but {len(members)} grouped members"
-                )
-            (o0, *o), (s0, *sz) = box
-            pieces = [(members[i], (tuple(o), tuple(sz)), i - o0) for i in range(o0, o0 + s0)]
-            expect = global_shape[1:]
-        else:  # target = member i; checkpoint = stack
-            stacked, i = self._member_of[fqn]
-            pieces = [(stacked, ((i,) + box[0], (1,) + box[1]), None)]
-            expect = None
-
-        def dest_view(t: torch.Tensor, j: Optional[int]) -> torch.Tensor:
-            return t.unsqueeze(0) if j is None else t[j]
-
-        items: list[ReadItem] = []
-        for src_fqn, sbox, j in pieces:
-            desc = self._descriptors.get(src_fqn)
-            if target is not None:
-                cls = type(target)
-                if desc is None or desc.get("mode") != "native" or desc["format"] != cls.FORMAT or \
-                        cls._recipe_from_json(desc.get("recipe", {})) != target.recipe:
-                    raise UnsupportedFormatError(
-                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a native {cls.FORMAT} "
-                        f"entry with recipe {target.recipe}; convert it first (ckptq convert / "
-                        f"ckptq reshard --grouped)"
-                    )
-                shape = tuple(desc["shape"])
-                if expect is not None and shape != tuple(expect) or expect is None and shape[1:] != global_shape:
-                    raise CheckpointFormatError(
-                        f"tensor '{fqn}': grouped source '{src_fqn}' has shape {shape}, which does not "
-                        f"match the target {global_shape}"
-                    )
-                specs = cls.component_specs(shape, target.recipe)
-                chunks.check_aligned(specs, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
-                for spec in specs:
-                    cfqn = self._component_key(src_fqn, desc, spec.name)
-                    self._check_component_md(src_fqn, cfqn, spec.shape(shape), spec.dtype)
-                    cbox = chunks.component_box(spec, shape, sbox, fqn=fqn, fmt=cls.FORMAT)
-                    dest = dest_view(target._components[spec.name], j)
-                    items += self._read(cfqn, cbox, _Buffer(cbox[1], spec.dtype, tensor=dest), fqn)
-            else:
-                md = self.metadata.state_dict_metadata.get(src_fqn)
-                local = local_tensor(obj)
-                if not isinstance(md, TensorStorageMetadata):
-                    raise CheckpointFormatError(
-                        f"tensor '{fqn}': grouped source '{src_fqn}' is not a plain tensor entry of the "
-                        f"checkpoint ({_describe_md(md) if md is not None else 'missing'}); a plain "
-                        f"target reads plain members or stacks"
-                    )
-                if self.strict_dtype and md.properties.dtype != local.dtype:
-                    raise CheckpointFormatError(
-                        f"tensor '{fqn}': grouped source '{src_fqn}' is {md.properties.dtype}, the "
-                        f"target {local.dtype}"
-                    )
-                dest = dest_view(local, j)
-                items += self._read(src_fqn, sbox, _Buffer(sbox[1], md.properties.dtype, tensor=dest), fqn)
-        return items
-
-    def _component_key(self, fqn: str, desc: dict, name: str) -> str:
-        comp = desc.get("components", {}).get(name)
-        cfqn = comp.get("fqn") if isinstance(comp, dict) else None
-        return cfqn or component_fqn(fqn, name)
-
-    def _check_component_md(self, fqn: str, cfqn: str, shape, dtype: torch.dtype) -> None:
-        md = self.metadata.state_dict_metadata.get(cfqn)
-        if md is None:
-            raise CheckpointFormatError(
-                f"tensor '{fqn}': component entry '{cfqn}' is missing from the checkpoint; the "
-                f"checkpoint is incomplete or was not written by ckptq"
-            )
-        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(shape) or md.properties.dtype != dtype:
-            raise CheckpointFormatError(
-                f"tensor '{fqn}': component '{cfqn}' is {_describe_md(md)} in the checkpoint, "
-                f"expected {dtype} {tuple(shape)}"
-            )
+        return self._route(self._target(fqn, obj)).plan()
 
     def _read(self, cfqn: str, cbox: chunks.Box, buf: _Buffer, fqn: str) -> list[ReadItem]:
         """Read items filling ``buf`` (chunk ``cbox`` of entry ``cfqn``); checks full coverage."""
@@ -417,11 +486,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         buf = self._buffers.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)))
-        if buf is None or buf.group is None:
+        if buf is None or buf.route is None:
             return super().commit_tensor(read_item, tensor)
-        buf.group.pending -= 1
-        if buf.group.pending == 0:
-            buf.group.finish()
+        buf.route.committed()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)

@@ -16,17 +16,20 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from .. import chunks
-from ..errors import CheckpointFormatError, InconsistentScaleError
-from ..formats.base import QuantizedTensor, dtype_to_str, slice_box, unwrap_quantized
-from ._common import (
+from .. import adapters, chunks
+from ..contract import (
     CKPTQ_KEY,
-    CONTRACT_VERSION,
+    NATIVE,
     component_fqn,
-    local_box,
-    mode_for,
+    emit_components,
+    high_precision_descriptor,
+    make_record,
+    native_descriptor,
     validate_mode,
 )
+from ..errors import CheckpointFormatError, InconsistentScaleError, UnsupportedFormatError
+from ..formats.base import QuantizedTensor
+from ._common import local_box, mode_for
 
 __all__ = ["QuantizedSavePlanner"]
 
@@ -36,11 +39,19 @@ _SCALARS_KEY = "__ckptq_scalars__"
 @dataclasses.dataclass
 class _Entry:
     fqn: str
-    qt: QuantizedTensor  # the local quantized tensor
+    qt: Optional[QuantizedTensor]  # the local quantized tensor, canonical (None: see ``values``)
     global_shape: tuple[int, ...]
     box: chunks.Box
     sharded: bool  # a DTensor shard (SHARD items) or a whole plain tensor (TENSOR items)
     mode: str
+    producer: Optional[dict] = None  # a foreign tensor's producer record (see ckptq.adapters)
+    local: Any = None  # the foreign local tensor, for high-precision values it cannot give canonically
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """High-precision values of the local piece (canonical decode, else the producer's own)."""
+        if self.qt is not None:
+            return self.qt.dequantize(dtype)
+        return self.local.dequantize(dtype=dtype)
 
 
 class QuantizedSavePlanner(DefaultSavePlanner):
@@ -69,8 +80,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             decides its mode (``fnmatch`` syntax, e.g. ``{"*.mlp.*": "high_precision"}``).
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ...).
 
-    Descriptors of every quantized entry go to ``metadata.planner_data["__ckptq__"]`` as builtins
-    (see :mod:`ckptq.planners._common`); no pickled ckptq class is written.
+    Descriptors of every quantized entry go to ``metadata.planner_data[ckptq.contract.CKPTQ_KEY]`` as builtins
+    (see :mod:`ckptq.contract`); no pickled ckptq class is written.
     """
 
     def __init__(
@@ -98,22 +109,25 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self._entries, self._objects = {}, {}
         rest = {}
         for fqn, obj in self.state_dict.items():
-            qt = unwrap_quantized(obj)
-            if qt is None:
+            found = adapters.local_quantized(obj)
+            if found is None:
                 rest[fqn] = obj
                 continue
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the tensor's mesh
-            entry = _Entry(
-                fqn=fqn,
-                qt=qt,
-                global_shape=tuple(obj.shape),
-                box=local_box(obj, fqn),
-                sharded=isinstance(obj, DTensor),
-                mode=mode_for(fqn, self.mode, self.rules),
-            )
+            local, adapter = found
+            entry = _Entry(fqn, local if adapter is None else None, tuple(obj.shape), local_box(obj, fqn),
+                           isinstance(obj, DTensor), mode_for(fqn, self.mode, self.rules))
+            if adapter is not None:
+                entry.local = local
+                try:
+                    entry.qt, entry.producer = adapter.to_canonical(local, fqn)
+                except UnsupportedFormatError:
+                    if entry.mode == NATIVE:
+                        raise
+                    # not storable natively; its values (the producer's dequantize) still are
             self._entries[fqn] = entry
-            if entry.mode == "native":
+            if entry.mode == NATIVE:
                 self._add_component_mappings(entry)
         self.state_dict = rest
 
@@ -134,43 +148,33 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         items = list(plan.items)
         descriptors, scalars = {}, {}
         for entry in self._entries.values():
-            desc = entry.qt.descriptor(entry.global_shape)
-            desc["mode"] = entry.mode
-            if entry.mode == "native":
-                items += self._native_items(entry, desc, scalars)
+            if entry.mode == NATIVE:
+                descriptors[entry.fqn] = native_descriptor(entry.qt, entry.fqn, entry.global_shape, entry.producer)
+                items += self._native_items(entry, scalars)
             else:
-                desc["stored_dtype"] = dtype_to_str(self.dtype)
-                desc.pop("components")
+                if entry.qt is not None:
+                    desc = native_descriptor(entry.qt, entry.fqn, entry.global_shape, entry.producer)
+                    descriptors[entry.fqn] = high_precision_descriptor(desc, self.dtype)
                 items.append(self._item(entry.fqn, entry.box, entry.global_shape, self.dtype, entry.sharded))
                 self._objects[entry.fqn] = entry
-            descriptors[entry.fqn] = desc
         planner_data = dict(plan.planner_data or {})
         planner_data[CKPTQ_KEY] = descriptors
         planner_data[_SCALARS_KEY] = scalars
         self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
         return self.plan
 
-    def _native_items(self, entry: _Entry, desc: dict, scalars: dict) -> list[WriteItem]:
+    def _native_items(self, entry: _Entry, scalars: dict) -> list[WriteItem]:
         qt, items = entry.qt, []
         if tuple(qt.shape) != tuple(entry.box[1]):
             raise CheckpointFormatError(
                 f"tensor '{entry.fqn}': local quantized shard has shape {tuple(qt.shape)} but its "
                 f"DTensor placement gives {entry.box[1]}; the shard and its DTensor disagree"
             )
-        specs = qt.component_specs(entry.global_shape, qt.recipe)
-        chunks.check_aligned(specs, entry.global_shape, entry.box, fqn=entry.fqn, fmt=qt.FORMAT)
-        per_tensor = set(qt.per_tensor_names())
-        for spec in specs:
-            cfqn = component_fqn(entry.fqn, spec.name)
-            cbox = chunks.component_box(spec, entry.global_shape, entry.box, fqn=entry.fqn, fmt=qt.FORMAT)
-            tensor = qt._components[spec.name]
-            assert tuple(tensor.shape) == cbox[1], (entry.fqn, spec.name, tensor.shape, cbox)
-            items.append(self._item(cfqn, cbox, spec.shape(entry.global_shape), spec.dtype, entry.sharded))
-            desc["components"][spec.name]["fqn"] = cfqn
-            self._objects[cfqn] = tensor
-            if spec.name in per_tensor:
-                key = f"{cfqn}@{list(cbox[0])}"
-                scalars[key] = tensor.detach().cpu().reshape(-1).view(torch.uint8).tolist()
+        for c in emit_components(qt, entry.fqn, entry.global_shape, entry.box):
+            items.append(self._item(c.key, c.box, c.size, c.dtype, entry.sharded))
+            self._objects[c.key] = c.tensor
+            if c.per_tensor:
+                scalars[f"{c.key}@{list(c.box[0])}"] = c.tensor.detach().cpu().reshape(-1).view(torch.uint8).tolist()
         return items
 
     @staticmethod
@@ -198,11 +202,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         tensors = _merge_descriptors(descriptor_sets)
         global_plan, metadata = super().create_global_plan(stripped)
         planner_data = dict(metadata.planner_data or {})
-        planner_data[CKPTQ_KEY] = {
-            "version": CONTRACT_VERSION,
-            "world_size": len(all_plans),
-            "tensors": tensors,
-        }
+        planner_data[CKPTQ_KEY] = make_record(tensors, world_size=len(all_plans))
         self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
         return global_plan, self.metadata
 
@@ -212,7 +212,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if obj is None:
             return super().lookup_object(index)
         if isinstance(obj, _Entry):  # high precision: dequantize this shard now, not earlier
-            return obj.qt.dequantize(self.dtype)
+            return obj.values(self.dtype)
         return obj
 
 

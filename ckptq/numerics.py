@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..chunks import blocked_view, unblock
+from .chunks import blocked_view, unblock
 
 __all__ = [
     "FP8_MAX",

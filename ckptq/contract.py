@@ -1,0 +1,328 @@
+"""The on-disk contract of ckptq ("ckptq layout v1") inside an ordinary DCP checkpoint.
+
+This module is the one place that knows it; the save planner, the offline writer, the checkpoint
+view, inspect, reshard and the foreign-format adapters all go through it.
+
+* A quantized tensor ``w`` saved natively becomes one DCP tensor entry per component, named
+  :func:`component_fqn` ``(w, name)`` = ``f"{w}.{name}"`` (``w.data``, ``w.scale``, ``w.amax``,
+  ...), with the component's *global* size and one chunk per saving shard (:func:`emit_components`).
+* Saved in high precision, ``w`` is an ordinary tensor entry of the chosen dtype under its own name.
+* ``metadata.planner_data[CKPTQ_KEY]`` holds, as builtins only (no pickled classes)::
+
+      {"version": 1, "world_size": N, "tensors": {fqn: descriptor}, ...extra ("mesh")}
+
+  where a descriptor is ``QuantizedTensor.descriptor(global_shape)`` (format, version, logical
+  shape, logical dtype, recipe, components with dtype and shape) plus ``"mode"`` and, for native
+  entries, each component's ``"fqn"``; high-precision entries carry ``"stored_dtype"`` and no
+  components. A descriptor may carry ``"producer"`` (who made the tensor: ckptq, or a foreign
+  library through :mod:`ckptq.adapters`), builtins only.
+
+:func:`fold_entries` validates a checkpoint's descriptors against its metadata once and folds
+component entries into logical :class:`Entry` s; nothing above it re-derives a key or re-validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from . import chunks
+from .errors import CheckpointFormatError, UnsupportedFormatError
+from .formats import FORMATS
+from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
+
+__all__ = [
+    "CKPTQ_KEY",
+    "CONTRACT_VERSION",
+    "NATIVE",
+    "HIGH_PRECISION",
+    "MODES",
+    "component_fqn",
+    "validate_mode",
+    "read_record",
+    "has_record",
+    "make_record",
+    "Entry",
+    "fold_entries",
+    "saved_world_size",
+    "ComponentChunk",
+    "emit_components",
+    "native_descriptor",
+    "high_precision_descriptor",
+]
+
+CKPTQ_KEY = "__ckptq__"
+CONTRACT_VERSION = 1
+NATIVE, HIGH_PRECISION = "native", "high_precision"
+MODES = (NATIVE, HIGH_PRECISION)
+
+
+def component_fqn(fqn: str, component: str) -> str:
+    """DCP key of one component of a natively saved quantized tensor: ``f"{fqn}.{component}"``."""
+    return f"{fqn}.{component}"
+
+
+def validate_mode(mode: str, where: str) -> str:
+    """``mode`` if it is ``"native"`` or ``"high_precision"``; else UnsupportedFormatError naming ``where``."""
+    if mode not in MODES:
+        raise UnsupportedFormatError(f"{where}: mode '{mode}' is not one of {list(MODES)}")
+    return mode
+
+
+# ------------------------------------------------------------------------------ the record
+def has_record(planner_data: Any) -> bool:
+    """Whether a checkpoint's ``planner_data`` carries a ckptq record."""
+    return isinstance(planner_data, Mapping) and CKPTQ_KEY in planner_data
+
+
+def read_record(planner_data: Any) -> dict:
+    """The ckptq record of a checkpoint's ``planner_data`` (an empty one if it has none).
+
+    Raises:
+        CheckpointFormatError: the record is malformed or from a newer contract version.
+    """
+    if not has_record(planner_data):
+        return {"version": CONTRACT_VERSION, "world_size": None, "tensors": {}}
+    rec = planner_data[CKPTQ_KEY]
+    if not isinstance(rec, Mapping) or not isinstance(rec.get("tensors"), Mapping):
+        raise CheckpointFormatError(f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: {rec!r}")
+    if int(rec.get("version", 0)) > CONTRACT_VERSION:
+        raise CheckpointFormatError(
+            f"checkpoint written by a newer ckptq (contract version {rec.get('version')}, this "
+            f"ckptq reads {CONTRACT_VERSION}); upgrade ckptq"
+        )
+    return dict(rec)
+
+
+def make_record(tensors: Mapping[str, dict], world_size: int, **extra: Any) -> dict:
+    """The value stored under ``planner_data[CKPTQ_KEY]`` (builtins only)."""
+    return {"version": CONTRACT_VERSION, "world_size": int(world_size), "tensors": dict(tensors), **extra}
+
+
+# ------------------------------------------------------------------------------ descriptors
+def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int],
+                      producer: Optional[dict] = None) -> dict:
+    """Descriptor of ``fqn`` saved natively: ``qt``'s format and recipe at ``global_shape``, each
+    component with its DCP key (:func:`component_fqn`), and the ``producer`` if given."""
+    desc = qt.descriptor(global_shape)
+    desc["mode"] = NATIVE
+    for name, comp in desc["components"].items():
+        comp["fqn"] = component_fqn(fqn, name)
+    if producer:
+        desc["producer"] = producer
+    return desc
+
+
+def high_precision_descriptor(desc: Mapping, stored_dtype: torch.dtype, shape: Optional[Sequence[int]] = None) -> dict:
+    """A quantized tensor's descriptor (native or high precision) turned into that of its
+    high-precision entry stored as ``stored_dtype`` (of logical ``shape``, default the descriptor's)."""
+    out = {k: v for k, v in desc.items() if k != "components"}
+    out.update(mode=HIGH_PRECISION, stored_dtype=dtype_to_str(stored_dtype))
+    if shape is not None:
+        out["shape"] = [int(s) for s in shape]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentChunk:
+    """One component of a local piece of a quantized tensor, as one DCP chunk.
+
+    Attributes:
+        name: component name (``data``, ``scale``, ...); key: its DCP entry (:func:`component_fqn`).
+        dtype: the component dtype; size: the component's global size (of the whole tensor).
+        box: ``(offsets, sizes)`` of this chunk in the global component.
+        tensor: the chunk's data (a view of the piece's component; shape == ``box`` sizes).
+        per_tensor: the component follows neither matrix dim (FP8 ``scale_inv``, NVFP4 ``amax``):
+            every piece of the tensor holds the same value.
+    """
+
+    name: str
+    key: str
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    box: chunks.Box
+    tensor: torch.Tensor
+    per_tensor: bool
+
+
+def emit_components(piece: QuantizedTensor, fqn: str, global_shape: Sequence[int],
+                    box: chunks.Box) -> Iterator[ComponentChunk]:
+    """The DCP chunks of ``piece``, the part of tensor ``fqn`` (logical ``global_shape``) at the
+    logical ``box``, one per component, in canonical order.
+
+    Raises:
+        ShardingError: a cut of ``box`` falls inside a block (names the dim, boundary and block).
+        CheckpointFormatError: a component of ``piece`` does not have the shape its box implies.
+    """
+    global_shape = tuple(global_shape)
+    specs = type(piece).component_specs(global_shape, piece.recipe)
+    chunks.check_aligned(specs, global_shape, box, fqn=fqn, fmt=piece.FORMAT)
+    m, k = len(global_shape) - 2, len(global_shape) - 1
+    for spec in specs:
+        cbox = chunks.component_box(spec, global_shape, box, fqn=fqn, fmt=piece.FORMAT)
+        tensor = piece._components[spec.name]
+        if tuple(tensor.shape) != tuple(cbox[1]):
+            raise CheckpointFormatError(
+                f"tensor '{fqn}': component '{spec.name}' of the piece at logical box {box} is "
+                f"{tuple(tensor.shape)}, but {piece.FORMAT} of global shape {global_shape} needs "
+                f"{tuple(cbox[1])}; the local tensor and its placement disagree"
+            )
+        yield ComponentChunk(spec.name, component_fqn(fqn, spec.name), spec.dtype, spec.shape(global_shape),
+                             cbox, tensor, not (spec.follows(m) or spec.follows(k)))
+
+
+# ------------------------------------------------------------------------------ folding
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One logical entry of a checkpoint.
+
+    Attributes:
+        fqn: the logical name (a quantized tensor's FQN, not its component keys).
+        kind: ``"quantized"`` (native components), ``"tensor"`` (plain or high precision) or ``"bytes"``.
+        shape: logical shape (``()`` for bytes).
+        dtype: stored dtype of a tensor entry; the logical dtype of a quantized one; None for bytes.
+        descriptor: the ckptq descriptor (quantized and high-precision entries), else None.
+        keys: the DCP entries that hold it: for ``"quantized"``, component name -> key; else
+            ``{fqn: fqn}``.
+    """
+
+    fqn: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: Optional[torch.dtype]
+    descriptor: Optional[dict]
+    keys: dict
+
+    @property
+    def format(self) -> Optional[str]:
+        return self.descriptor["format"] if self.descriptor else None
+
+    @property
+    def mode(self) -> Optional[str]:
+        return self.descriptor["mode"] if self.descriptor else None
+
+
+def _describe_md(md: Any) -> str:
+    if isinstance(md, TensorStorageMetadata):
+        return f"{dtype_to_str(md.properties.dtype)} {list(md.size)}"
+    return "missing" if md is None else type(md).__name__
+
+
+def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
+    """Validate the descriptor of ``fqn`` against the stored entries; returns component keys."""
+    where = f"{where}: ckptq tensor '{fqn}'"
+    try:
+        fmt, mode, shape = desc["format"], desc["mode"], [int(s) for s in desc["shape"]]
+        str(desc["dtype"])
+        comps = desc["components"] if mode == NATIVE else {}
+        expected = {name: (c["fqn"], c["dtype"], [int(s) for s in c["shape"]]) for name, c in comps.items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointFormatError(f"{where}: malformed descriptor {desc!r} ({type(e).__name__}: {e})") from e
+    if mode == HIGH_PRECISION:
+        entry = sdm.get(fqn)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointFormatError(
+                f"{where} ({fmt}, high_precision) has no tensor entry '{fqn}' in the checkpoint; "
+                f"the metadata and data disagree"
+            )
+        if list(entry.size) != shape:
+            raise CheckpointFormatError(
+                f"{where} ({fmt}, high_precision): stored shape {list(entry.size)} differs from the "
+                f"descriptor's logical shape {shape}"
+            )
+        return {fqn: fqn}
+    if mode != NATIVE:
+        raise CheckpointFormatError(f"{where}: unknown mode '{mode}' (expected native or high_precision)")
+    if not expected:
+        raise CheckpointFormatError(f"{where} ({fmt}, native) lists no components")
+    for name, (cfqn, cdtype, cshape) in expected.items():
+        entry = sdm.get(cfqn)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointFormatError(
+                f"{where} ({fmt}): component '{name}': tensor entry '{cfqn}' is missing from the "
+                f"checkpoint (no such entry); the checkpoint is incomplete or was not written by ckptq"
+            )
+        got = (dtype_to_str(entry.properties.dtype), list(entry.size))
+        if got != (cdtype, cshape):
+            raise CheckpointFormatError(
+                f"{where} ({fmt}): component '{name}' ('{cfqn}') is stored as {got[0]} {got[1]}, "
+                f"but the descriptor says {cdtype} {cshape}"
+            )
+    cls = FORMATS.get(fmt)
+    if cls is not None:  # an unknown format is reported where its values are needed
+        specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
+        layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
+        if layout != {n: (d, s) for n, (_, d, s) in expected.items()}:
+            raise CheckpointFormatError(
+                f"{where}: the descriptor's components {_components_text(expected)} do not match the "
+                f"{fmt} layout of logical shape {shape} with recipe {desc.get('recipe', {})}: "
+                f"{layout}; the checkpoint or descriptor is inconsistent"
+            )
+    return {name: cfqn for name, (cfqn, _, _) in expected.items()}
+
+
+def _components_text(expected: Mapping) -> str:
+    return "{" + ", ".join(f"{n}: {d} {s}" for n, (_, d, s) in expected.items()) + "}"
+
+
+def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, Entry]:
+    """The logical entries of a checkpoint, in its entry order, validated once.
+
+    A natively saved quantized tensor's component entries fold into one ``"quantized"`` entry;
+    a high-precision entry of a quantized tensor is a ``"tensor"`` entry with its descriptor;
+    everything else is a ``"tensor"`` or ``"bytes"`` entry of its own.
+
+    Args:
+        metadata: the checkpoint's DCP ``Metadata``.
+        where: how errors name the checkpoint (its path).
+
+    Raises:
+        CheckpointFormatError: the ckptq record is malformed or newer, a descriptor is malformed,
+            names entries that are missing, or disagrees with the stored dtypes and sizes or with
+            its format's layout.
+    """
+    sdm = metadata.state_dict_metadata
+    record = read_record(metadata.planner_data)
+    owner: dict[str, str] = {}  # DCP key -> logical fqn
+    keys: dict[str, dict] = {}
+    for fqn, desc in record["tensors"].items():
+        keys[fqn] = _check_descriptor(where, fqn, desc, sdm)
+        for key in keys[fqn].values():
+            owner[key] = fqn
+    out: dict[str, Entry] = {}
+    for key, md in sdm.items():
+        fqn = owner.get(key, key)
+        if fqn in out:
+            continue
+        desc = record["tensors"].get(fqn)
+        if desc is not None and desc["mode"] == NATIVE:
+            out[fqn] = Entry(fqn, "quantized", tuple(int(s) for s in desc["shape"]), str_to_dtype(desc["dtype"]),
+                             desc, keys[fqn])
+        elif isinstance(md, TensorStorageMetadata):
+            out[fqn] = Entry(fqn, "tensor", tuple(md.size), md.properties.dtype, desc, {fqn: fqn})
+        else:
+            out[fqn] = Entry(fqn, "bytes", (), None, None, {fqn: fqn})
+    return out
+
+
+def saved_world_size(metadata: Metadata) -> tuple[Optional[int], Optional[str]]:
+    """Ranks that saved a checkpoint and where that number comes from: the ckptq record's
+    ``world_size`` (``"ckptq"``), else one more than the largest rank of the ``__<rank>_<n>.distcp``
+    data files (``"files"``), else ``(None, None)``."""
+    record = read_record(metadata.planner_data)
+    if has_record(metadata.planner_data) and record.get("world_size"):
+        return int(record["world_size"]), "ckptq"
+    storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+    ranks = []
+    for info in storage.values():
+        m = re.match(r"__(\d+)_\d+\.distcp$", Path(str(getattr(info, "relative_path", ""))).name)
+        if m:
+            ranks.append(int(m.group(1)))
+    return (max(ranks) + 1, "files") if ranks else (None, None)
+

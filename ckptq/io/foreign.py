@@ -1,0 +1,284 @@
+"""Checkpoints written by other libraries' DCP integrations, read as ckptq checkpoints.
+
+A TransformerEngine DCP checkpoint stores each quantized parameter shard as one pickled TE tensor
+per ``.distcp`` record (``torch.save`` of the tensor object: raw buffers + quantizer, rebuilt by
+TE's module-level reconstructors), under the tensor's FQN with the logical size and the *fake*
+high-precision dtype in ``.metadata``. Such records cannot be read without TE, and the metadata
+alone misreports them as bf16.
+
+:func:`virtualize` rewrites such metadata (in memory) into the ckptq contract: each foreign tensor
+becomes the native component entries of its canonical format (``w.data``, ``w.scale``, ...) with
+one chunk per saved shard and a descriptor carrying its producer, so inspect, reshard/convert, the
+load planner and ``CheckpointView`` treat it like a tensor ckptq saved. A tensor whose shards'
+block grids do not line up with the global grid (padding inside the global tensor) becomes a
+high-precision float32 entry instead, each shard dequantized with its own scales (the exact
+values), and says so in its descriptor's ``"note"``. :func:`read_foreign_items` serves the read
+items of those virtual entries from the records; :func:`load_record` is the restricted unpickler
+(torch's ``weights_only`` unpickler plus the adapters' declared globals, mapped to ckptq stand-ins;
+nothing else is resolved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .. import adapters, chunks
+from ..contract import (
+    CKPTQ_KEY,
+    component_fqn,
+    has_record,
+    high_precision_descriptor,
+    make_record,
+    native_descriptor,
+    read_record,
+    saved_world_size,
+)
+from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
+
+__all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
+
+#: Bytes read from the start of a record to look for a producer's module names (torch.save writes
+#: the pickle, ``archive/data.pkl``, first).
+_PEEK = 1 << 16
+
+
+@dataclasses.dataclass
+class _Expect:
+    """What every shard record of one foreign tensor must agree on."""
+
+    fqn: str
+    format: Optional[str]
+    recipe: Any
+    per_tensor: dict  # component name -> bytes of the first shard's value
+    problem: Optional[str] = None  # set: high-precision values (why)
+
+
+@dataclasses.dataclass
+class ForeignLocation:
+    """Storage location of a virtual chunk: the foreign record of one saved shard.
+
+    ``relative_path``/``offset``/``length`` are those of the record (as DCP's ``_StorageInfo``), so
+    storage checks see the real file; ``component`` is the canonical component this chunk is
+    (None: the shard's high-precision values); ``box`` is the shard's logical box.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    component: Optional[str]
+    box: chunks.Box
+    expect: _Expect
+    transform_descriptors: Any = None
+
+
+def _versions() -> str:
+    return "; ".join(f"{a.producer}: {a.pickle_versions}" for a in adapters.registered() if a.pickle_versions)
+
+
+def load_record(blob: bytes, *, source: str) -> Any:
+    """Unpickle one DCP data record (a ``torch.save`` archive) without running its code.
+
+    torch's ``weights_only`` unpickler resolves torch's own tensor types; the foreign globals the
+    registered adapters declare resolve to ckptq stand-ins (TE's reconstructors build a payload
+    record, its quantizers a plain state holder, its ``DType`` an int). Anything else is refused.
+
+    Raises:
+        UnsafeCheckpointError: the record references a global nobody declared (named).
+        CheckpointFormatError: the record is truncated or corrupt.
+    """
+    globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
+    try:
+        with torch.serialization.safe_globals(globs):
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"global '{found.group(1)}' is not one ckptq maps" if found else str(e).strip().splitlines()[-1]
+        raise UnsafeCheckpointError(
+            f"{source}: refusing to unpickle this record: {what}. Nothing from it was run. ckptq "
+            f"maps only torch's tensor types and the pickles of {_versions()}."
+        ) from None
+    except Exception as e:  # zip / EOF / shape errors of a damaged record
+        raise CheckpointFormatError(f"{source}: the record is truncated or corrupt ({type(e).__name__}: {e})") from None
+
+
+def _read_bytes(root: Path, info: Any, length: Optional[int] = None) -> bytes:
+    with open(root / str(info.relative_path), "rb") as f:
+        f.seek(int(info.offset))
+        return f.read(int(info.length) if length is None else min(length, int(info.length)))
+
+
+def _per_tensor(qt) -> dict:
+    m, k = qt.ndim - 2, qt.ndim - 1
+    return {s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
+            for s in qt.specs if not (s.follows(m) or s.follows(k))}
+
+
+def virtualize(metadata: Metadata, root: Path) -> Metadata:
+    """``metadata`` with every foreign tensor entry presented through the ckptq contract (a copy;
+    ``metadata`` itself is returned unchanged when it has none).
+
+    Reads the first record of each plain tensor entry whose first bytes name a registered
+    producer's module; one record per tensor (the others are checked when they are read).
+
+    Raises:
+        UnsafeCheckpointError / CheckpointFormatError: from :func:`load_record`; a component key
+            that collides with an existing entry.
+    """
+    markers = tuple(m for a in adapters.registered() for m in a.pickle_markers)
+    storage = metadata.storage_data
+    if not markers or not isinstance(storage, Mapping):
+        return metadata
+    record = read_record(metadata.planner_data)
+    sdm = dict(metadata.state_dict_metadata)
+    new_storage = dict(storage)
+    descriptors = dict(record["tensors"])
+    found = 0
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or not md.chunks:
+            continue
+        info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
+        if info is None or not hasattr(info, "relative_path"):
+            continue
+        try:
+            head = _read_bytes(root, info, _PEEK)
+        except OSError:
+            continue  # a missing data file: the storage check names it
+        if not any(m in head for m in markers):
+            continue
+        payload = load_record(_read_bytes(root, info), source=f"{root}: '{fqn}'")
+        adapter = adapters.adapter_for(payload)
+        if adapter is None:
+            continue  # a plain tensor after all
+        found += 1
+        shape = tuple(md.size)
+        boxes = [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+        infos = [storage[MetadataIndex(fqn, c.offsets)] for c in md.chunks]
+        for c in md.chunks:
+            del new_storage[MetadataIndex(fqn, c.offsets)]
+        try:
+            qt0, producer = adapter.to_canonical(payload, fqn)
+        except CkptqError as e:  # not storable canonically: its reads raise this
+            expect = _Expect(fqn, None, None, {}, problem=str(e))
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
+            for box, inf in zip(boxes, infos):
+                new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
+                    inf.relative_path, inf.offset, inf.length, None, box, expect)
+            continue
+        specs = type(qt0).component_specs(shape, qt0.recipe)
+        expect = _Expect(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
+        try:
+            for box in boxes:
+                chunks.check_aligned(specs, shape, box, fqn=fqn, fmt=qt0.FORMAT)
+        except ShardingError as e:
+            expect.problem = (
+                f"its saved shards were quantized on block grids that do not line up with the global "
+                f"tensor's ({e}); it is read as high-precision float32 values, each shard dequantized "
+                f"with its own scales (exact). Keep it so (convert --to float32, or --misaligned "
+                f"high-precision), or requantize it (convert --to <format>)"
+            )
+        desc = native_descriptor(qt0, fqn, shape, producer)
+        if expect.problem is not None:
+            descriptors[fqn] = {**high_precision_descriptor(desc, torch.float32), "note": expect.problem}
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
+            for box, inf in zip(boxes, infos):
+                new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
+                    inf.relative_path, inf.offset, inf.length, None, box, expect)
+            continue
+        del sdm[fqn]
+        descriptors[fqn] = desc
+        for spec in specs:
+            key = component_fqn(fqn, spec.name)
+            if key in metadata.state_dict_metadata:
+                raise CheckpointFormatError(
+                    f"{root}: foreign tensor '{fqn}' would present its component '{spec.name}' as "
+                    f"'{key}', which is already an entry of the checkpoint"
+                )
+            cmd = TensorStorageMetadata(TensorProperties(spec.dtype), torch.Size(spec.shape(shape)), [])
+            for box, inf in zip(boxes, infos):
+                cbox = chunks.component_box(spec, shape, box, fqn=fqn, fmt=qt0.FORMAT)
+                index = MetadataIndex(key, torch.Size(cbox[0]))
+                if index in new_storage:
+                    continue  # a per-tensor value: one chunk (every shard's is checked on read)
+                cmd.chunks.append(ChunkStorageMetadata(torch.Size(cbox[0]), torch.Size(cbox[1])))
+                new_storage[index] = ForeignLocation(inf.relative_path, inf.offset, inf.length, spec.name, box, expect)
+            sdm[key] = cmd
+    if not found:
+        return metadata
+    planner_data = dict(metadata.planner_data or {}) if isinstance(metadata.planner_data, Mapping) else {}
+    world_size = record.get("world_size") or saved_world_size(metadata)[0] or 1
+    extra = {k: v for k, v in record.items() if k not in ("version", "world_size", "tensors")}
+    planner_data[CKPTQ_KEY] = make_record(descriptors, world_size, **extra)
+    if not has_record(metadata.planner_data):
+        planner_data[CKPTQ_KEY]["foreign"] = True  # no ckptq wrote this checkpoint
+    return dataclasses.replace(metadata, state_dict_metadata=sdm, storage_data=new_storage, planner_data=planner_data)
+
+
+def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) -> None:
+    """Serve DCP read items of virtual entries (see :func:`virtualize`) from their records: each
+    record is loaded once, converted to canonical form by its adapter, checked against the
+    tensor's first shard (format, recipe, per-tensor values), then each item's chunk is copied
+    into ``planner.resolve_tensor(item)`` and committed.
+
+    Raises:
+        CheckpointFormatError / InconsistentScaleError / CkptqError: as described above; the
+            tensor's ``problem`` for a tensor that cannot be read canonically.
+    """
+    by_record: dict[tuple[str, int], list] = {}
+    for it in items:
+        loc = storage[it.storage_index]
+        by_record.setdefault((str(loc.relative_path), int(loc.offset)), []).append((it, loc))
+    for (rel, off), group in by_record.items():
+        loc0 = group[0][1]
+        exp = loc0.expect
+        where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
+        if exp.format is None:
+            raise CkptqError(exp.problem)
+        payload = load_record(_read_bytes(root, loc0), source=where)
+        adapter = adapters.adapter_for(payload)
+        if adapter is None:
+            raise CheckpointFormatError(f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard")
+        qt, _ = adapter.to_canonical(payload, exp.fqn)
+        if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
+            raise CheckpointFormatError(
+                f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "
+                f"first shard is {exp.format} {exp.recipe} and the metadata gives this shard "
+                f"{tuple(loc0.box[1])}; the shards disagree"
+            )
+        for name, value in _per_tensor(qt).items() if exp.problem is None else ():
+            if value != exp.per_tensor.get(name):
+                raise InconsistentScaleError(
+                    f"{where}: its per-tensor '{name}' differs from the first shard's; the shards were "
+                    f"quantized with different global values (no amax reduction over the shard "
+                    f"group), so no single tensor holds them. Read it in high precision per shard "
+                    f"(convert --to float32) or re-save with amax reduction"
+                )
+        values = None
+        for it, loc in group:
+            if loc.component is None:
+                if values is None:
+                    values = qt.dequantize(torch.float32)
+                src = values
+            else:
+                src = qt._components[loc.component]
+            src = narrow_tensor_by_index(src, it.storage_offsets, it.lengths)
+            target = planner.resolve_tensor(it).detach()
+            if target.size() != src.size():
+                raise CheckpointFormatError(f"{where}: read item of size {tuple(src.size())} for a target of {tuple(target.size())}")
+            target.copy_(src)
+            planner.commit_tensor(it, target)

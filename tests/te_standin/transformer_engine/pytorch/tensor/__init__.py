@@ -1,0 +1,1 @@
+"""Stand-in for ``transformer_engine.pytorch.tensor``: the four quantized tensor modules."""

@@ -1,0 +1,321 @@
+"""TransformerEngine tensors and TE-written checkpoints through ckptq, tested with the stand-in
+(``tests/te_standin``: TE's module paths, reconstructors, quantizer dicts and buffer layouts).
+
+* live TE tensors -> ``QuantizedSavePlanner`` (native ckptq components) -> ``QuantizedLoadPlanner``
+  into fresh TE tensors full of garbage: every held buffer equal byte for byte (padding zeroed);
+* TE-shaped DCP checkpoints (DCP's default planner pickles each shard's TE object into its record)
+  -> inspect / convert / dcp.load through ``SafeFileSystemReader`` without TE: components equal the
+  TE tensor's canonical bytes, values equal TE's own dequantize, 1 and 2 gloo ranks;
+* malicious records refused with nothing run.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptq
+from ckptq import adapters
+from ckptq.checkpoint import CheckpointView
+from ckptq.inspect import inspect_checkpoint
+from ckptq.io import SafeFileSystemReader
+from ckptq.metrics import bit_exact
+
+from _bounds import REENCODE_NVFP4
+from _dist import run_distributed
+from _te import standin
+
+te = standin()
+
+# (name, kind, factory options, ckptq format, derived copy requantized on insertion?)
+CASES = [
+    ("fp8_e4m3", "float8", dict(fp8_dtype="E4M3"), "fp8_tensor", False),
+    ("fp8_e5m2", "float8", dict(fp8_dtype="E5M2", columnwise=False), "fp8_tensor", False),
+    ("mxfp8_sw", "mxfp8", dict(swizzled=True), "mxfp8", False),
+    ("mxfp8_row", "mxfp8", dict(columnwise=False), "mxfp8", False),
+    ("nvfp4_2d", "nvfp4", dict(two_d=True), "nvfp4", False),
+    ("nvfp4_1d_sw", "nvfp4", dict(swizzled=True, columnwise=True), "nvfp4", True),
+    ("blk_2d", "float8_blockwise", dict(block_scaling_dim=2), "fp8_block", False),
+    ("blk_1d", "float8_blockwise", dict(block_scaling_dim=1), "fp8_block", True),
+]
+SHAPE = (160, 96)  # ragged for 128x128 and 1x128 blocks; multiples of 32 (MXFP8) and 16 (NVFP4)
+
+
+def _x(seed=0, shape=SHAPE):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+
+
+def _te(case, x=None, **extra):
+    name, kind, opts, _, _ = case
+    return te.make_te_tensor(_x() if x is None else x, kind, **{**opts, **extra})
+
+
+def _canonical(t, fqn="w"):
+    return adapters.adapter_for(t).to_canonical(t, fqn)[0]
+
+
+def _same_components(a, b) -> bool:
+    ca, cb = a.components(), b.components()
+    return ca.keys() == cb.keys() and all(bit_exact(ca[k], cb[k]) for k in ca)
+
+
+def _rowwise_buffers(bufs: dict) -> dict:
+    return {k: v for k, v in bufs.items() if "columnwise" not in k and k != "_transpose"}
+
+
+# ------------------------------------------------------------------ live TE tensors, one process
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_live_te_native_save_and_load_in_place(tmp_path, case):
+    src = _te(case)
+    dcp.save({"w": src, "b": torch.arange(4.0)}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    (row,) = [r for r in inspect_checkpoint(tmp_path)["tensors"] if r["fqn"] == "w"]
+    assert (row["format"], row["mode"]) == (case[3], "native")
+    desc = CheckpointView(tmp_path).entry("w").descriptor
+    assert desc["producer"]["name"] == "transformer_engine" and desc["producer"]["class"] == type(src).__name__
+    assert _same_components(CheckpointView(tmp_path).read("w"), _canonical(src))
+
+    target = te.garbage_like(src)
+    planner = ckptq.QuantizedLoadPlanner()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.load({"w": target, "b": torch.empty(4)}, checkpoint_id=str(tmp_path), planner=planner)
+    want, got = te.zero_padding(src), te.zero_padding(target)
+    assert want.keys() == got.keys()
+    exact = want if not case[4] else _rowwise_buffers(want)
+    for k in exact:
+        assert bit_exact(got[k], want[k]), k
+    if case[4]:  # an independently quantized columnwise copy the checkpoint does not hold
+        # requantized from the rowwise values: at worst an NVFP4 re-encode (tests/_bounds.py)
+        assert "w" in planner.derived and planner.derived["w"] > REENCODE_NVFP4
+        assert any("'w'" in str(w.message) for w in caught)
+    else:
+        assert "w" not in planner.derived
+    assert bit_exact(target.dequantize(dtype=torch.float32), src.dequantize(dtype=torch.float32))
+
+
+def test_unstorable_te_tensor_is_refused_or_saved_in_high_precision(tmp_path):
+    src = te.make_te_tensor(_x(), "nvfp4", rht=True, columnwise=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptq.io import dcp_failure
+
+    with pytest.raises(CheckpointException) as ei:  # DCP wraps what the planner raised
+        dcp.save({"w": src}, checkpoint_id=str(tmp_path / "a"), planner=ckptq.QuantizedSavePlanner())
+    err = dcp_failure(ei.value, "save")
+    assert isinstance(err, ckptq.UnsupportedFormatError)
+    assert "'w'" in str(err) and "NVFP4Tensor" in str(err) and "high_precision" in str(err)
+    planner = ckptq.QuantizedSavePlanner(rules={"w": "high_precision"}, dtype=torch.float32)
+    dcp.save({"w": src}, checkpoint_id=str(tmp_path / "b"), planner=planner)
+    out = {"w": torch.empty(SHAPE)}
+    dcp.load(out, checkpoint_id=str(tmp_path / "b"))
+    assert bit_exact(out["w"], src.dequantize(dtype=torch.float32))
+
+
+# ------------------------------------------------------------------ TE-written checkpoints
+def _te_state(seed=0):
+    sd = {}
+    for i, case in enumerate(CASES):
+        sd[f"layers.{i}.{case[0]}.weight"] = _te(case, _x(seed + i))
+    sd["layers.0.bias"] = torch.randn(SHAPE[0])
+    sd["layers.0._extra_state"] = torch.empty(0, dtype=torch.uint8)
+    return sd
+
+
+@pytest.fixture(scope="module")
+def te_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("te") / "ckpt"
+    sd = _te_state()
+    dcp.save(sd, checkpoint_id=str(path))  # DCP's default planner: each record a pickled TE tensor
+    return path, sd
+
+
+def test_te_checkpoint_records_are_te_pickles(te_ckpt):
+    path, _ = te_ckpt
+    blob = (path / "__0_0.distcp").read_bytes()
+    assert b"_make_mxfp8_tensor_in_reduce_ex" in blob and b"_make_nvfp4_tensor_in_reduce_ex" in blob
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fresh = {k: torch.empty(v.shape) for k, v in _te_state().items() if k.endswith("weight")}
+    with pytest.raises(BaseException, match="Unsupported global"):  # what stock DCP does without TE
+        dcp.load(fresh, storage_reader=FileSystemReader(str(path)))
+
+
+def test_inspect_te_checkpoint_shows_real_formats(te_ckpt):
+    path, sd = te_ckpt
+    report = inspect_checkpoint(path, stats=True)
+    rows = {r["fqn"]: r for r in report["tensors"]}
+    for i, case in enumerate(CASES):
+        fqn = f"layers.{i}.{case[0]}.weight"
+        r = rows[fqn]
+        assert (r["format"], r["mode"]) == (case[3], "native"), fqn
+        canon = _canonical(sd[fqn], fqn)  # the stored size is the canonical components', not bf16's
+        want_bits = sum(c.numel() * c.element_size() for c in canon.components().values()) * 8 / canon.numel()
+        assert r["bits_per_element"] == pytest.approx(want_bits), fqn
+        assert r["producer"] == f"transformer_engine {type(sd[fqn]).__name__}"
+        assert r["stats"]["max"] == sd[fqn].dequantize(dtype=torch.float32).max().item()
+    assert rows["layers.0.bias"]["mode"] == "plain" and rows["layers.0.bias"]["producer"] is None
+    assert rows["layers.0._extra_state"]["producer"].startswith("transformer_engine: module extra state")
+
+
+def test_convert_te_checkpoint_to_native_and_high_precision(te_ckpt, tmp_path):
+    path, sd = te_ckpt
+    ckptq.convert_checkpoint(path, tmp_path / "native", to="native")
+    ckptq.convert_checkpoint(path, tmp_path / "fp32", to="float32")
+    native, fp32 = CheckpointView(tmp_path / "native"), CheckpointView(tmp_path / "fp32")
+    for fqn, t in sd.items():
+        if not fqn.endswith("weight"):
+            assert bit_exact(native.read(fqn), t)
+            continue
+        assert _same_components(native.read(fqn), _canonical(t, fqn)), fqn
+        assert bit_exact(fp32.read(fqn), t.dequantize(dtype=torch.float32)), fqn
+    # the native copy is an ordinary ckptq checkpoint: it reshards and reloads like one
+    ckptq.reshard_checkpoint(tmp_path / "native", tmp_path / "r2", mesh="2", misaligned="high-precision")
+    fqn = "layers.4.nvfp4_2d.weight"  # 80-row shards: on the 16x16 grid
+    assert _same_components(CheckpointView(tmp_path / "r2").read(fqn), _canonical(sd[fqn], fqn))
+
+
+def test_dcp_load_te_checkpoint_without_te_into_any_target(te_ckpt):
+    path, sd = te_ckpt
+    weights = {k: v for k, v in sd.items() if k.endswith("weight")}
+    plain = {k: torch.empty(v.shape) for k, v in weights.items()}
+    ours = {k: _canonical(v, k).new_empty(v.shape) for k, v in weights.items()}
+    theirs = {k: te.garbage_like(v) for k, v in weights.items()}
+    for target in (plain, ours, theirs):
+        dcp.load(target, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
+    for k, v in weights.items():
+        assert bit_exact(plain[k], v.dequantize(dtype=torch.float32)), k
+        assert _same_components(ours[k], _canonical(v, k)), k
+        want, got = _rowwise_buffers(te.zero_padding(v)), te.zero_padding(theirs[k])
+        assert all(bit_exact(got[b], want[b]) for b in want), k
+
+
+def test_both_te_flavors_read(tmp_path):
+    x = _x(7)
+    sd = {"a": te.make_te_tensor(x, "mxfp8", flavor="2974"), "b": te.make_te_tensor(x, "nvfp4", flavor="main")}
+    dcp.save(sd, checkpoint_id=str(tmp_path))
+    blob = (tmp_path / "__0_0.distcp").read_bytes()
+    assert b"transformer_engine_torch" in blob and b"DType" in blob
+    view = CheckpointView(tmp_path)
+    for k, v in sd.items():
+        assert _same_components(view.read(k), _canonical(v, k)), k
+
+
+def _evil_record() -> bytes:
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch pwned-by-ckptq-test  # transformer_engine",))
+
+    buf = io.BytesIO()
+    torch.save({"x": Evil()}, buf)
+    return buf.getvalue()
+
+
+def test_malicious_te_record_is_refused_and_nothing_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ck = tmp_path / "ck"
+    dcp.save({"w": te.make_te_tensor(_x(), "float8")}, checkpoint_id=str(ck))
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    evil = _evil_record()
+    (ck / "__0_0.distcp").write_bytes(evil)
+    for info in md.storage_data.values():
+        info.offset, info.length = 0, len(evil)
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(ckptq.UnsafeCheckpointError, match="system") as ei:
+        inspect_checkpoint(ck)
+    assert "transformer_engine" in str(ei.value)  # names the TE versions that are supported
+    assert not (tmp_path / "pwned-by-ckptq-test").exists()
+
+
+# ------------------------------------------------------------------ 2 gloo ranks
+def _global_amax(x):
+    return x.float().abs().max().item()
+
+
+KINDS = {"mx": ("mxfp8", {}), "nv": ("nvfp4", {"two_d": True}), "f8": ("float8", {}),
+         "bk": ("float8_blockwise", {"block_scaling_dim": 2})}
+
+
+def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2"):
+    """Each rank quantizes its shard of the same (rows, 256) weights as a TE tensor (per-tensor
+    values from the global amax, as TE's amax reduction gives) and saves the DTensors: FSDP2
+    ``Shard(0)``, TP row-parallel ``Shard(1)``, or FSDP2-over-TP ``(_StridedShard(0, 2), Shard(0))``
+    on a (2, 2) mesh."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from _te import standin
+    from ckptq.layout import MeshSpec, rank_boxes
+    from ckptq.chunks import narrow_box
+
+    tef = standin()
+    if layout == "fsdp2-tp":
+        mesh, spec = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), MeshSpec.parse("dp=2,tp=2")
+        placements = (_StridedShard(0, split_factor=2), Shard(0))
+    else:
+        mesh, spec = init_device_mesh("cpu", (ws,)), MeshSpec.parse(str(ws))
+        placements = (Shard(1 if layout == "tp-row" else 0),)
+    shape = (rows, 256)
+    box = rank_boxes(shape, spec, placements)[rank]
+    sd = {}
+    for name in names:
+        kind, opts = KINDS[name]
+        x = _x(3, shape)
+        extra = {"amax": _global_amax(x)} if kind in ("nvfp4", "float8") else {}
+        local = tef.make_te_tensor(narrow_box(x, box).contiguous(), kind, **opts, **extra)
+        sd[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                      stride=(256, 1))
+    dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner() if native else None)
+
+
+def _reference(name, rows):
+    kind, opts = KINDS[name]
+    x = _x(3, (rows, 256))
+    return te.make_te_tensor(x, kind, **opts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("native, layout, ranks", [(False, "fsdp2", 2), (True, "fsdp2", 2), (True, "tp-row", 2),
+                                                   (False, "tp-row", 2), (True, "fsdp2-tp", 4)],
+                         ids=["te_pickles-fsdp2", "native-fsdp2", "native-tp_row", "te_pickles-tp_row",
+                              "native-fsdp2_tp_strided"])
+def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
+    rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns: on every format's global grid
+    names = ("mx", "nv", "f8") if layout == "fsdp2-tp" else tuple(KINDS)  # 64-row shards cut 128x128 blocks
+    run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout)
+    view = CheckpointView(tmp_path / "ck")
+    for name in names:
+        want = _reference(name, rows)
+        assert view.entry(name).kind == "quantized", name
+        assert _same_components(view.read(name), _canonical(want, name)), name
+        target = te.garbage_like(want)
+        dcp.load({name: target}, storage_reader=SafeFileSystemReader(tmp_path / "ck"),
+                 planner=ckptq.QuantizedLoadPlanner())
+        assert bit_exact(target.dequantize(dtype=torch.float32), want.dequantize(dtype=torch.float32)), name
+
+
+@pytest.mark.slow
+def test_two_rank_te_shards_off_the_global_grid_read_in_high_precision(tmp_path):
+    rows = 96  # shards of 48 rows: 128x128 blocks of each shard do not line up with the global grid
+    run_distributed(2, _save_te_dtensors, str(tmp_path / "ck"), rows, False, ("bk",))
+    view = CheckpointView(tmp_path / "ck")
+    e = view.entry("bk")
+    assert e.kind == "tensor" and e.descriptor["mode"] == "high_precision" and "block grids" in e.descriptor["note"]
+    x = _x(3, (rows, 256))
+    want = torch.cat([te.make_te_tensor(x[r * 48:(r + 1) * 48], "float8_blockwise", block_scaling_dim=2)
+                      .dequantize(dtype=torch.float32) for r in range(2)])
+    assert bit_exact(view.read("bk"), want)  # each shard dequantized with its own scales
+    with pytest.raises(ckptq.ShardingError, match=r"(?s)'bk'.*block grids.*--misaligned high-precision"):
+        ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native")  # named, nothing written
+    assert not (tmp_path / "out").exists()
+    ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native", misaligned="high-precision")
+    assert bit_exact(CheckpointView(tmp_path / "out").read("bk"), want)  # kept in high precision, exact
