@@ -14,9 +14,21 @@ model's encoder (36 weights: 384x384, 1536x384, 384x1536) is quantized, then:
    weights vs the fp32 originals, and the cosine similarity of sentence embeddings computed with
    the dequantized (reloaded) weights vs the fp32 model on 16 fixed sentences.
 
+Then the sharded round trip, all formats at once (gloo process groups on the CPU):
+
+6. 2 ranks save the model FSDP2-style: every parameter is a ``Shard(0)`` DTensor, and the local
+   shard of each Linear weight is quantized on its rank with the tensor's global amax (all-reduced,
+   as a quantized training step holds it);
+7. the checkpoint is resharded offline, without a process group, to the mesh ``dp_shard=2,tp=2``
+   with plan ``fsdp2-tp`` (``ckptq.reshard_checkpoint``, what ``ckptq reshard`` runs);
+8. 4 ranks load it into DTensors of that layout with ``QuantizedLoadPlanner``; every component of
+   every loaded shard is compared byte for byte with the same box of the weight quantized whole by
+   one process, and every plain tensor (embeddings, LayerNorms, biases) with the original.
+
     python examples/minilm.py [--formats nvfp4,mxfp8] [--json-out results.json] [--keep DIR]
 
-Exits 1 if any reload is not bit-exact (or a checkpoint cannot be inspected or loaded).
+Exits 1 if any reload is not bit-exact (or a checkpoint cannot be saved, resharded, inspected or
+loaded).
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert  # noqa: E402
 
 import ckptq  # noqa: E402
+from ckptq.formats.base import slice_box  # noqa: E402
 from ckptq.io import SafeFileSystemReader  # noqa: E402
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
 
@@ -193,6 +206,283 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     return row
 
 
+# ------------------------------------------------------------------------------ sharded round trip
+#: The layouts of steps 6-8. The source is FSDP2 on 2 ranks: ``Shard(0)`` everywhere (FSDP2's
+#: ``torch.chunk`` cuts: 384 rows -> 2 x 192). The target is FSDP2 over TP on 4 ranks, laid out by
+#: the ``fsdp2-tp`` preset with these rules: q/k/v and the MLP's up projection column-parallel
+#: (weights ``(_StridedShard(0, 2), Shard(0))``, 96-row shards of the 384-row weights), the MLP's
+#: down projection ``encoder.layer.N.output.dense`` (384x1536) row-parallel (``(Shard(0),
+#: Shard(1))``, columns cut at 768); everything else, attention.output.dense included, is only
+#: FSDP-sharded (``(Shard(0), Replicate())``): cut row-parallel at column 192 it would split
+#: fp8_block's 128-wide blocks.
+SOURCE_RANKS = 2
+TARGET_MESH = "dp_shard=2,tp=2"
+TARGET_PLAN = "fsdp2-tp"
+TP_RULES = ("*.attention.self.*=col", "*.intermediate.dense.*=col", "*.[0-9].output.dense.*=row")
+#: The recipes of the sharded round trip: those of FORMATS, except fp8_block, whose 128x128 blocks
+#: cannot be cut at row 192 (ckptq refuses such a save with a ShardingError); sharded, fp8_block
+#: uses 1x128 blocks (one scale per 128 values of a row, the other common fp8_block recipe).
+SHARDED_RECIPES: dict[str, dict] = {**FORMATS, "fp8_block": {"block": (1, 128)}}
+#: Formats with a per-tensor amax: every shard must be quantized with the global one.
+PER_TENSOR_AMAX = ("nvfp4", "fp8_tensor")
+
+
+def _recipe_note(fmt: str) -> str:
+    """How the sharded recipe differs from the single-process one ("" when it does not)."""
+    if SHARDED_RECIPES[fmt] == FORMATS[fmt]:
+        return ""
+    return " (" + "x".join(map(str, SHARDED_RECIPES[fmt]["block"])) + ")"
+
+
+def _sharded_path(work: Path, fmt: str, what: str) -> Path:
+    return work / f"{fmt}-{what}"
+
+
+def _local_box(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of this rank's shard, by DTensor's own rule (the one DCP uses)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(offsets), tuple(sizes)
+
+
+def _narrow(t: torch.Tensor, box) -> torch.Tensor:
+    for d, (off, size) in enumerate(zip(*box)):
+        t = t.narrow(d, off, size)
+    return t
+
+
+def _poison(t) -> None:
+    """Fill every byte with 0xFF (NaN for the float types), so that a shard the load does not
+    write cannot match its expected bytes by chance."""
+    for c in t.components().values() if isinstance(t, ckptq.QuantizedTensor) else [t]:
+        c.reshape(-1).view(torch.uint8).fill_(0xFF)
+
+
+def _save_worker(rank: int, world_size: int, work: str, formats: list[str], names: list[str]) -> dict:
+    """Step 6 on one rank: save the model as FSDP2 ``Shard(0)`` DTensors, quantized weights locally."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    orig = bert.load_state_dict()
+    seconds = {}
+    for fmt in formats:
+        t0 = time.perf_counter()
+        state = {}
+        for k, v in orig.items():
+            if not v.is_floating_point():  # position_ids: a buffer, which FSDP2 does not shard
+                state[k] = v
+                continue
+            local = _narrow(v, _local_box(v.shape, mesh, [Shard(0)])).contiguous()
+            if k in names:
+                kw = {}
+                if fmt in PER_TENSOR_AMAX:  # one amax for all shards of the tensor
+                    amax = local.abs().amax()
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                    kw["amax"] = amax
+                local = ckptq.quantize(local, fmt, **SHARDED_RECIPES[fmt], **kw)
+            state[k] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride())
+        dcp.save(state, checkpoint_id=str(_sharded_path(Path(work), fmt, f"{world_size}ranks")),
+                 planner=ckptq.QuantizedSavePlanner())
+        seconds[fmt] = time.perf_counter() - t0
+    return seconds
+
+
+def _target_layout():
+    """The target mesh and ``fsdp2-tp`` plan, as ``ckptq.reshard_checkpoint`` builds them from the
+    same strings: which placements each tensor gets there."""
+    from ckptq import parse
+
+    mesh = parse.parse_mesh(TARGET_MESH)
+    return mesh, parse.parse_plan(mesh, TARGET_PLAN, TP_RULES)
+
+
+def _load_worker(rank: int, world_size: int, work: str, formats: list[str], names: list[str]) -> dict:
+    """Step 8 on one rank: load the resharded checkpoint into DTensors of the target layout and
+    return, per format, the tensors whose loaded shard differs from the expected bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    spec, layout = _target_layout()
+    mesh = init_device_mesh("cpu", spec.sizes, mesh_dim_names=spec.names)
+    orig = bert.load_state_dict()
+    out = {}
+    for fmt in formats:
+        t0 = time.perf_counter()
+        state, want = {}, {}
+        for k, v in orig.items():
+            if not v.is_floating_point():  # the position_ids buffer: a plain tensor, whole
+                want[k] = v
+                state[k] = torch.empty_like(v)
+                _poison(state[k])
+                continue
+            placements = layout.placements(k, v.ndim)
+            box = _local_box(v.shape, mesh, placements)
+            if k in names:
+                # The reference: the whole weight quantized by one process, then the box of this
+                # shard -- not what the 2 ranks saved (their shards were quantized separately).
+                want[k] = slice_box(ckptq.quantize(v, fmt, **SHARDED_RECIPES[fmt]), box)
+            else:
+                want[k] = _narrow(v, box)
+            local = torch.empty_like(want[k])
+            _poison(local)
+            state[k] = DTensor.from_local(local, mesh, placements, run_check=False, shape=v.shape, stride=v.stride())
+        dcp.load(state, storage_reader=SafeFileSystemReader(_sharded_path(Path(work), fmt, "resharded")),
+                 planner=ckptq.QuantizedLoadPlanner())
+        differ = []
+        for k, t in state.items():
+            got = t.to_local() if isinstance(t, DTensor) else t
+            if k in names:
+                ok = type(got) is type(want[k]) and got.recipe == want[k].recipe and all(
+                    bit_exact(got.components()[c], w) for c, w in want[k].components().items())
+            else:
+                ok = bit_exact(got, want[k])
+            if not ok:
+                differ.append(k)
+        out[fmt] = {"differ": differ, "seconds": time.perf_counter() - t0}
+    return out
+
+
+def _rank_main(rank, world_size, store, fn, args, queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)  # several ranks share the cores
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        dist.barrier()  # (a failed rank skips it: the parent reports its error and ends the others)
+        queue.put((rank, "ok", result))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a gloo
+    process group (a FileStore rendezvous: nothing listens on the network); the results by rank.
+    Raises RuntimeError at the first failed rank (with its traceback), the others being ended."""
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ckptq-store-") as d:
+        store = os.path.join(d, "store")
+        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, fn, args, queue), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        results, error = {}, None
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world_size and error is None:
+                try:
+                    rank, status, payload = queue.get(timeout=1.0)
+                except queue_mod.Empty:
+                    dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+                    if dead:
+                        error = f"rank(s) exited without a result (exit codes {dead})"
+                    elif time.monotonic() > deadline:
+                        error = f"no result after {timeout:.0f} s"
+                    continue
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    error = f"rank {rank}: {payload}"
+        finally:
+            for p in procs:
+                p.join(timeout=30 if error is None else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    if error is not None:
+        raise RuntimeError(f"{fn.__name__} on {world_size} ranks failed: {error}")
+    return [results[r] for r in range(world_size)]
+
+
+def reshard(src: Path, dst: Path) -> dict:
+    """Step 7: ``ckptq reshard SRC DST --mesh dp_shard=2,tp=2 --plan fsdp2-tp --rule ...``."""
+    return ckptq.reshard_checkpoint(src, dst, mesh=TARGET_MESH, plan=TARGET_PLAN, rules=list(TP_RULES))
+
+
+def load_resharded(formats: list[str], work: Path, names: list[str], plain: list[str]) -> dict[str, dict]:
+    """Step 8: load every format's resharded checkpoint on the target mesh's ranks; per format, how
+    many quantized weights and plain tensors came back bit-exact (on every rank)."""
+    spec, _ = _target_layout()
+    t0 = time.perf_counter()
+    loaded = spawn_ranks(spec.world_size, _load_worker, str(work), formats, names)
+    log(f"sharded: {spec.world_size} ranks loaded them into DTensors of that layout "
+        f"({time.perf_counter() - t0:.1f} s, process start included)")
+    out = {}
+    for fmt in formats:
+        differ = sorted({k for per_rank in loaded for k in per_rank[fmt]["differ"]})  # wrong on any rank
+        exact, plain_exact = sum(n not in differ for n in names), sum(k not in differ for k in plain)
+        out[fmt] = {
+            "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in SHARDED_RECIPES[fmt].items()},
+            "exact_count": exact, "quantized_tensors": len(names), "bit_exact": f"{exact}/{len(names)}",
+            "plain_exact_count": plain_exact, "plain_tensors": len(plain), "plain_exact": f"{plain_exact}/{len(plain)}",
+            "differ": differ, "load_seconds_per_rank": [per_rank[fmt]["seconds"] for per_rank in loaded],
+        }
+        log(f"sharded {fmt}{_recipe_note(fmt)}: {out[fmt]['bit_exact']} quantized weights bit-exact, "
+            f"{out[fmt]['plain_exact']} plain tensors unchanged" + (f"; DIFFER: {differ[:4]}" if differ else ""))
+    return out
+
+
+def sharded_problems(r: dict) -> list[str]:
+    """What failed in one format's sharded round trip (a result of :func:`run_sharded`)."""
+    if "error" in r:
+        return [f"sharded round trip: {r['error']}"]
+    if r["exact_count"] != r["quantized_tensors"] or r["plain_exact_count"] != r["plain_tensors"]:
+        return [f"sharded round trip: {r['bit_exact']} weights bit-exact, {r['plain_exact']} plain tensors "
+                f"unchanged; differ: {r['differ'][:4]}"]
+    return []
+
+
+def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
+    """Steps 6-8 for all formats (one process group per step): the results of
+    :func:`load_resharded`, with the timings."""
+    work, names, orig = ctx["work"], ctx["names"], ctx["orig"]
+    spec, layout = _target_layout()
+
+    t0 = time.perf_counter()
+    saved = spawn_ranks(SOURCE_RANKS, _save_worker, str(work), formats, names)
+    t_save = time.perf_counter() - t0
+    log(f"\nsharded: {SOURCE_RANKS} ranks saved the model as FSDP2 Shard(0) DTensors, every Linear weight's "
+        f"shard quantized on its rank ({t_save:.1f} s for {len(formats)} format(s), process start included)")
+
+    t0 = time.perf_counter()
+    reports = {}
+    for fmt in formats:
+        t1 = time.perf_counter()
+        report = reshard(_sharded_path(work, fmt, f"{SOURCE_RANKS}ranks"), _sharded_path(work, fmt, "resharded"))
+        reports[fmt] = {"reshard_seconds": time.perf_counter() - t1, "target_ranks": report["world_size"],
+                        "bytes_per_target_rank": report["bytes_per_rank"]}
+    t_reshard = time.perf_counter() - t0
+    from ckptq.layout import format_placements
+
+    log(f"sharded: resharded offline to mesh {spec} ({spec.world_size} ranks, one file each), plan "
+        f"{TARGET_PLAN} with rules {' '.join(TP_RULES)} ({t_reshard:.1f} s); layer 0 weights there:")
+    for n in names:
+        if n.startswith("encoder.layer.0."):
+            log(f"  {n:48s} {str(tuple(orig[n].shape)):12s} {format_placements(layout.placements(n, 2))}")
+
+    t0 = time.perf_counter()
+    out = load_resharded(formats, work, names, [k for k in orig if k not in names])
+    timings = {"save_s": t_save, "reshard_s": t_reshard, "load_s": time.perf_counter() - t0}
+    for fmt, r in out.items():
+        r.update(reports[fmt], source_ranks=SOURCE_RANKS, save_seconds_per_rank=[x[fmt] for x in saved],
+                 timings=timings)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of %(default)s")
@@ -240,27 +530,50 @@ def main(argv=None) -> int:
 
                 traceback.print_exc()
                 rows.append({"format": fmt, "problems": [f"{type(e).__name__}: {e}"], "bit_exact": "error"})
+        # steps 6-8, all formats at once; each row gets "sharded": {...}
+        try:
+            sharded = run_sharded(formats, ctx)
+        except Exception as e:  # a failed rank, save or reshard: every format fails
+            import traceback
+
+            traceback.print_exc()
+            sharded = {fmt: {"error": f"{type(e).__name__}: {str(e)[-2000:]}"} for fmt in formats}
+        for r in rows:
+            r["sharded"] = sharded[r["format"]]
+            r.setdefault("problems", []).extend(sharded_problems(r["sharded"]))
     finally:
         if cleanup is not None:
             cleanup.cleanup()
     elapsed = time.perf_counter() - t0
 
     headers = ["format", "native B", "high-prec B", "bf16 B", "native/bf16", "weights native/bf16",
-               "weight SQNR dB", "bit-exact reload", "emb cos mean", "emb cos min"]
+               "weight SQNR dB", "bit-exact reload", "emb cos mean", "emb cos min",
+               f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact", "plain unchanged"]
     table = []
     for r in rows:
+        s = r.get("sharded", {})
+        if "exact_count" in s:
+            sharded_cols = [s["bit_exact"] + _recipe_note(r["format"]), s["plain_exact"]]
+        else:
+            sharded_cols = ["error", "error"]
         if "native_bytes" not in r:
-            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 2)
+            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 2 + sharded_cols)
             continue
         table.append([
             r["format"], f"{r['native_bytes']:,}", f"{r['hp_bytes']:,}", f"{r['bf16_bytes']:,}",
             f"{r['native_over_bf16']:.3f}", f"{r['native_over_bf16_weights']:.3f}", f"{r['sqnr_db']:.2f}",
-            r["bit_exact"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}",
+            r["bit_exact"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols,
         ])
     log("\nckptq on all-MiniLM-L6-v2: 36 Linear weights quantized, native vs high-precision (bf16) DCP checkpoints")
     log("(B = bytes on disk of the whole checkpoint directory, whose other parameters are fp32 in all three;")
     log(" 'weights native/bf16' counts the stored bytes of the 36 quantized weights only; emb cos: per sentence,")
-    log(" embedding with the reloaded dequantized weights vs with the fp32 weights, over 16 sentences)")
+    log(" embedding with the reloaded dequantized weights vs with the fp32 weights, over 16 sentences;")
+    log(f" '{headers[-2]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
+        f"({TARGET_PLAN}),")
+    log(" loaded by its ranks: weights whose every loaded component equals the same box of the weight quantized")
+    log(" whole; 'plain unchanged': the other tensors (embeddings, LayerNorms, biases) equal to the originals"
+        + ("; fp8_block is sharded with 1x128 blocks: 128x128 blocks cannot be cut at row 192)"
+           if "fp8_block" in formats else ")"))
     log(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
     log(f"\nelapsed {elapsed:.1f} s  (torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.python_implementation()} {platform.python_version()})")

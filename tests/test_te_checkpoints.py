@@ -319,3 +319,46 @@ def test_two_rank_te_shards_off_the_global_grid_read_in_high_precision(tmp_path)
     assert not (tmp_path / "out").exists()
     ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native", misaligned="high-precision")
     assert bit_exact(CheckpointView(tmp_path / "out").read("bk"), want)  # kept in high precision, exact
+
+
+def test_cli_commands_a_te_user_runs(te_ckpt, tmp_path):
+    from typer.testing import CliRunner
+
+    from ckptq.cli import app
+
+    path, sd = te_ckpt
+    runner = CliRunner()
+    r = runner.invoke(app, ["inspect", str(path)])
+    assert r.exit_code == 0, r.output
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("layers.2.mxfp8_sw.weight"))
+    assert "mxfp8" in line and "native" in line and "transformer_engine MXFP8Tensor" in line
+    r = runner.invoke(app, ["convert", str(path), str(tmp_path / "native"), "--to", "native"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["verify", str(path), str(tmp_path / "native")])  # the TE view vs its copy
+    assert r.exit_code == 0 and "failed" in r.stdout, r.output
+    assert f"{len(sd)} compared, {len(sd)} bit-exact, 0 failed" in r.stdout
+
+
+# ------------------------------------------------------------------ CUDA-resident TE tensors
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("async_save", [False, True], ids=["save", "async_save"])
+def test_cuda_te_tensors_save_and_load_in_place(tmp_path, case, async_save):
+    """TE's tensors live on the GPU: canonical views of CUDA buffers are written (staged to the
+    CPU by DCP, raw bytes) and a load inserts into CUDA buffers; the same bytes as on the CPU."""
+    src = _te(case).to("cuda")
+    planner = ckptq.QuantizedSavePlanner()
+    if async_save:
+        dcp.async_save({"w": src}, checkpoint_id=str(tmp_path), planner=planner).result()
+    else:
+        dcp.save({"w": src}, checkpoint_id=str(tmp_path), planner=planner)
+    target = te.garbage_like(_te(case)).to("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
+    want = te.zero_padding(src.to("cpu"))
+    got = te.zero_padding(target.to("cpu"))
+    for k in (want if not case[4] else _rowwise_buffers(want)):
+        assert bit_exact(got[k], want[k]), k
+    assert all(b.is_cuda for b in te.te_buffers(target).values())

@@ -55,8 +55,19 @@ def _row_cells(row: dict, stats: bool) -> list:
 
 
 def _print_table(report: dict, stats: bool) -> None:
-    headers = _HEADERS + (_STATS_HEADERS if stats else [])
-    out.echo_table([_row_cells(r, stats) for r in report["tensors"]], headers, empty="No entries found.")
+    rows = report["tensors"]
+    foreign = any(r.get("producer") for r in rows)  # a column only when another library made tensors
+    headers = _HEADERS + (["PRODUCER"] if foreign else []) + (_STATS_HEADERS if stats else [])
+    cells = []
+    for r in rows:
+        c = _row_cells(r, stats)
+        if foreign:
+            c.insert(len(_HEADERS), r.get("producer") or "-")
+        cells.append(c)
+    out.echo_table(cells, headers, empty="No entries found.")
+    for r in rows:
+        if r.get("note"):
+            out.warning(f"'{r['fqn']}': {r['note']}")
 
 
 def _print_summary(s: dict) -> None:
