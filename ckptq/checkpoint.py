@@ -5,13 +5,18 @@ group or executing pickled code: each logical entry (:class:`ckptq.contract.Entr
 validated by :func:`ckptq.contract.fold_entries`) is a natively saved quantized tensor (its
 components folded together), a high-precision entry of a quantized tensor, a plain tensor, or a
 non-tensor (bytes) entry. The writer of checkpoint directories is :mod:`ckptq.io.writer`.
+
+:func:`open_checkpoint` opens any checkpoint ckptq reads (a DCP directory, or a source another
+library wrote that a registered opener recognizes, e.g. a Hugging Face safetensors folder or a
+``torch.save`` file) as an object with the :class:`CheckpointView` interface, so reshard, convert,
+inspect and verify work on all of them.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -22,7 +27,7 @@ from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata
 
-__all__ = ["Entry", "CheckpointView"]
+__all__ = ["Entry", "CheckpointView", "open_checkpoint", "register_source"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -93,3 +98,52 @@ class CheckpointView:
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
             return pd[key]
         return None
+
+
+#: ``(name, detect, open)`` of the non-DCP sources, tried in order (see :func:`register_source`).
+_SOURCES: list[tuple[str, Callable[[Path], bool], Callable[[Path], Any]]] = []
+
+
+def register_source(name: str, detect: Callable[[Path], bool], opener: Callable[[Path], Any]) -> None:
+    """Teach :func:`open_checkpoint` another kind of checkpoint.
+
+    Args:
+        name: what it is, for messages (``"Hugging Face safetensors"``).
+        detect: ``path -> bool``, cheap (file names, a config file), never raising for paths of
+            other kinds.
+        opener: ``path -> view``: an object with :class:`CheckpointView`'s interface (``path``,
+            ``entries``, ``entry``, ``__contains__``, ``read``, ``read_raw_bytes``, ``mapping``)
+            whose entries are :class:`ckptq.contract.Entry` s with ckptq descriptors.
+    """
+    _SOURCES.append((name, detect, opener))
+
+
+def open_checkpoint(path: PathLike) -> Any:
+    """A read-only logical view of the checkpoint at ``path``: :class:`CheckpointView` for a DCP
+    directory (or its ``.metadata``), else the view of the first registered source that
+    recognizes it.
+
+    Raises:
+        CheckpointFormatError: nothing recognizes ``path`` (names what was tried), or it is
+            malformed; UnsafeCheckpointError: it would run code.
+    """
+    p = Path(path)
+    if p.is_dir() and (p / ".metadata").is_file() or p.name == ".metadata":
+        return CheckpointView(p.parent if p.name == ".metadata" else p)
+    _load_builtin_sources()
+    for _, detect, opener in _SOURCES:
+        if detect(p):
+            return opener(p)
+    return CheckpointView(p)  # raises the DCP reader's precise error (missing, not DCP, ...)
+
+
+def _load_builtin_sources() -> None:
+    """Import the modules that register ckptq's own non-DCP sources (once)."""
+    import importlib
+
+    for module in _BUILTIN_SOURCE_MODULES:
+        importlib.import_module(module)
+
+
+#: Modules that call :func:`register_source` when imported.
+_BUILTIN_SOURCE_MODULES: list[str] = []

@@ -1,8 +1,10 @@
-"""What is in a DCP checkpoint: one row per logical tensor, sizes, formats and optional value stats.
+"""What is in a checkpoint: one row per logical tensor, sizes, formats and optional value stats.
 
-Library only (the CLI in :mod:`ckptq.cli.inspect` renders it). Reads no process group, never runs
-code from the checkpoint (metadata through :mod:`ckptq.io.safe_pickle`, tensors through DCP's
-``weights_only`` reads) and never loads non-tensor entries.
+Library only (the CLI in :mod:`ckptq.cli.inspect` renders it). Reads DCP checkpoints (ckptq's,
+plain ones, and those other libraries wrote, see :mod:`ckptq.io.foreign`) and every other source
+:func:`ckptq.checkpoint.open_checkpoint` opens. Reads no process group, never runs code from the
+checkpoint (metadata through :mod:`ckptq.io.safe_pickle`, tensors through ``weights_only`` reads)
+and never loads non-tensor entries.
 """
 
 from __future__ import annotations
@@ -10,16 +12,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from . import adapters
+from .checkpoint import CheckpointView, open_checkpoint
 from .contract import Entry, fold_entries, has_record, read_record, saved_world_size
-from .formats.base import dtype_to_str
-from .io import SafeFileSystemReader, read_metadata
-from .io.reader import load_entries
+from .formats.base import dtype_to_str, str_to_dtype
 
 __all__ = ["inspect_checkpoint"]
 
@@ -80,14 +81,19 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
         UnsupportedFormatError: a ckptq record names a format this ckptq does not know (``stats``).
     """
     root = Path(path)
-    metadata = read_metadata(root)
-    if root.is_file():
-        root = root.parent
-    entries = fold_entries(metadata, where=str(root))
-    rows = [_row_of(e, metadata) for e in entries.values()]
+    view = open_checkpoint(root)
+    if isinstance(view, CheckpointView):
+        metadata = view.metadata
+        entries = fold_entries(metadata, where=str(view.path))  # in the checkpoint's entry order
+        stored = _dcp_stored(metadata)
+    else:
+        metadata, entries = None, {e.fqn: e for e in view.entries()}
+        stored = _view_stored(entries)
+    rows = [_row_of(e, stored, metadata) for e in entries.values()]
     if stats:
-        _add_stats(root, metadata, rows, entries, progress)
-    return {"path": str(root), "tensors": rows, "summary": _summary(metadata, rows)}
+        _add_stats(view, rows, entries, progress)
+    summary = _summary(metadata, rows) if metadata is not None else _view_summary(view, rows)
+    return {"path": str(view.path), "tensors": rows, "summary": summary}
 
 
 # ---------------------------------------------------------------------------------------- rows
@@ -95,8 +101,8 @@ def _numel(shape) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def _entry_bytes(entry: TensorStorageMetadata) -> int:
-    return _numel(entry.size) * entry.properties.dtype.itemsize
+def _nbytes(dtype: torch.dtype, size) -> int:
+    return _numel(size) * dtype.itemsize
 
 
 def _row(fqn, fmt, mode, shape, dtype, stored_dtype, nbytes, chunks, recipe=None, components=None) -> dict:
@@ -117,50 +123,79 @@ def _row(fqn, fmt, mode, shape, dtype, stored_dtype, nbytes, chunks, recipe=None
     }
 
 
-def _row_of(e: Entry, metadata: Metadata) -> dict:
-    row = _stored_row(e, metadata)
+#: key -> (stored dtype, global size, number of saved chunks) of a tensor entry
+Stored = Callable[[str], tuple[torch.dtype, list, int]]
+
+
+def _dcp_stored(metadata: Metadata) -> Stored:
+    sdm = metadata.state_dict_metadata
+
+    def stored(key: str):
+        md = sdm[key]
+        return md.properties.dtype, [int(s) for s in md.size], len(md.chunks)
+
+    return stored
+
+
+def _view_stored(entries: Mapping[str, Entry]) -> Stored:
+    """What a non-DCP source stores, from its entries' descriptors (one chunk per entry)."""
+    table = {}
+    for e in entries.values():
+        if e.kind == "quantized":
+            for name, key in e.keys.items():
+                comp = e.descriptor["components"][name]
+                table[key] = (str_to_dtype(comp["dtype"]), [int(x) for x in comp["shape"]], 1)
+        elif e.kind == "tensor":
+            table[e.fqn] = (e.dtype, [int(x) for x in e.shape], 1)
+    return table.__getitem__
+
+
+def _row_of(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
+    row = _stored_row(e, stored, metadata)
     desc = e.descriptor or {}
     producer = desc.get("producer")
     if isinstance(producer, Mapping):
-        row["producer"] = " ".join(str(producer[k]) for k in ("name", "class") if producer.get(k))
+        row["producer"] = " ".join(str(producer[k]) for k in ("name", "class", "layout") if producer.get(k))
     else:
         row["producer"] = adapters.describe_entry(e.fqn)
     row["note"] = desc.get("note")
     return row
 
 
-def _stored_row(e: Entry, metadata: Metadata) -> dict:
-    sdm = metadata.state_dict_metadata
+def _stored_row(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
     if e.kind == "bytes":
-        storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
+        storage = metadata.storage_data if metadata is not None and isinstance(metadata.storage_data, Mapping) else {}
         infos = [info for index, info in storage.items() if getattr(index, "fqn", None) == e.fqn]
         nbytes = sum(int(getattr(i, "length", 0)) for i in infos)
         return _row(e.fqn, BYTES, BYTES, None, None, None, nbytes, max(1, len(infos)))
     if e.descriptor is None:  # a plain tensor
-        md, name = sdm[e.fqn], dtype_to_str(e.dtype)
-        return _row(e.fqn, name, PLAIN, list(e.shape), name, name, _entry_bytes(md), len(md.chunks))
+        dtype, size, nchunks = stored(e.fqn)
+        name = dtype_to_str(dtype)
+        return _row(e.fqn, name, PLAIN, list(e.shape), name, name, _nbytes(dtype, size), nchunks)
     desc = e.descriptor
     shape, fmt, recipe = list(desc["shape"]), desc["format"], dict(desc.get("recipe", {}))
     if e.kind == "tensor":  # high precision
-        md = sdm[e.fqn]
-        return _row(e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(md.properties.dtype),
-                    _entry_bytes(md), len(md.chunks), recipe)
+        dtype, size, nchunks = stored(e.fqn)
+        return _row(e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(dtype), _nbytes(dtype, size),
+                    nchunks, recipe)
     components = {}
     for name, key in e.keys.items():
-        md = sdm[key]
-        components[name] = {
-            "fqn": key,
-            "dtype": dtype_to_str(md.properties.dtype),
-            "shape": [int(s) for s in md.size],
-            "bytes": _entry_bytes(md),
-            "chunks": len(md.chunks),
-        }
+        dtype, size, nchunks = stored(key)
+        components[name] = {"fqn": key, "dtype": dtype_to_str(dtype), "shape": size,
+                            "bytes": _nbytes(dtype, size), "chunks": nchunks}
     data = components.get("data") or next(iter(components.values()))
     return _row(e.fqn, fmt, NATIVE, shape, desc["dtype"], None, sum(c["bytes"] for c in components.values()),
                 data["chunks"], recipe, components)
 
 
-def _summary(metadata: Metadata, rows: list[dict]) -> dict:
+def _view_summary(view: Any, rows: list[dict]) -> dict:
+    """The summary of a non-DCP source: sizes and formats as for DCP; no world size or DCP version."""
+    out = _summary(None, rows)
+    out.update(files=len(getattr(view, "files", ()) or ()), source=getattr(view, "source", None))
+    return out
+
+
+def _summary(metadata: Optional[Metadata], rows: list[dict]) -> dict:
     tensor_rows = [r for r in rows if r["mode"] != BYTES]
     total = sum(r["bytes"] for r in tensor_rows)
     bf16 = sum(2 * _numel(r["shape"]) for r in tensor_rows)
@@ -168,9 +203,9 @@ def _summary(metadata: Metadata, rows: list[dict]) -> dict:
     for r in rows:
         formats[r["format"]] = formats.get(r["format"], 0) + 1
     files = set()
-    if isinstance(metadata.storage_data, Mapping):
+    if metadata is not None and isinstance(metadata.storage_data, Mapping):
         files = {str(getattr(i, "relative_path", "")) for i in metadata.storage_data.values()} - {""}
-    world_size, source = saved_world_size(metadata)
+    world_size, source = saved_world_size(metadata) if metadata is not None else (None, None)
     return {
         "tensors": len(tensor_rows),
         "objects": len(rows) - len(tensor_rows),
@@ -183,7 +218,9 @@ def _summary(metadata: Metadata, rows: list[dict]) -> dict:
         "world_size_source": source,
         "files": len(files),
         "dcp_version": getattr(metadata, "version", None),
-        "ckptq_version": read_record(metadata.planner_data)["version"] if has_record(metadata.planner_data) else None,
+        "ckptq_version": (read_record(metadata.planner_data)["version"]
+                          if metadata is not None and has_record(metadata.planner_data) else None),
+        "source": "dcp" if metadata is not None else None,
     }
 
 
@@ -222,17 +259,16 @@ def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def _add_stats(root: Path, metadata: Metadata, rows: list[dict], entries: Mapping[str, Entry], progress: bool) -> None:
+def _add_stats(view: Any, rows: list[dict], entries: Mapping[str, Entry], progress: bool) -> None:
     from tqdm import tqdm
 
-    reader = SafeFileSystemReader(root, metadata=metadata)
     for row in tqdm(rows, desc="reading", unit="tensor", disable=not progress, leave=False):
         e = entries[row["fqn"]]
         if e.kind == "bytes":
             row["stats"] = None
             continue
-        loaded = load_entries(reader, metadata, list(e.keys.values()))
+        value = view.read(e.fqn)
         if e.kind == "quantized":
-            row["stats"] = _quantized_stats(e.descriptor, {n: loaded[k] for n, k in e.keys.items()})
+            row["stats"] = _quantized_stats(e.descriptor, value.components())
         else:
-            row["stats"] = _value_stats(loaded[e.fqn])
+            row["stats"] = _value_stats(value)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import chunks
-from .checkpoint import CheckpointView
+from .checkpoint import CheckpointView, open_checkpoint
 from .contract import CKPTQ_KEY, Entry, emit_components, high_precision_descriptor, make_record, native_descriptor
 from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
 from .formats import FORMATS, format_class, quantize, requantize
@@ -566,7 +566,7 @@ def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, d
     misaligned = parse.parse_choice("--misaligned", misaligned, ("error", "high-precision"))
     mesh = parse.parse_mesh(mesh)
     layout = parse.parse_plan(mesh, plan, rules)
-    view = CheckpointView(src)
+    view = open_checkpoint(src)
     rplan = plan_reshard(view, mesh, layout, misaligned=misaligned, **options)
     summary = rplan.summary()
     if dry_run:

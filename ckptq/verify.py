@@ -8,7 +8,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from .checkpoint import CheckpointView
+from .checkpoint import open_checkpoint
 from .formats.base import QuantizedTensor
 from .metrics import bit_exact, max_abs_error, sqnr_db
 
@@ -58,7 +58,7 @@ def verify_checkpoints(
     Raises:
         CheckpointFormatError / UnsafeCheckpointError: a checkpoint cannot be read.
     """
-    va, vb = CheckpointView(path_a), CheckpointView(path_b)
+    va, vb = open_checkpoint(path_a), open_checkpoint(path_b)
     names = sorted({e.fqn for e in va.entries()} | {e.fqn for e in vb.entries()})
     rows = []
     for fqn in names:

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert  # noqa: E402
 
 import ckptq  # noqa: E402
+from ckptq.cli import console_command  # noqa: E402
 from ckptq.formats.base import slice_box  # noqa: E402
 from ckptq.io import SafeFileSystemReader  # noqa: E402
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
@@ -88,19 +88,8 @@ def stored_bytes(path: Path, names: list[str]) -> int:
     )
 
 
-def cli_command() -> list[str]:
-    """The ``ckptq`` console script of this interpreter's environment, else ``ckptq.cli:main``."""
-    exe = Path(sys.executable).parent / "ckptq"
-    if exe.is_file():
-        return [str(exe)]
-    found = shutil.which("ckptq")
-    if found:
-        return [found]
-    return [sys.executable, "-c", "import sys; from ckptq.cli import main; sys.exit(main())"]
-
-
 def run_inspect(path: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*cli_command(), "inspect", str(path), *extra], capture_output=True, text=True)
+    return subprocess.run([*console_command(), "inspect", str(path), *extra], capture_output=True, text=True)
 
 
 def fresh_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

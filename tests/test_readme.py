@@ -19,10 +19,10 @@ submodule (``ckptq.io``, say) must fail here as it would for a user.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -62,17 +62,6 @@ def variants(command: str) -> list[str]:
     return [_OPTIONAL.sub(lambda m: " " + m.group(1), command), _OPTIONAL.sub("", command)]
 
 
-def ckptq_command() -> list[str]:
-    """The ``ckptq`` console script of this interpreter's environment, else ``ckptq.cli:main``."""
-    exe = Path(sys.executable).parent / "ckptq"
-    if exe.is_file():
-        return [str(exe)]
-    found = shutil.which("ckptq")
-    if found:
-        return [found]
-    return [sys.executable, "-c", "import sys; from ckptq.cli import main; sys.exit(main())"]
-
-
 def run_readme(path: Path) -> int:
     """Run every snippet of ``path`` in the current directory; 0 when all pass, else 1 (at the first
     failure, which is printed with the README line)."""
@@ -102,7 +91,7 @@ def run_readme(path: Path) -> int:
                     continue
                 for variant in variants(command):
                     t0 = time.perf_counter()
-                    argv = ckptq_command() + shlex.split(variant)[1:]
+                    argv = _console_command() + shlex.split(variant)[1:]
                     r = subprocess.run(argv, capture_output=True, text=True)
                     status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
                     print(f"{path.name}:{cmd_line}: $ {variant}  -> {status} ({time.perf_counter() - t0:.1f} s)",
@@ -111,6 +100,13 @@ def run_readme(path: Path) -> int:
                         print(r.stdout[-3000:], r.stderr[-3000:], sep="\n", flush=True)
                         return 1
     return 0
+
+
+def _console_command() -> list[str]:
+    """``ckptq.cli.console_command()``, asked of a child interpreter: importing ``ckptq.cli`` here
+    would import ``ckptq.io`` and hide a README snippet that forgets to."""
+    code = "import json; from ckptq.cli import console_command; print(json.dumps(console_command()))"
+    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 # ----------------------------------------------------------------------------------------- tests

@@ -18,9 +18,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from ._app import app, command, main
+from ._app import app, command, console_command, main
 
-__all__ = ["app", "command", "main"]
+__all__ = ["app", "command", "main", "console_command"]
 
 
 def _load_commands() -> None:

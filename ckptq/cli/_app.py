@@ -13,7 +13,7 @@ import typer
 from ..errors import CkptqError, UsageError
 from . import _output
 
-__all__ = ["app", "command", "main", "debug_enabled"]
+__all__ = ["app", "command", "main", "debug_enabled", "console_command"]
 
 app = typer.Typer(
     name="ckptq",
@@ -82,3 +82,18 @@ def command(name: Optional[str] = None, **kwargs: Any) -> Callable[[Callable], C
 def main() -> None:
     """Console-script entry point (``ckptq = "ckptq.cli:main"``)."""
     app(prog_name="ckptq")
+
+
+def console_command() -> list[str]:
+    """The argv prefix that runs this ckptq's CLI in a subprocess: the ``ckptq`` console script of
+    this interpreter's environment (or on ``PATH``), else ``python -c`` of :func:`main`."""
+    import shutil
+    from pathlib import Path
+
+    exe = Path(sys.executable).parent / "ckptq"
+    if exe.is_file():
+        return [str(exe)]
+    found = shutil.which("ckptq")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from ckptq.cli import main; sys.exit(main())"]

@@ -89,7 +89,7 @@ def reshard(
 def convert(
     src: SrcArg,
     dst: DstArg,
-    to: Annotated[str, typer.Option("--to", help="Target: nvfp4, mxfp8, fp8_block, fp8_tensor, or bfloat16/float16/float32 (high precision).")],
+    to: Annotated[str, typer.Option("--to", help="Target: native (each quantized tensor in its own format, e.g. a TransformerEngine checkpoint's as ckptq components), nvfp4, mxfp8, fp8_block, fp8_tensor, or bfloat16/float16/float32 (high precision).")],
     block: Annotated[Optional[str], typer.Option("--block", help="fp8_block block, e.g. 1x128 (default 128x128).")] = None,
     two_d: Annotated[Optional[bool], typer.Option("--two-d/--one-d", help="nvfp4: 16x16 blocks instead of 1x16.")] = None,
     columnwise: Annotated[Optional[bool], typer.Option("--columnwise/--no-columnwise", help="mxfp8: also store the columnwise copy.")] = None,
@@ -103,7 +103,7 @@ def convert(
     dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Requantize every quantized tensor of a checkpoint to another format (streaming), optionally resharding."""
+    """Write every quantized tensor of a checkpoint natively, in another format, or in high precision (streaming), optionally resharding."""
     from ..reshard import convert_checkpoint
 
     result = convert_checkpoint(src, dst, to=to, block=block, two_d=two_d, columnwise=columnwise,
