@@ -37,6 +37,7 @@ __all__ = [
     "NVFP4Tensor",
     "QuantizedSavePlanner",
     "QuantizedLoadPlanner",
+    "quantize_state_dict",
     "reshard_checkpoint",
     "convert_checkpoint",
     "CkptqError",
@@ -51,7 +52,7 @@ __all__ = [
 
 
 def __getattr__(name):  # planners and reshard import torch.distributed.checkpoint lazily
-    if name in ("QuantizedSavePlanner", "QuantizedLoadPlanner"):
+    if name in ("QuantizedSavePlanner", "QuantizedLoadPlanner", "quantize_state_dict"):
         from . import planners
 
         return getattr(planners, name)

@@ -30,6 +30,7 @@ from ..contract import (
 from ..errors import CheckpointFormatError, InconsistentScaleError, UnsupportedFormatError
 from ..formats.base import QuantizedTensor
 from ._common import local_box, mode_for
+from .quantize import QuantizeRules, quantize_state_dict, validate_rules
 
 __all__ = ["QuantizedSavePlanner"]
 
@@ -73,11 +74,21 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     High-precision mode: the tensor is stored under its own FQN as ``dtype`` values, dequantized
     lazily when the storage writer asks for each item (bounded memory).
 
+    Quantize on save: ``quantize={"*.mlp.*.weight": "nvfp4", "*.attn.*.weight": "mxfp8"}`` (glob ->
+    format, or ``{"format": ..., **recipe}``) quantizes plain float shards of rank >= 2 on their own
+    device while saving (:func:`ckptq.planners.quantize.quantize_state_dict`: the per-tensor amax is
+    all-reduced over each tensor's mesh first, so the bytes equal ``ckptq.quantize`` of the whole
+    tensor) and writes them natively. This runs collectives while planning: with ``dcp.async_save``,
+    call ``ckptq.quantize_state_dict`` on the state dict first instead (staging then copies the
+    compact bytes).
+
     Args:
         mode: ``"native"`` or ``"high_precision"`` for tensors no rule matches.
         dtype: storage dtype of high-precision entries (default bfloat16).
         rules: ``{fqn_glob: mode}``; the first glob (in insertion order) matching a flattened FQN
             decides its mode (``fnmatch`` syntax, e.g. ``{"*.mlp.*": "high_precision"}``).
+        quantize: ``{fqn_glob: format or {"format": ..., **recipe}}``: plain tensors to quantize on
+            save (see above).
         **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ...).
 
     Descriptors of every quantized entry go to ``metadata.planner_data[ckptq.contract.CKPTQ_KEY]`` as builtins
@@ -89,6 +100,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         mode: str = "native",
         dtype: torch.dtype = torch.bfloat16,
         rules: Optional[Mapping[str, str]] = None,
+        quantize: Optional[QuantizeRules] = None,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("enable_plan_caching", None)  # plans depend on live scalar values: never cached
@@ -100,12 +112,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if not dtype.is_floating_point:
             raise CheckpointFormatError(f"QuantizedSavePlanner: dtype {dtype} is not a float dtype")
         self.dtype = dtype
+        self.quantize = dict(quantize or {})
+        validate_rules(self.quantize)
         self._entries: dict[str, _Entry] = {}
         self._objects: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- planning (every rank)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if self.quantize:
+            self.state_dict = quantize_state_dict(self.state_dict, self.quantize)
         self._entries, self._objects = {}, {}
         rest = {}
         for fqn, obj in self.state_dict.items():

@@ -1,0 +1,132 @@
+"""Quantize on save: plain bf16/fp32 shards quantized by ``QuantizedSavePlanner(quantize=...)`` (or
+``ckptq.quantize_state_dict`` before ``dcp.async_save``) give, byte for byte, ``ckptq.quantize`` of
+the whole tensor on one process; 1 process and 2 gloo ranks (FSDP2 ``Shard(0)``, TP ``Shard(1)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptq
+from ckptq.checkpoint import CheckpointView
+from ckptq.metrics import bit_exact
+
+from _dist import run_distributed
+
+# fqn -> (shape, placement dim, format, recipe)
+TENSORS = {
+    "layers.0.mlp.up.weight": ((256, 256), 0, "nvfp4", {}),
+    "layers.0.mlp.down.weight": ((256, 256), 1, "nvfp4", {"two_d": True}),
+    "layers.0.attn.q.weight": ((128, 256), 1, "mxfp8", {"columnwise": True}),
+    "layers.0.attn.o.weight": ((256, 128), 0, "fp8_block", {}),
+    "layers.0.fp8.weight": ((96, 64), 0, "fp8_tensor", {"fp8_dtype": torch.float8_e5m2}),
+}
+RULES = {
+    "*.mlp.up.*": "nvfp4",
+    "*.mlp.down.*": {"format": "nvfp4", "two_d": True},
+    "*.attn.q.*": {"format": "mxfp8", "columnwise": True},
+    "*.attn.o.*": "fp8_block",
+    "*.fp8.*": {"format": "fp8_tensor", "fp8_dtype": torch.float8_e5m2},
+    "*.bias": "nvfp4",  # matches 1-D tensors: saved as they are
+}
+
+
+def _full(fqn, dtype=torch.bfloat16):
+    shape = TENSORS[fqn][0]
+    g = torch.Generator().manual_seed(sum(map(ord, fqn)))
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+def _check(path):
+    view = CheckpointView(path)
+    for fqn, (_, _, fmt, recipe) in TENSORS.items():
+        got, want = view.read(fqn), ckptq.quantize(_full(fqn), fmt, **recipe)
+        assert got.FORMAT == fmt and got.recipe == want.recipe, fqn
+        cg, cw = got.components(), want.components()
+        assert cg.keys() == cw.keys() and all(bit_exact(cg[k], cw[k]) for k in cw), fqn
+    assert bit_exact(view.read("layers.0.bias"), torch.arange(8.0))
+
+
+def test_quantize_on_save_one_process(tmp_path):
+    sd = {fqn: _full(fqn) for fqn in TENSORS}
+    sd["layers.0.bias"] = torch.arange(8.0)
+    sd["step"] = 3
+    dcp.save(sd, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner(quantize=RULES))
+    _check(tmp_path)
+    assert isinstance(sd["layers.0.mlp.up.weight"], torch.Tensor)  # the caller's dict is untouched
+    assert not isinstance(sd["layers.0.mlp.up.weight"], ckptq.QuantizedTensor)
+
+
+def test_bad_rules_are_refused_at_construction():
+    with pytest.raises(ckptq.UnsupportedFormatError, match=r"rule '\*': unknown format 'int3'"):
+        ckptq.QuantizedSavePlanner(quantize={"*": "int3"})
+    with pytest.raises(ckptq.UnsupportedFormatError, match="no 'format'"):
+        ckptq.QuantizedSavePlanner(quantize={"*": {"block": (1, 128)}})
+
+
+def _save_sharded(rank, ws, root, use_async, rows_override=None):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import ckptq
+
+    mesh = init_device_mesh("cpu", (ws,))
+    sd = {}
+    for fqn, (shape, dim, _, _) in TENSORS.items():
+        full = _full(fqn)
+        if rows_override:
+            full = torch.randn(rows_override, shape[1]).to(torch.bfloat16)
+        local = full.chunk(ws, dim=dim)[rank].contiguous()
+        sd[fqn] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
+                                     stride=full.stride())
+    sd["layers.0.bias"] = torch.arange(8.0)
+    if use_async:
+        staged = ckptq.quantize_state_dict(sd, RULES)  # quantized before staging: compact bytes staged
+        assert all(isinstance(staged[f]._local_tensor, ckptq.QuantizedTensor) for f in TENSORS)
+        dcp.async_save(staged, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner()).result()
+    else:
+        dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(quantize=RULES))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+def test_quantize_on_save_two_ranks_equals_whole_tensor(tmp_path, use_async):
+    run_distributed(2, _save_sharded, str(tmp_path / "ck"), use_async)
+    _check(tmp_path / "ck")
+
+
+def _save_misaligned(rank, ws, root):
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptq.io import dcp_failure
+
+    mesh = init_device_mesh("cpu", (ws,))
+    full = torch.randn(192, 128).to(torch.bfloat16)  # 96-row shards: cut inside a 128x128 block
+    sd = {"w": DTensor.from_local(full.chunk(ws)[rank].contiguous(), mesh, [Shard(0)], run_check=False,
+                                  shape=full.shape, stride=full.stride())}
+    try:
+        dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(quantize={"w": "fp8_block"}))
+    except CheckpointException as e:
+        err = dcp_failure(e, root)
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.slow
+def test_quantize_on_save_misaligned_shard_is_refused(tmp_path):
+    results = run_distributed(2, _save_misaligned, str(tmp_path / "ck"))
+    assert all(r is not None and r[0] == "ShardingError" and "'w'" in r[1] and "128" in r[1] for r in results)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quantize_on_save_cuda(tmp_path):
+    """CUDA-resident bf16 weights quantized on their device (CUDA kernels) while saving."""
+    sd = {fqn: _full(fqn).cuda() for fqn in TENSORS}
+    sd["layers.0.bias"] = torch.arange(8.0)
+    dcp.save(sd, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner(quantize=RULES))
+    _check(tmp_path)
