@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .contract import Entry, fold_entries, read_record, saved_world_size
+from .contract import Entry, EntryTable, fold_entries, read_record, saved_world_size
 from .errors import CheckpointFormatError
 from .formats import from_components
 from .formats.base import QuantizedTensor
@@ -32,13 +32,15 @@ __all__ = ["Entry", "CheckpointView", "open_checkpoint", "register_source"]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-class CheckpointView:
+class CheckpointView(EntryTable):
     """Read-only logical view of a DCP checkpoint directory.
 
     Args:
         path: the checkpoint directory.
         metadata: use this already-read ``Metadata`` (planning from metadata alone; reads of
-            tensor data still go to ``path``).
+            tensor data still go to ``path``). It must be one :func:`ckptq.io.read_metadata` or
+            ``SafeFileSystemReader`` returned: those checked it (:func:`ckptq.io.check_storage`)
+            before anything is allocated from its sizes.
 
     Raises:
         CheckpointFormatError / UnsafeCheckpointError: from :func:`ckptq.io.read_metadata`.
@@ -50,19 +52,6 @@ class CheckpointView:
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._entries = fold_entries(self.metadata, where=str(self.path))
-
-    def entries(self) -> list[Entry]:
-        """Logical entries in a stable order (sorted by FQN)."""
-        return [self._entries[k] for k in sorted(self._entries)]
-
-    def __contains__(self, fqn: str) -> bool:
-        return fqn in self._entries
-
-    def entry(self, fqn: str) -> Entry:
-        try:
-            return self._entries[fqn]
-        except KeyError:
-            raise CheckpointFormatError(f"{self.path}: no entry '{fqn}'") from None
 
     @property
     def world_size(self) -> Optional[int]:
@@ -90,7 +79,12 @@ class CheckpointView:
             raise CheckpointFormatError(f"{self.path}: no storage location for '{fqn}'")
         with open(self.path / info.relative_path, "rb") as f:
             f.seek(info.offset)
-            return f.read(info.length), getattr(info, "transform_descriptors", None)
+            blob = f.read(info.length)
+        descriptors = getattr(info, "transform_descriptors", None)
+        if not descriptors:
+            _check_archive(blob, f"{self.path}: '{fqn}', record '{info.relative_path}' bytes "
+                                 f"{info.offset}..{info.offset + info.length}")
+        return blob, descriptors
 
     def mapping(self, key: str) -> Optional[tuple]:
         """DCP's flatten mapping (path tuple) of an entry, if the checkpoint has one."""
@@ -98,6 +92,23 @@ class CheckpointView:
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
             return pd[key]
         return None
+
+
+def _check_archive(blob: bytes, where: str) -> None:
+    """A non-tensor record copied verbatim must be a whole ``torch.save`` archive (a zip whose members'
+    CRC-32s match); it is never unpickled here."""
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            bad = z.testzip()
+    except Exception as e:  # not a zip, truncated, damaged directory
+        raise CheckpointFormatError(f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
+                                    f"restore the file or re-save the checkpoint") from None
+    if bad is not None:
+        raise CheckpointFormatError(f"{where}: member '{bad}' of the record fails its CRC-32 check; the file "
+                                    f"is corrupt: restore it or re-save the checkpoint")
 
 
 #: ``(name, detect, open)`` of the non-DCP sources, tried in order (see :func:`register_source`).
@@ -138,12 +149,12 @@ def open_checkpoint(path: PathLike) -> Any:
 
 
 def _load_builtin_sources() -> None:
-    """Import the modules that register ckptq's own non-DCP sources (once)."""
+    """Register ckptq's own non-DCP sources (once): each module's ``SOURCE`` (name, detect, opener)."""
     import importlib
 
-    for module in _BUILTIN_SOURCE_MODULES:
-        importlib.import_module(module)
+    while _BUILTIN_SOURCE_MODULES:
+        register_source(*importlib.import_module(_BUILTIN_SOURCE_MODULES.pop(0)).SOURCE)
 
 
-#: Modules that call :func:`register_source` when imported.
-_BUILTIN_SOURCE_MODULES: list[str] = []
+#: Modules (below this one) whose ``SOURCE`` tuple is registered on the first non-DCP open.
+_BUILTIN_SOURCE_MODULES: list[str] = ["ckptq.io.torchsave", "ckptq.io.safetensors"]

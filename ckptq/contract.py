@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import chunks
 from .errors import CheckpointFormatError, UnsupportedFormatError
-from .formats import FORMATS
+from .formats import DESCRIPTOR_VERSION as _DESCRIPTOR_VERSION, FORMATS
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "has_record",
     "make_record",
     "Entry",
+    "EntryTable",
     "fold_entries",
     "saved_world_size",
     "ComponentChunk",
@@ -91,13 +92,38 @@ def read_record(planner_data: Any) -> dict:
         return {"version": CONTRACT_VERSION, "world_size": None, "tensors": {}}
     rec = planner_data[CKPTQ_KEY]
     if not isinstance(rec, Mapping) or not isinstance(rec.get("tensors"), Mapping):
-        raise CheckpointFormatError(f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: {rec!r}")
-    if int(rec.get("version", 0)) > CONTRACT_VERSION:
+        raise CheckpointFormatError(f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: {_short(rec)}")
+    version, world_size = rec.get("version", 0), rec.get("world_size")
+    if not _is_int(version) or version < 1:
         raise CheckpointFormatError(
-            f"checkpoint written by a newer ckptq (contract version {rec.get('version')}, this "
+            f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: version {_short(version)} is not a "
+            f"contract version (1..{CONTRACT_VERSION}); restore the metadata or re-save the checkpoint"
+        )
+    if version > CONTRACT_VERSION:
+        raise CheckpointFormatError(
+            f"checkpoint written by a newer ckptq (contract version {version}, this "
             f"ckptq reads {CONTRACT_VERSION}); upgrade ckptq"
         )
+    if world_size is not None and (not _is_int(world_size) or world_size < 1):
+        raise CheckpointFormatError(
+            f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: world_size {_short(world_size)} is "
+            f"not a positive int; restore the metadata or re-save the checkpoint"
+        )
+    bad = [k for k in rec["tensors"] if not isinstance(k, str)]
+    if bad:
+        raise CheckpointFormatError(f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: tensor name "
+                                    f"{_short(bad[0])} is not a string")
     return dict(rec)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _short(x: Any, limit: int = 200) -> str:
+    """``repr(x)``, cut to ``limit`` characters (messages name malformed values, not megabytes)."""
+    r = repr(x)
+    return r if len(r) <= limit else r[:limit] + "...'"
 
 
 def make_record(tensors: Mapping[str, dict], world_size: int, **extra: Any) -> dict:
@@ -208,6 +234,28 @@ class Entry:
         return self.descriptor["mode"] if self.descriptor else None
 
 
+class EntryTable:
+    """The lookups every checkpoint view shares over its ``_entries`` (FQN -> :class:`Entry`) and
+    ``path``: :meth:`entries` (sorted by FQN), ``in``, :meth:`entry`."""
+
+    path: Any
+    _entries: dict
+
+    def entries(self) -> list["Entry"]:
+        """Logical entries in a stable order (sorted by FQN)."""
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def __contains__(self, fqn: str) -> bool:
+        return fqn in self._entries
+
+    def entry(self, fqn: str) -> "Entry":
+        """The entry ``fqn``; CheckpointFormatError naming the checkpoint if there is none."""
+        try:
+            return self._entries[fqn]
+        except KeyError:
+            raise CheckpointFormatError(f"{self.path}: no entry '{fqn}'") from None
+
+
 def _describe_md(md: Any) -> str:
     if isinstance(md, TensorStorageMetadata):
         return f"{dtype_to_str(md.properties.dtype)} {list(md.size)}"
@@ -218,12 +266,37 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
     """Validate the descriptor of ``fqn`` against the stored entries; returns component keys."""
     where = f"{where}: ckptq tensor '{fqn}'"
     try:
-        fmt, mode, shape = desc["format"], desc["mode"], [int(s) for s in desc["shape"]]
-        str(desc["dtype"])
+        if not isinstance(desc, Mapping):
+            raise TypeError(f"a descriptor is a dict, not a {type(desc).__name__}")
+        fmt, mode, shape = desc["format"], desc["mode"], _dims(desc["shape"])
+        if not isinstance(fmt, str) or not isinstance(mode, str):
+            raise TypeError(f"format {_short(fmt)} and mode {_short(mode)} must be strings")
+        dtype = str_to_dtype(_text(desc["dtype"]))
+        if not dtype.is_floating_point or dtype.itemsize < 2:
+            raise ValueError(f"logical dtype {dtype} is not a high-precision floating-point dtype")
+        if not _is_int(desc.get("version", 1)):
+            raise TypeError(f"version {_short(desc.get('version'))} is not an int")
+        if not isinstance(desc.get("recipe", {}), Mapping):
+            raise TypeError(f"recipe {_short(desc.get('recipe'))} is not a dict")
         comps = desc["components"] if mode == NATIVE else {}
-        expected = {name: (c["fqn"], c["dtype"], [int(s) for s in c["shape"]]) for name, c in comps.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointFormatError(f"{where}: malformed descriptor {desc!r} ({type(e).__name__}: {e})") from e
+        if not isinstance(comps, Mapping):
+            raise TypeError(f"components {_short(comps)} is not a dict")
+        expected = {_text(name): (_text(c["fqn"]), _text(c["dtype"]), list(_dims(c["shape"])))
+                    for name, c in comps.items()}
+        stored = desc.get("stored_dtype") if mode == HIGH_PRECISION else None
+        stored = None if stored is None else str_to_dtype(_text(stored))
+    except (KeyError, TypeError, ValueError, AttributeError, CheckpointFormatError) as e:
+        raise CheckpointFormatError(
+            f"{where}: malformed descriptor {_short(desc)} ({type(e).__name__}: {e}); restore the "
+            f"metadata or re-save the checkpoint"
+        ) from e
+    shape = list(shape)
+    if _is_int(desc.get("version", 1)) and desc.get("version", 1) > _DESCRIPTOR_VERSION:
+        raise CheckpointFormatError(
+            f"{where}: descriptor version {desc['version']} is newer than this ckptq understands "
+            f"({_DESCRIPTOR_VERSION}); upgrade ckptq"
+        )
+    _check_recipe(where, fmt, desc.get("recipe", {}))
     if mode == HIGH_PRECISION:
         entry = sdm.get(fqn)
         if not isinstance(entry, TensorStorageMetadata):
@@ -235,6 +308,11 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
             raise CheckpointFormatError(
                 f"{where} ({fmt}, high_precision): stored shape {list(entry.size)} differs from the "
                 f"descriptor's logical shape {shape}"
+            )
+        if stored is not None and entry.properties.dtype != stored:
+            raise CheckpointFormatError(
+                f"{where} ({fmt}, high_precision): stored as {dtype_to_str(entry.properties.dtype)}, but "
+                f"the descriptor says {dtype_to_str(stored)}; the checkpoint or descriptor is inconsistent"
             )
         return {fqn: fqn}
     if mode != NATIVE:
@@ -256,8 +334,12 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
             )
     cls = FORMATS.get(fmt)
     if cls is not None:  # an unknown format is reported where its values are needed
-        specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
-        layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
+        try:
+            specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
+            layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
+        except Exception as e:  # an invalid recipe or a shape the format cannot have
+            raise CheckpointFormatError(f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
+                                        f"restore the metadata or re-save the checkpoint") from e
         if layout != {n: (d, s) for n, (_, d, s) in expected.items()}:
             raise CheckpointFormatError(
                 f"{where}: the descriptor's components {_components_text(expected)} do not match the "
@@ -265,6 +347,41 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
                 f"{layout}; the checkpoint or descriptor is inconsistent"
             )
     return {name: cfqn for name, (cfqn, _, _) in expected.items()}
+
+
+def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:
+    """A known format's recipe must be what ckptq writes: known options, canonical JSON values."""
+    cls = FORMATS.get(fmt)
+    if cls is None:
+        return
+    try:
+        canonical = cls._recipe_to_json(cls._recipe_from_json(recipe))
+    except Exception as e:  # an invalid option value
+        raise CheckpointFormatError(f"{where} ({fmt}): invalid recipe {_short(recipe)} ({type(e).__name__}: "
+                                    f"{e}); restore the metadata or re-save the checkpoint") from e
+    unknown = sorted(str(k) for k in recipe if k not in canonical)
+    if unknown:
+        raise CheckpointFormatError(f"{where} ({fmt}): recipe options {unknown} are unknown to this ckptq "
+                                    f"(known: {sorted(canonical)}); upgrade ckptq, or restore the metadata")
+    odd = [k for k, v in recipe.items() if (type(v), v) != (type(canonical[k]), canonical[k])]
+    if odd:
+        raise CheckpointFormatError(
+            f"{where} ({fmt}): recipe {_short(recipe)} is not in ckptq's form ({ {k: canonical[k] for k in odd} }); "
+            f"restore the metadata or re-save the checkpoint"
+        )
+
+
+def _text(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"{_short(x)} is not a string")
+    return x
+
+
+def _dims(x: Any) -> tuple[int, ...]:
+    """A shape from a descriptor: a list of ints >= 0."""
+    if not isinstance(x, (list, tuple)) or not all(_is_int(v) and v >= 0 for v in x):
+        raise ValueError(f"shape {_short(x)} is not a list of ints >= 0")
+    return tuple(x)
 
 
 def _components_text(expected: Mapping) -> str:
@@ -294,7 +411,17 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
     for fqn, desc in record["tensors"].items():
         keys[fqn] = _check_descriptor(where, fqn, desc, sdm)
         for key in keys[fqn].values():
+            if key in owner:
+                raise CheckpointFormatError(
+                    f"{where}: entry '{key}' is claimed by the descriptors of both '{owner[key]}' and "
+                    f"'{fqn}'; restore the metadata or re-save the checkpoint"
+                )
             owner[key] = fqn
+        if desc["mode"] == NATIVE and fqn in sdm:
+            raise CheckpointFormatError(
+                f"{where}: '{fqn}' is both a native ckptq tensor and a stored entry of its own; restore "
+                f"the metadata or re-save the checkpoint"
+            )
     out: dict[str, Entry] = {}
     for key, md in sdm.items():
         fqn = owner.get(key, key)

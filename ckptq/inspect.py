@@ -266,6 +266,8 @@ def _add_stats(view: Any, rows: list[dict], entries: Mapping[str, Entry], progre
         e = entries[row["fqn"]]
         if e.kind == "bytes":
             row["stats"] = None
+            if isinstance(view, CheckpointView):
+                view.read_raw_bytes(e.fqn)  # checks the record is intact (never unpickled)
             continue
         value = view.read(e.fqn)
         if e.kind == "quantized":

@@ -31,7 +31,7 @@ from .formats import FORMATS, format_class, quantize, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db
-from .io.writer import CheckpointDirWriter
+from .io.writer import CheckpointDirWriter, commit_dir, staging_dir
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "reshard_checkpoint", "convert_checkpoint",
            "HP_DTYPES"]
@@ -375,10 +375,7 @@ def run_reshard(
             + "\n  ".join(plan.problems)
             + "\nNothing was written. Use --misaligned high-precision to export them dequantized."
         )
-    _remove_stale_temporaries(dst)
-    tmp = dst.parent / f".{dst.name}.ckptq-tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = staging_dir(dst)
     writer = CheckpointDirWriter(tmp)
     descriptors: dict[str, dict] = {}
     mappings: dict[str, tuple] = {}
@@ -393,13 +390,7 @@ def run_reshard(
         writer.abort()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    commit_dir(tmp, dst)
     return {
         "path": str(dst),
         "world_size": plan.mesh.world_size,
@@ -445,27 +436,6 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
 
 
 # --------------------------------------------------------------------------------------- one call per command
-def _remove_stale_temporaries(dst: Path) -> None:
-    """Remove ``.DST.ckptq-tmp-PID`` folders of ``dst`` left by a killed run (PID no longer alive)."""
-    import glob
-    import logging
-
-    prefix = f".{dst.name}.ckptq-tmp-"
-    for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):]
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # alive (maybe another run into the same destination)
-        except ProcessLookupError:
-            pass
-        except (OSError, OverflowError):
-            continue  # alive under another user, or not a PID: not ours to judge
-        shutil.rmtree(p, ignore_errors=True)
-        logging.getLogger("ckptq").warning("removed %s, left by a killed ckptq run (process %s is gone)", p, pid)
-
-
 def reshard_checkpoint(
     src: Union[str, os.PathLike],
     dst: Union[str, os.PathLike],

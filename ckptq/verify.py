@@ -27,6 +27,14 @@ def _same_representation(a, b) -> bool:
     return not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor) and a.dtype == b.dtype
 
 
+def _sqnr(a, b) -> float:
+    """SQNR in dB; -inf when the noise swamps the signal (inf noise or a zero signal)."""
+    try:
+        return sqnr_db(a, b)
+    except (ValueError, ZeroDivisionError):  # log10(0): e.g. inf values read from a damaged file
+        return -math.inf
+
+
 def _exact(a, b) -> bool:
     if isinstance(a, QuantizedTensor):
         ca, cb = a.components(), b.components()
@@ -88,7 +96,7 @@ def verify_checkpoints(
         del xa, xb
         if ha.is_floating_point() and hb.is_floating_point():
             row["max_abs_error"] = max_abs_error(ha, hb)
-            row["sqnr_db"] = math.inf if row["bit_exact"] else sqnr_db(ha, hb)
+            row["sqnr_db"] = math.inf if row["bit_exact"] else _sqnr(ha, hb)
         elif not row["bit_exact"]:
             row["max_abs_error"] = max_abs_error(ha.double(), hb.double())
         if row["bit_exact"]:

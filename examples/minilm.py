@@ -98,6 +98,76 @@ def fresh_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for k, v in state.items()}
 
 
+_E2M1_LUT = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def consumer_weights(folder: Path, layout: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str]:
+    """The Linear weights of an exported HF folder, decoded by the layout's consumer: compressed-tensors'
+    own dequantizer (the ``compressed-tensors`` layout, and DeepSeek FP8 through its FP8BlockDequantizer)
+    when it is installed, else / for ModelOpt the layout's reference formula (notes section 3)."""
+    from safetensors.torch import load_file
+
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    t: dict[str, torch.Tensor] = {}
+    for f in sorted(set(idx["weight_map"].values())):
+        t.update(load_file(str(folder / f)))
+    try:
+        if layout == "compressed-tensors":
+            from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+
+            out = CompressedTensorsDequantizer(str(folder), dtype=torch.float32).validate(t)
+            return {n: out[n].float() for n in names}, "compressed-tensors"
+        if layout == "deepseek-fp8":
+            from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+
+            import re
+
+            targets = [f"re:^{re.escape(n[: -len('.weight')])}$" for n in names]
+            out = FP8BlockDequantizer(targets=targets, dtype=torch.float32).process(t)
+            return {n: out[n].float() for n in names}, "compressed-tensors FP8BlockDequantizer"
+    except ImportError:
+        pass
+    out = {}
+    for n in names:  # reference formulas (ModelOpt NVFP4QTensor / MXFP8QTensor / FP8, DeepSeek weight_dequant)
+        m = n[: -len(".weight")]
+        w = t[f"{m}.weight"] if f"{m}.weight" in t else t[f"{m}.weight_packed"]
+        if w.dtype == torch.uint8:  # NVFP4: lut[q] * (weight_scale * weight_scale_2 | / weight_global_scale)
+            q = torch.stack([_E2M1_LUT[(w & 0xF).long()], _E2M1_LUT[(w >> 4).long()]], -1).reshape(w.shape[0], -1)
+            g = t.get(f"{m}.weight_scale_2")
+            s = t[f"{m}.weight_scale"].float() * g if g is not None else t[f"{m}.weight_scale"].float() / t[f"{m}.weight_global_scale"]
+            out[n] = q * s.repeat_interleave(16, -1)
+        elif f"{m}.weight_scale_inv" in t:
+            s = t[f"{m}.weight_scale_inv"]
+            out[n] = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        elif t[f"{m}.weight_scale"].dtype == torch.uint8:  # MXFP8: q * 2^(e-127)
+            out[n] = w.float() * torch.exp2(t[f"{m}.weight_scale"].float() - 127).repeat_interleave(32, -1)
+        else:
+            out[n] = w.float() * t[f"{m}.weight_scale"].reshape(())
+    return out, "reference formula"
+
+
+def run_exports(fmt: str, native: Path, deq: dict, emb: torch.Tensor, ctx: dict) -> dict:
+    """Export the native checkpoint to every HF layout that holds ``fmt`` and reload it through the
+    consumer: embeddings computed with the consumer's weights vs with ckptq's dequantized weights."""
+    from ckptq.adapters.hf import LAYOUTS
+    from ckptq.export import export_checkpoint
+
+    res = {}
+    for layout, lay in LAYOUTS.items():
+        if lay.format_map(fmt) is None:
+            continue
+        dst = ctx["work"] / f"{fmt}-hf-{layout}"
+        rep = export_checkpoint(native, dst, layout=layout)
+        w, how = consumer_weights(dst, layout, ctx["names"])
+        same_w = all(torch.equal(w[n], deq[n]) for n in ctx["names"])
+        # bit-identical weights give bit-identical embeddings (same encoder, same inputs): encode only if not
+        emb2 = emb if same_w else ctx["encoder"].encode(bert.SENTENCES, weights=w)
+        res[layout] = {"consumer": how, "weights_equal": same_w, "emb_equal": bool(torch.equal(emb2, emb)),
+                       "emb_max_abs_diff": float((emb2 - emb).abs().max()),
+                       "numerics_max_ulps": max(rep["numerics"].values(), default=0)}
+    return res
+
+
 def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     t0 = time.perf_counter()
     orig, names, enc, work = ctx["orig"], ctx["names"], ctx["encoder"], ctx["work"]
@@ -187,9 +257,18 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     except AssertionError as e:
         row["ranking_ok"] = False
         log(f"note: paraphrase ranking with {fmt} weights: {e}")
+    # 5b. export to each Hugging Face layout holding this format; reload through the consumer's path
+    t_hf = time.perf_counter()
+    try:
+        row["hf_export"] = run_exports(fmt, native, deq, emb, ctx)
+        row["hf_export_seconds"] = time.perf_counter() - t_hf
+    except Exception as e:  # reported in the table, not fatal for the DCP steps
+        row["hf_export"] = {"error": f"{type(e).__name__}: {e}"}
+        problems.append(f"HF export: {type(e).__name__}: {e}")
     row["problems"] = problems
     row["seconds"] = time.perf_counter() - t0
-    log(f"{fmt}: quantize {t_quant:.1f}s, total {row['seconds']:.1f}s; reload {row['bit_exact']} bit-exact "
+    log(f"{fmt}: quantize {t_quant:.1f}s, HF export + consumer reload {row.get('hf_export_seconds', 0):.1f}s, "
+        f"total {row['seconds']:.1f}s; reload {row['bit_exact']} bit-exact "
         f"(+{row['plain_exact']} plain), high-precision == dequantize(bf16): {row['hp_equals_dequant_bf16']}"
         + (f"; PROBLEMS: {problems}" if problems else ""))
     return row
@@ -472,6 +551,17 @@ def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
     return out
 
 
+def _hf_cell(hf) -> str:
+    if not hf:
+        return "-"
+    if "error" in hf:
+        return "error"
+    cells = []
+    for layout, v in hf.items():
+        cells.append(f"{layout}: " + ("same" if v["emb_equal"] else f"max|d| {v['emb_max_abs_diff']:.1e}"))
+    return ", ".join(cells)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=",".join(FORMATS), help="comma-separated subset of %(default)s")
@@ -537,7 +627,8 @@ def main(argv=None) -> int:
 
     headers = ["format", "native B", "high-prec B", "bf16 B", "native/bf16", "weights native/bf16",
                "weight SQNR dB", "bit-exact reload", "emb cos mean", "emb cos min",
-               f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact", "plain unchanged"]
+               f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact", "plain unchanged",
+               "HF export reload (emb vs ckptq)"]
     table = []
     for r in rows:
         s = r.get("sharded", {})
@@ -546,23 +637,26 @@ def main(argv=None) -> int:
         else:
             sharded_cols = ["error", "error"]
         if "native_bytes" not in r:
-            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 2 + sharded_cols)
+            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 2 + sharded_cols + ["-"])
             continue
         table.append([
             r["format"], f"{r['native_bytes']:,}", f"{r['hp_bytes']:,}", f"{r['bf16_bytes']:,}",
             f"{r['native_over_bf16']:.3f}", f"{r['native_over_bf16_weights']:.3f}", f"{r['sqnr_db']:.2f}",
-            r["bit_exact"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols,
+            r["bit_exact"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols, _hf_cell(r.get("hf_export")),
         ])
     log("\nckptq on all-MiniLM-L6-v2: 36 Linear weights quantized, native vs high-precision (bf16) DCP checkpoints")
     log("(B = bytes on disk of the whole checkpoint directory, whose other parameters are fp32 in all three;")
     log(" 'weights native/bf16' counts the stored bytes of the 36 quantized weights only; emb cos: per sentence,")
     log(" embedding with the reloaded dequantized weights vs with the fp32 weights, over 16 sentences;")
-    log(f" '{headers[-2]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
+    log(f" '{headers[-3]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
         f"({TARGET_PLAN}),")
     log(" loaded by its ranks: weights whose every loaded component equals the same box of the weight quantized")
     log(" whole; 'plain unchanged': the other tensors (embeddings, LayerNorms, biases) equal to the originals"
         + ("; fp8_block is sharded with 1x128 blocks: 128x128 blocks cannot be cut at row 192)"
            if "fp8_block" in formats else ")"))
+    log(" 'HF export reload': `ckptq export` to each Hugging Face layout holding the format, decoded by the")
+    log(" consumer (compressed-tensors' own dequantizers where installed, else the layout's reference formula);")
+    log(" 'same' = sentence embeddings bit-identical to those from ckptq's dequantized weights)")
     log(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
     log(f"\nelapsed {elapsed:.1f} s  (torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"{platform.python_implementation()} {platform.python_version()})")

@@ -150,6 +150,10 @@ def _register_builtin() -> None:
                      "TransformerEngine main (2026-08, d0067d0) and the #2974-era builds (transformer_engine_torch.DType)",
                      {"._extra_state": "module extra state (FP8 recipe state as a uint8 tensor; empty for "
                                        "stateless recipes; DelayedScaling pickles a dict that ckptq never unpickles)"}))
+    from . import torchao as ao  # noqa: E402  (torchao itself is never imported)
+
+    register(Adapter("torchao", tuple(ao.AO_CLASSES), ao.to_canonical, ao.empty_canonical, ao.insert,
+                     dict(ao.PICKLE_GLOBALS), ao.PAYLOAD_TYPES, "torchao 0.18.0"))
 
 
 _register_builtin()

@@ -1,4 +1,5 @@
-"""Safe reading of checkpoints: allow-listed unpickling of DCP metadata and a safe DCP reader."""
+"""Safe reading of checkpoints (allow-listed unpickling of DCP metadata, a safe DCP reader, foreign
+records) and writing them (the offline writer, an atomic ``dcp.save`` storage writer)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from .reader import (
     read_metadata,
 )
 from .safe_pickle import ALLOWED_GLOBALS, SafeUnpickler, safe_load, safe_loads
+from .writer import AtomicFileSystemWriter
 
 __all__ = [
     "SafeFileSystemReader",
+    "AtomicFileSystemWriter",
     "read_metadata",
     "check_storage",
     "load_entries",

@@ -20,8 +20,10 @@ nothing else is resolved).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import os
 import pickle
 import re
 from collections.abc import Mapping
@@ -102,9 +104,12 @@ def load_record(blob: bytes, *, source: str) -> Any:
         UnsafeCheckpointError: the record references a global nobody declared (named).
         CheckpointFormatError: the record is truncated or corrupt.
     """
+    from .reader import check_record_header
+
+    check_record_header(io.BytesIO(blob), source)  # the pickle's CRC-32: a flipped flag is an error
     globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
     try:
-        with torch.serialization.safe_globals(globs):
+        with _only_ours(globs):
             return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
@@ -117,10 +122,41 @@ def load_record(blob: bytes, *, source: str) -> Any:
         raise CheckpointFormatError(f"{source}: the record is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
+@contextlib.contextmanager
+def _only_ours(globs: list):
+    """``torch.serialization.safe_globals(globs)``, with any safe global registered elsewhere under one
+    of the same names (e.g. by the foreign library itself, when it is imported) set aside meanwhile,
+    so that a name always resolves to ckptq's stand-in, whatever is installed."""
+    ser = torch.serialization
+    ours = {name for _, name in globs}
+
+    def name_of(g) -> str:
+        return g[1] if isinstance(g, tuple) else f"{g.__module__}.{g.__qualname__}"
+
+    saved = ser.get_safe_globals()
+    ser.clear_safe_globals()
+    ser.add_safe_globals([g for g in saved if name_of(g) not in ours] + globs)
+    try:
+        yield
+    finally:
+        ser.clear_safe_globals()
+        ser.add_safe_globals(saved)
+
+
 def _read_bytes(root: Path, info: Any, length: Optional[int] = None) -> bytes:
-    with open(root / str(info.relative_path), "rb") as f:
-        f.seek(int(info.offset))
-        return f.read(int(info.length) if length is None else min(length, int(info.length)))
+    """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
+    location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
+    path = root / str(info.relative_path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        start, want = int(info.offset), int(info.length)
+        if start < 0 or want < 0 or start + want > size:
+            raise CheckpointFormatError(
+                f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the "
+                f"file's {size} bytes; the file is truncated or the metadata corrupt: restore them or re-save"
+            )
+        f.seek(start)
+        return f.read(want if length is None else min(length, want))
 
 
 def _per_tensor(qt) -> dict:
@@ -157,8 +193,8 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
             continue
         try:
             head = _read_bytes(root, info, _PEEK)
-        except OSError:
-            continue  # a missing data file: the storage check names it
+        except (OSError, CheckpointFormatError):
+            continue  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):
             continue
         payload = load_record(_read_bytes(root, info), source=f"{root}: '{fqn}'")
@@ -180,6 +216,12 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                 new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
                     inf.relative_path, inf.offset, inf.length, None, box, expect)
             continue
+        if qt0.dtype != md.properties.dtype:
+            raise CheckpointFormatError(
+                f"{root}: '{fqn}': the metadata gives it dtype {md.properties.dtype}, but its first record "
+                f"holds a {producer.get('class', 'foreign') if isinstance(producer, dict) else 'foreign'} "
+                f"tensor of dtype {qt0.dtype}; the metadata and data disagree: restore them or re-save"
+            )
         specs = type(qt0).component_specs(shape, qt0.recipe)
         expect = _Expect(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
         try:

@@ -7,6 +7,10 @@ chunk appended to ``__{rank}_0.distcp``, ``_StorageInfo`` locations, and ``.meta
 DCP's ``Metadata``, as ``FileSystemWriter.finish`` writes it) last. The output is read by stock
 ``dcp.load``.
 
+:class:`AtomicFileSystemWriter` is the storage writer for ``dcp.save`` that makes a checkpoint
+appear complete or not at all (staging directory + rename), so saving over an existing checkpoint
+never leaves its old ``.metadata`` pointing into new, partial data files.
+
 This is the only module that uses DCP internals to write (``_StorageInfo`` and the metadata version);
 :func:`check_dcp_version` guards them: an unknown DCP version fails loudly instead of writing files
 that a future ``dcp.load`` might misread.
@@ -16,10 +20,12 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -32,7 +38,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CkptqError
 
-__all__ = ["CheckpointDirWriter", "check_dcp_version", "KNOWN_DCP_VERSIONS"]
+__all__ = [
+    "CheckpointDirWriter",
+    "AtomicFileSystemWriter",
+    "check_dcp_version",
+    "KNOWN_DCP_VERSIONS",
+    "staging_dir",
+    "commit_dir",
+]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -142,3 +155,130 @@ class CheckpointDirWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+
+class AtomicFileSystemWriter(FileSystemWriter):
+    """A DCP ``FileSystemWriter`` whose checkpoint appears complete or not at all.
+
+    ``dcp.save(sd, storage_writer=AtomicFileSystemWriter(path), planner=...)`` writes every rank's
+    files into the sibling staging directory ``.{name}.ckptq-saving`` (emptied by the coordinator
+    before any rank writes), and the coordinator, after every rank reported success and
+    ``.metadata`` is written, swaps it into place: an existing ``path`` is renamed to
+    ``.{name}.ckptq-old``, the staging directory to ``path``, and the old one removed. So a save
+    that fails or is killed midway leaves an existing checkpoint at ``path`` untouched (plain DCP
+    would leave its old ``.metadata`` pointing into new, partial data files); a crash between the
+    two renames leaves ``path`` missing and the previous checkpoint whole in ``.{name}.ckptq-old``.
+    The directory must be on a file system every rank shares (as for ``FileSystemWriter``).
+
+    Args:
+        path: the checkpoint directory.
+        **kwargs: passed to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
+
+    Raises:
+        CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported.
+    """
+
+    def __init__(self, path: PathLike, **kwargs: Any) -> None:
+        self.target = Path(path)
+        super().__init__(_staging(self.target), **kwargs)
+
+    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+        if checkpoint_id:
+            self.target = Path(checkpoint_id)
+        super().reset(_staging(self.target))
+
+    @property
+    def checkpoint_id(self) -> PathLike:  # what DCP records in StorageMeta: the final path
+        return self.target
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if not kwargs.get("use_collectives", True):
+            raise CkptqError(
+                f"{self.target}: AtomicFileSystemWriter needs dcp.save's collectives (one global "
+                f".metadata written last); use FileSystemWriter for use_collectives=False saves"
+            )
+
+    def prepare_global_plan(self, plans: list) -> list:
+        # Coordinator only, after every rank made its local plan and before any rank writes: files
+        # left in the staging directory by an interrupted save are stale.
+        staging = Path(self.path)
+        for stale in staging.iterdir() if staging.is_dir() else ():
+            if stale.is_dir():
+                shutil.rmtree(stale)
+            else:
+                stale.unlink()
+        return super().prepare_global_plan(plans)
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
+        staging, target = Path(self.path), self.target
+        old = target.parent / f".{target.name}.ckptq-old"
+        if old.exists():
+            shutil.rmtree(old)
+        if target.exists():
+            os.replace(target, old)
+        os.replace(staging, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _staging(target: Path) -> Path:
+    return target.parent / f".{target.name}.ckptq-saving"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in ``path`` durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- outputs of the offline tools
+def staging_dir(dst: Path) -> Path:
+    """A fresh, empty temporary sibling of output directory ``dst`` (``.DST.ckptq-tmp-PID``) for
+    the offline tools (reshard, convert, export) to write into, after removing such folders of
+    ``dst`` left by killed runs (their PID is gone; logged on the ``ckptq`` logger). Folders of live
+    processes (another run into the same destination) are left alone."""
+    import glob
+    import logging
+
+    prefix = f".{dst.name}.ckptq-tmp-"
+    for p in dst.parent.glob(glob.escape(prefix) + "*"):
+        pid = p.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (maybe another run into the same destination)
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # alive under another user, or not a PID: not ours to judge
+        shutil.rmtree(p, ignore_errors=True)
+        logging.getLogger("ckptq").warning("removed %s, left by a killed ckptq run (process %s is gone)", p, pid)
+    tmp = dst.parent / f"{prefix}{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_dir(tmp: Path, dst: Path) -> None:
+    """Move the completed ``tmp`` into place as ``dst`` (an existing ``dst`` is replaced: renamed
+    aside first, removed after), so ``dst`` is never a partial output."""
+    old = None
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"
+        os.replace(dst, old)
+    os.replace(tmp, dst)
+    _fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

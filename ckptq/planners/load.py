@@ -382,6 +382,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 mine[fqn] = obj
             else:
                 rest[fqn] = obj
+        self._check_keys_and_sizes(rest)
         plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
         self._check_plain_targets(rest, plan.items)
         items = list(plan.items)
@@ -390,6 +391,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 continue
             items += self._plan_tensor(fqn, obj)
         return dataclasses.replace(plan, items=items)
+
+    def _check_keys_and_sizes(self, targets: dict) -> None:
+        """What DCP's default local plan raises as bare RuntimeError / ValueError, as ckptq errors
+        naming the entries: targets missing from the checkpoint (unless ``allow_partial_load``) and
+        tensors whose saved size differs from the target's."""
+        sdm = self.metadata.state_dict_metadata
+        missing = [fqn for fqn in targets if fqn not in sdm]
+        if missing and not self.allow_partial_load:
+            raise CheckpointFormatError(
+                f"{len(missing)} target(s) are not in the checkpoint: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; check the names (inspect the checkpoint with "
+                f"`ckptq inspect`) or pass allow_partial_load=True to skip them"
+            )
+        for fqn, obj in targets.items():
+            md = sdm.get(fqn)
+            size = getattr(obj, "size", None)
+            if isinstance(md, TensorStorageMetadata) and callable(size) and tuple(md.size) != tuple(size()):
+                raise CheckpointFormatError(
+                    f"tensor '{fqn}': saved with size {tuple(md.size)}, the target has {tuple(size())}; "
+                    f"load into a tensor of the saved size"
+                )
 
     def _check_plain_targets(self, targets: dict, items: list[ReadItem]) -> None:
         """What DCP does not check for ordinary tensors: contiguous DTensor shards, same dtype as

@@ -1,0 +1,671 @@
+"""torchao adapter: torchao 0.18's quantized tensor subclasses <-> ckptq canonical tensors, without torchao.
+
+torchao is never imported. Live objects are recognized by their class's module and qualified name
+(:data:`AO_CLASSES`); records rebuilt from torchao pickles (``torch.save`` files, DCP records written
+by DCP's default planner) are :class:`TorchAOPayload` subclasses carrying the same attribute names
+(``qdata``, ``scale``, ``per_tensor_scale``, ``is_swizzled_scales``, ...), so both are handled alike.
+Facts: ``../shared/reference/formats-in-the-wild.md`` section 1 (torchao 0.18.0, read from the wheel).
+
+=================  ===============================================================  ===========
+torchao class      fields -> ckptq components                                       ckptq format
+=================  ===============================================================  ===========
+NVFP4Tensor        ``qdata`` uint8 (..., M, K/2) -> data (view; same nibble order:   nvfp4 (1x16)
+                   element 2i low); ``scale`` e4m3 (..., M, K/16), or swizzled
+                   (ceil(M/128)*32, ceil(K/64)*16) -> scale (..., M, K/16);
+                   ``per_tensor_scale`` fp32 () or (E, 1, 1) or None -> amax (...)
+                   (see "NVFP4 global scale" below). ``prototype/mx_formats/
+                   nvfp4_tensor.py`` (``dequantize``, ``get_hp_scales``).
+MXTensor           ``qdata`` e4m3 (..., M, K) -> data (view); ``scale`` e8m0fnu     mxfp8
+                   (..., M, K/32) or swizzled (ceil(M/128)*32, ceil(K/128)*16) ->
+                   scale uint8 (..., M, K/32) (``.view(uint8)``: the biased
+                   exponent). Only ``elem_dtype=float8_e4m3fn``, ``block_size=32``.
+                   ``prototype/mx_formats/mx_tensor.py`` (``to_dtype``,
+                   ``get_fp_scale``).
+Float8Tensor       ``qdata`` e4m3/e5m2 (..., M, K) -> data (view); ``scale`` fp32   fp8_tensor /
+                   decode multiplier: one element (PerTensor, shape (1, 1)) ->      fp8_block
+                   fp8_tensor ``scale_inv`` (); (M/bm, K/bk) (PerRow (M, 1),
+                   PerBlock) -> fp8_block ``scale_inv`` with block (bm, bk)
+                   (per-row = (1, K)). ``quantization/quantize_/workflows/float8/
+                   float8_tensor.py``, ``quantization/quant_primitives.py``
+                   (``_dequantize_affine_float8``: ``q.float() * scale``, the block
+                   inferred as ``shape // scale.shape``).
+=================  ===============================================================  ===========
+
+Swizzle (``prototype/mx_formats/utils.py`` ``to_blocked``/``from_blocked``): the (R, C) scale matrix,
+zero-padded to (ceil(R/128)*128, ceil(C/4)*4), is stored tile by tile: 128x4 tiles in row-block-major
+order, inside a tile entry (32i + j, c) at [j, 4i + c] of a 32x16 block (cuBLAS block-scaling
+layout). For 3-D tensors torchao swizzles the flattened (prod(leading) * M, C) matrix. Padding is
+dropped on read and zeroed on write.
+
+Exactness (ckptq dequantize vs torchao ``dequantize()``, both computing in fp32):
+
+* MXTensor (E4M3) and Float8Tensor: components equal byte for byte, values bit-exact in both
+  directions (the same formulas: ``float(q) * 2^(e-127)`` and ``float(q) * scale``).
+* NVFP4Tensor, global scale. torchao decodes ``e2m1 * (per_tensor_scale * float(s))`` with
+  ``per_tensor_scale = amax / 2688`` (``per_tensor_amax_to_scale``, a division); ckptq decodes
+  ``e2m1 * ((float(s) * amax) * fl32(1/2688))``. Reading, ckptq stores the fp32 ``amax`` with
+  ``fl32(amax / 2688) == per_tensor_scale`` (so writing back divides and gives the same bytes: the
+  per_tensor_scale round trip is exact) that, among those, minimizes the largest difference of the two
+  scale products over every finite positive E4M3 scale. The two operation orders still differ: the
+  scale products differ by at most ``producer["scale_product_max_ulp"]`` ulp of fp32 for this tensor
+  (computed over every E4M3 scale when it is read, so the figure is exact, not an estimate).
+  Measured on 20000 random amaxes over 2^-60..2^60 (tests/test_torchao.py checks 2000): the scale
+  products differ by <= 2 ulp (0: 5%, 1: 91%, 2: 4% of tensors) and the dequantized fp32 values by
+  <= 2 ulp (the E2M1 multiply rounds once more); no bfloat16 value differed, and the tests allow 1
+  bf16 ulp. A per_tensor_scale that is
+  not ``amax / 2688`` of any fp32 amax (never produced by torchao itself) is refused.
+  Writing a ckptq tensor into a torchao target sets ``per_tensor_scale = fl32(amax / 2688)``, torchao's
+  own convention; for an arbitrary amax (a tensor ckptq quantized) the values then differ by <= 2 ulp
+  of fp32 too (20000 random amaxes: 0 ulp 4%, 1 ulp 52%, 2 ulp 44%); nothing is requantized.
+* NVFP4Tensor without a global scale (``per_tensor_scale=None``): stored with ``amax = 2688``, for which
+  ``(float(s) * 2688) * fl32(1/2688) == float(s)`` for every E4M3 value (checked at import): bit-exact.
+  A target without per_tensor_scale accepts only such tensors (else CheckpointFormatError).
+
+Not in the canonical tensor: NVFP4's ``act_per_tensor_scale`` (a static activation calibration value,
+no part of the weight's values) and the attributes (``act_quant_kwargs``, ``mm_config``,
+``kernel_preference``, ...): they are recorded in ``producer`` (float hex / builtins); :func:`insert`
+leaves them as the target holds them (adapters receive only the canonical tensor).
+
+Refused (UnsupportedFormatError naming FQN, class, field): MXTensor with another element dtype
+(E5M2, FP6, FP4) or block size, NVFP4 with block_size != 16, transposed (column-major) qdata, non-fp32
+Float8 scales, block grids that do not divide the shape.
+
+Pickles: torch pickles a torchao tensor as ``torch._tensor._rebuild_from_type_v2(
+torch._utils._rebuild_wrapper_subclass, <class>, (<class>, dtype, size, stride, offset, layout,
+device, requires_grad), <__dict__>)``; the globals it references beyond torch's (found with
+``pickletools`` on torchao 0.18.0 pickles) are the three classes, the enums ``KernelPreference`` and
+``ScaleCalculationMode``, the kwargs dataclasses, the granularities and ``Float8MMConfig``.
+:data:`PICKLE_GLOBALS` maps exactly those to the stand-ins below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import sys
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from ..errors import CheckpointFormatError, UnsupportedFormatError
+from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+
+__all__ = [
+    "AO_CLASSES",
+    "PICKLE_GLOBALS",
+    "PAYLOAD_TYPES",
+    "TorchAOPayload",
+    "ao_class_of",
+    "nvfp4_amax_for_scale",
+    "to_canonical",
+    "empty_canonical",
+    "insert",
+]
+
+PRODUCER = "torchao"
+_NV_MOD = "torchao.prototype.mx_formats.nvfp4_tensor"
+_MX_MOD = "torchao.prototype.mx_formats.mx_tensor"
+_F8_MOD = "torchao.quantization.quantize_.workflows.float8.float8_tensor"
+
+#: ``(module, qualname)`` of torchao's tensor classes -> the class name. ``Float8Tensor`` sets its
+#: ``__module__`` to ``torchao.quantization`` (end of float8_tensor.py); both spellings are listed.
+AO_CLASSES: dict[tuple[str, str], str] = {
+    (_NV_MOD, "NVFP4Tensor"): "NVFP4Tensor",
+    (_MX_MOD, "MXTensor"): "MXTensor",
+    ("torchao.quantization", "Float8Tensor"): "Float8Tensor",
+    (_F8_MOD, "Float8Tensor"): "Float8Tensor",
+}
+
+_E4M3, _E5M2, _U8, _F32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float32
+_NV_AMAX_IDENTITY = 2688.0  # amax giving ckptq's nvfp4 decode e2m1 * float(s) exactly
+_INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)  # ckptq's fp32 constant (numerics.INV_2688)
+
+
+def _positive_e4m3() -> torch.Tensor:
+    v = torch.arange(256, dtype=torch.uint8).view(_E4M3).to(_F32)
+    return v[(v > 0) & torch.isfinite(v)].unique()
+
+
+_E4M3_POS = _positive_e4m3()  # the 126 finite positive E4M3 values
+assert torch.equal((_E4M3_POS * _NV_AMAX_IDENTITY) * _INV_2688, _E4M3_POS)
+
+
+# ============================================================================ pickle stand-ins
+class TorchAOPayload(torch.Tensor):
+    """A torchao tensor rebuilt from its pickle: an inert wrapper tensor (logical shape and dtype,
+    no storage, every op refused) whose attributes are the pickled ``__dict__`` (``qdata``,
+    ``scale``, ...). ``ao_class`` names the torchao class."""
+
+    ao_class: ClassVar[str] = ""
+    _TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ("qdata", "scale")
+    _OPTIONAL_TENSOR_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise CheckpointFormatError(
+            f"a torchao {cls.ao_class} read from a pickle is a record of its fields, not a live tensor "
+            f"({func} is not available); read it through ckptq (CheckpointView / open_checkpoint)"
+        )
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict state, slot state)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CheckpointFormatError(f"torchao {self.ao_class} pickle: its state is not a dict of str keys")
+        for name in self._TENSOR_FIELDS + self._OPTIONAL_TENSOR_FIELDS:
+            v = state.get(name)
+            if not isinstance(v, torch.Tensor) and (v is not None or name in self._TENSOR_FIELDS):
+                raise CheckpointFormatError(
+                    f"torchao {self.ao_class} pickle: field {name} is {type(v).__name__}, expected a tensor"
+                )
+        for k, v in state.items():
+            if k.startswith("_") or not k.isidentifier() or hasattr(torch.Tensor, k):
+                continue  # never shadow tensor attributes (e.g. Float8Tensor's 'dtype' is the wrapper's)
+            self.__dict__[k] = v
+
+    def __repr__(self) -> str:
+        return f"TorchAOPayload({self.ao_class}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+class NVFP4Payload(TorchAOPayload):
+    ao_class = "NVFP4Tensor"
+    _OPTIONAL_TENSOR_FIELDS = ("per_tensor_scale", "act_per_tensor_scale")
+
+
+class MXPayload(TorchAOPayload):
+    ao_class = "MXTensor"
+
+
+class Float8Payload(TorchAOPayload):
+    ao_class = "Float8Tensor"
+
+
+PAYLOAD_TYPES: tuple[type, ...] = (NVFP4Payload, MXPayload, Float8Payload)
+
+
+def _enum_value(value: Any) -> str:
+    """Stand-in for torchao's str enums (``KernelPreference``, ``ScaleCalculationMode``), pickled as
+    ``REDUCE(Enum, (value,))``: the value string."""
+    if not isinstance(value, str):
+        raise CheckpointFormatError(f"torchao enum payload {value!r} is not a str")
+    return value
+
+
+class _Record:
+    """A torchao dataclass or NamedTuple rebuilt from its pickle (``NEWOBJ`` [+ ``BUILD`` with its
+    ``__dict__``): fields become attributes; ``type_name`` is torchao's class name."""
+
+    type_name: ClassVar[str] = ""
+    _fields: ClassVar[tuple[str, ...]] = ()  # NamedTuple field order (positional NEWOBJ args)
+
+    def __new__(cls, *args: Any) -> "_Record":
+        self = object.__new__(cls)
+        if len(args) > len(cls._fields):
+            raise CheckpointFormatError(f"torchao {cls.type_name} pickle: {len(args)} positional fields")
+        self.__dict__.update(zip(cls._fields, args))
+        return self
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in state):
+            raise CheckpointFormatError(f"torchao {self.type_name} state is not a dict of field names")
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{self.type_name}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+
+
+def _record_type(name: str, fields: tuple[str, ...] = ()) -> type:
+    return type(f"{name}Record", (_Record,), {"type_name": name, "_fields": fields, "__module__": __name__})
+
+
+_KWARG_RECORDS = {n: _record_type(n) for n in (
+    "QuantizeTensorToNVFP4Kwargs", "QuantizeTensorToMXKwargs", "QuantizeTensorToFloat8Kwargs",
+    "PerTensor", "PerRow", "PerBlock")}
+_MM_CONFIG = _record_type("Float8MMConfig", ("emulate", "use_fast_accum", "pad_inner_dim"))
+
+#: Every torchao global a pickled torchao 0.18 tensor references -> ckptq's stand-in.
+PICKLE_GLOBALS: dict[tuple[str, str], Any] = {
+    (_NV_MOD, "NVFP4Tensor"): NVFP4Payload,
+    (_MX_MOD, "MXTensor"): MXPayload,
+    ("torchao.quantization", "Float8Tensor"): Float8Payload,
+    (_F8_MOD, "Float8Tensor"): Float8Payload,
+    ("torchao.quantization.quantize_.common.kernel_preference", "KernelPreference"): _enum_value,
+    ("torchao.prototype.mx_formats.config", "ScaleCalculationMode"): _enum_value,
+    (_NV_MOD, "QuantizeTensorToNVFP4Kwargs"): _KWARG_RECORDS["QuantizeTensorToNVFP4Kwargs"],
+    (_MX_MOD, "QuantizeTensorToMXKwargs"): _KWARG_RECORDS["QuantizeTensorToMXKwargs"],
+    (_F8_MOD, "QuantizeTensorToFloat8Kwargs"): _KWARG_RECORDS["QuantizeTensorToFloat8Kwargs"],
+    ("torchao.quantization.granularity", "PerTensor"): _KWARG_RECORDS["PerTensor"],
+    ("torchao.quantization.granularity", "PerRow"): _KWARG_RECORDS["PerRow"],
+    ("torchao.quantization.granularity", "PerBlock"): _KWARG_RECORDS["PerBlock"],
+    ("torchao.float8.inference", "Float8MMConfig"): _MM_CONFIG,
+}
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """A JSON-able record of a torchao attribute value (live object or stand-in): enums -> value,
+    dataclasses / NamedTuples / records -> ``{"type", fields...}``, dtypes -> name."""
+    if depth > 8:
+        return repr(v)
+    if isinstance(v, enum.Enum):  # before str: torchao's enums are str enums
+        return _plain(v.value, depth + 1)
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    if isinstance(v, _Record):
+        return {"type": v.type_name, **{k: _plain(x, depth + 1) for k, x in v.__dict__.items()}}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {"type": type(v).__name__,
+                **{f.name: _plain(getattr(v, f.name, None), depth + 1) for f in dataclasses.fields(v)}}
+    if isinstance(v, tuple) and hasattr(v, "_asdict"):
+        return {"type": type(v).__name__, **{k: _plain(x, depth + 1) for k, x in v._asdict().items()}}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, depth + 1) for x in v]
+    if isinstance(v, torch.Tensor):
+        return [float(x).hex() for x in v.detach().to("cpu", _F32).reshape(-1).tolist()]
+    return repr(v)
+
+
+# ============================================================================ layout helpers
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unswizzle(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Compact (rows, cols) scales from torchao's blocked layout of the zero-padded
+    (ceil(rows/128)*128, ceil(cols/4)*4) matrix (``from_blocked``)."""
+    rb, cb = _cdiv(rows, 128), _cdiv(cols, 4)
+    tiles = buf.reshape(rb, cb, 32, 4, 4)  # (row block, col block, row % 32, (row % 128) // 32, col % 4)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(rb * 128, cb * 4)[:rows, :cols]
+
+
+def _swizzle(compact: torch.Tensor) -> torch.Tensor:
+    """torchao's blocked layout (flat) of ``compact`` (R, C), padding zeroed (``to_blocked``)."""
+    r, c = compact.shape
+    rb, cb = _cdiv(r, 128), _cdiv(c, 4)
+    padded = compact.new_zeros(rb * 128, cb * 4)
+    padded[:r, :c] = compact
+    return padded.view(rb, 4, 32, cb, 4).permute(0, 3, 2, 1, 4).reshape(-1)
+
+
+def _swizzled_numel(rows: int, cols: int) -> int:
+    return _cdiv(rows, 128) * _cdiv(cols, 4) * 512
+
+
+@dataclasses.dataclass
+class _Desc:
+    ao_class: str
+    fmt: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    recipe: dict
+    swizzled: bool = False
+
+
+def _where(fqn: str, ao_class: str) -> str:
+    return f"tensor '{fqn}' (torchao {ao_class})"
+
+
+def _refuse(fqn: str, ao_class: str, field: str, why: str) -> None:
+    raise UnsupportedFormatError(
+        f"{_where(fqn, ao_class)}: {field} {why}, which ckptq cannot store exactly. Save it in high "
+        f"precision with QuantizedSavePlanner(rules={{'{fqn}': 'high_precision'}})."
+    )
+
+
+def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = False) -> Optional[torch.Tensor]:
+    t = getattr(obj, name, None)
+    if t is None and optional:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointFormatError(f"{_where(fqn, d_class)}: field {name} is {type(t).__name__}, not a tensor")
+    return t
+
+
+def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _Desc, fqn: str) -> None:
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise CheckpointFormatError(
+            f"{_where(fqn, d.ao_class)}: field {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} "
+            f"{tuple(shape)} for logical shape {d.shape} (torchao 0.18 layout)"
+        )
+
+
+def _row_major(obj: Any, d: _Desc, fqn: str) -> torch.Tensor:
+    q = _tensor(obj, "qdata", d.ao_class, fqn)
+    if q.dim() < 2 or (q.dim() >= 2 and q.stride(-2) < q.stride(-1) and q.shape[-2] > 1 and q.shape[-1] > 1):
+        _refuse(fqn, d.ao_class, f"qdata of strides {tuple(q.stride())}", "is transposed (column-major)")
+    return q
+
+
+def _read_block_scales(obj: Any, d: _Desc, cols: int, dtype: torch.dtype, fqn: str) -> torch.Tensor:
+    """Compact (..., M, cols) scales of an NVFP4/MX tensor (a view unless swizzled)."""
+    *lead, m = d.shape[:-1]
+    s = _tensor(obj, "scale", d.ao_class, fqn)
+    if s.dtype != dtype:
+        _check(s, s.shape, dtype, "scale", d, fqn)
+    if not d.swizzled:
+        _check(s, (*lead, m, cols), dtype, "scale", d, fqn)
+        return s
+    rows = math.prod(lead) * m
+    if s.numel() != _swizzled_numel(rows, cols):
+        raise CheckpointFormatError(
+            f"{_where(fqn, d.ao_class)}: swizzled scale has {s.numel()} elements, expected "
+            f"{_swizzled_numel(rows, cols)} for logical shape {d.shape} (torchao to_blocked)"
+        )
+    return _unswizzle(s.reshape(-1), rows, cols).reshape(*lead, m, cols)
+
+
+def _write_block_scales(obj: Any, compact: torch.Tensor, swizzled: bool) -> None:
+    """Write compact (..., M, C) scales into ``obj.scale`` in place (its dtype, bytes unchanged)."""
+    target = obj.scale.view(_U8)
+    src = compact.view(_U8)
+    if swizzled:
+        target.copy_(_swizzle(src.reshape(-1, src.shape[-1])).view(target.shape))
+    else:
+        target.copy_(src)
+
+
+# ============================================================================ NVFP4 global scale
+def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
+    """The fp32 ``amax`` ckptq stores for torchao's fp32 ``per_tensor_scale`` p, and the largest
+    difference (ulp of fp32) between the scale products ``(float(s) * amax) * fl32(1/2688)`` (ckptq)
+    and ``p * float(s)`` (torchao) over every finite positive E4M3 ``s``.
+
+    The amax is the candidate within 4 ulp of ``fl32(p * 2688)`` with ``fl32(amax / 2688) == p``
+    (torchao's ``per_tensor_amax_to_scale``, so writing it back gives p exactly) and the smallest such
+    difference (ties: nearest to ``fl32(p * 2688)``). Returns ``(nan, -1)`` when no candidate divides
+    back to p. Zero maps to zero (exact).
+    """
+    p = torch.tensor(per_tensor_scale, dtype=_F32)
+    if p.item() == 0.0:
+        return 0.0, 0
+    a0 = (p * _NV_AMAX_IDENTITY).view(torch.int32)
+    want = (p * _E4M3_POS).view(torch.int32)
+    best: Optional[tuple[int, float]] = None
+    for k in sorted(range(-4, 5), key=abs):
+        a = (a0 + k).view(_F32)
+        if not torch.isfinite(a) or not torch.equal(a / _NV_AMAX_IDENTITY, p):
+            continue
+        got = ((_E4M3_POS * a) * _INV_2688).view(torch.int32)
+        ulp = int((got.to(torch.int64) - want.to(torch.int64)).abs().max())
+        if best is None or ulp < best[0]:
+            best = (ulp, float(a.item()))
+    return (float("nan"), -1) if best is None else (best[1], best[0])
+
+
+# ============================================================================ per-class logic
+def _version() -> Optional[str]:
+    v = getattr(sys.modules.get("torchao"), "__version__", None)
+    return None if v is None else str(v)
+
+
+def _swizzled(obj: Any) -> bool:
+    return bool(getattr(obj, "is_swizzled_scales", False))
+
+
+def _nv_describe(obj: Any, fqn: str) -> _Desc:
+    d = _Desc("NVFP4Tensor", "nvfp4", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+    if len(d.shape) not in (2, 3):
+        _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "is not 2-D or 3-D")
+    if int(getattr(obj, "block_size", 16)) != 16:
+        _refuse(fqn, d.ao_class, f"block_size={obj.block_size}", "is not 16")
+    q = _row_major(obj, d, fqn)
+    _check(q, (*d.shape[:-1], d.shape[-1] // 2), _U8, "qdata", d, fqn)
+    if d.shape[-1] % 16:
+        _refuse(fqn, d.ao_class, f"K={d.shape[-1]}", "is not a multiple of 16")
+    d.recipe = dict(two_d=False)
+    return d
+
+
+def _nv_amax(obj: Any, d: _Desc, fqn: str) -> tuple[torch.Tensor, int]:
+    lead = d.shape[:-2]
+    pts = _tensor(obj, "per_tensor_scale", d.ao_class, fqn, optional=True)
+    dev = obj.qdata.device
+    if pts is None:
+        return torch.full(lead, _NV_AMAX_IDENTITY, dtype=_F32, device=dev), 0
+    if pts.dtype != _F32 or pts.numel() not in (1, math.prod(lead)):
+        _refuse(fqn, d.ao_class, f"per_tensor_scale {pts.dtype} {tuple(pts.shape)}",
+                f"is not fp32 with one value (or one per expert of {lead})")
+    vals = pts.detach().to("cpu").reshape(-1).tolist()
+    amax, worst = [], 0
+    for v in vals:
+        a, ulp = nvfp4_amax_for_scale(v)
+        if ulp < 0:
+            _refuse(fqn, d.ao_class, f"per_tensor_scale={v!r} ({float(v).hex()})",
+                    "is not amax/2688 of any fp32 amax (ckptq's nvfp4 stores amax)")
+        amax.append(a)
+        worst = max(worst, ulp)
+    out = torch.tensor(amax, dtype=_F32, device=dev)
+    if len(amax) == 1:  # one global scale (also for a 3-D tensor): the same amax for every matrix
+        return out.reshape(()).expand(lead).contiguous(), worst
+    return out.reshape(lead), worst
+
+
+def _nv_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+    k = d.shape[-1]
+    scale = _read_block_scales(obj, d, k // 16, _E4M3, fqn)
+    amax, ulp = _nv_amax(obj, d, fqn)
+    pts = getattr(obj, "per_tensor_scale", None)
+    extra = {
+        "per_tensor_scale": None if pts is None else ("per_expert" if pts.dim() == 3 else "scalar"),
+        "scale_product_max_ulp": ulp,
+        "use_triton_kernel": bool(getattr(obj, "use_triton_kernel", False)),
+        "act_per_tensor_scale": _plain(getattr(obj, "act_per_tensor_scale", None)),
+        "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
+    }
+    return {"data": obj.qdata, "scale": scale, "amax": amax}, extra
+
+
+def _nv_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+    c = qt.components()
+    scale = c["scale"]
+    if qt.recipe.two_d:  # 16x16 tiles: each tile's scale on its 16 rows is the same 1x16 value
+        scale = scale.repeat_interleave(16, dim=-2)[..., : d.shape[-2], :]
+    amax = c["amax"].to(_F32)
+    pts = getattr(obj, "per_tensor_scale", None)
+    if pts is None:
+        if not bool((amax == _NV_AMAX_IDENTITY).all()):
+            raise CheckpointFormatError(
+                f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's amax "
+                f"({amax.reshape(-1)[:4].tolist()}) is not 2688 (the single-level encoding); build the target "
+                f"with a per_tensor_scale (NVFP4Tensor.to_nvfp4(..., per_tensor_scale=...))"
+            )
+    else:
+        new = amax / _NV_AMAX_IDENTITY  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
+        if pts.numel() == 1 and new.numel() > 1:
+            if not bool((new == new.reshape(-1)[0]).all()):
+                raise CheckpointFormatError(f"{_where(fqn, d.ao_class)}: the target holds one per_tensor_scale, "
+                                            f"the loaded tensor one amax per expert")
+            new = new.reshape(-1)[:1]
+        pts.copy_(new.reshape(pts.shape))
+    obj.qdata.copy_(c["data"])
+    _write_block_scales(obj, scale, d.swizzled)
+
+
+def _mx_describe(obj: Any, fqn: str) -> _Desc:
+    d = _Desc("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+    elem = getattr(obj, "elem_dtype", None)
+    if elem != _E4M3:
+        _refuse(fqn, d.ao_class, f"elem_dtype={_plain(elem)}", "is not float8_e4m3fn (ckptq's mxfp8 is MXFP8 E4M3)")
+    if int(getattr(obj, "block_size", 32)) != 32:
+        _refuse(fqn, d.ao_class, f"block_size={obj.block_size}", "is not 32")
+    if len(d.shape) < 2:
+        _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "has fewer than 2 dims")
+    q = _row_major(obj, d, fqn)
+    _check(q, d.shape, _E4M3, "qdata", d, fqn)
+    if d.shape[-1] % 32:
+        _refuse(fqn, d.ao_class, f"K={d.shape[-1]}", "is not a multiple of 32")
+    d.recipe = dict(columnwise=False)
+    return d
+
+
+def _mx_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+    scale = _read_block_scales(obj, d, d.shape[-1] // 32, torch.float8_e8m0fnu, fqn).view(_U8)
+    extra = {"elem_dtype": "float8_e4m3fn", "block_size": 32,
+             "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
+             "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None))}
+    return {"data": obj.qdata, "scale": scale}, extra
+
+
+def _mx_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+    c = qt.components()
+    obj.qdata.view(_U8).copy_(c["data"].view(_U8))
+    _write_block_scales(obj, c["scale"], d.swizzled)
+
+
+def _f8_describe(obj: Any, fqn: str) -> _Desc:
+    d = _Desc("Float8Tensor", "", tuple(int(s) for s in obj.shape), obj.dtype, {})
+    if len(d.shape) < 2:
+        _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "has fewer than 2 dims")
+    q = _row_major(obj, d, fqn)
+    if q.dtype not in (_E4M3, _E5M2):
+        _refuse(fqn, d.ao_class, f"qdata dtype {q.dtype}", "is not float8_e4m3fn / float8_e5m2")
+    _check(q, d.shape, q.dtype, "qdata", d, fqn)
+    s = _tensor(obj, "scale", d.ao_class, fqn)
+    if s.dtype != _F32:
+        _refuse(fqn, d.ao_class, f"scale dtype {s.dtype}", "is not float32")
+    if s.numel() == 1:
+        d.fmt, d.recipe = "fp8_tensor", dict(fp8_dtype=q.dtype, pow2=False, eps=0.0)
+        return d
+    # torchao infers the block as shape // scale.shape (_maybe_expand_scale_to_tensor_shape)
+    lead = d.shape[:-2]
+    if s.dim() != len(d.shape) or tuple(s.shape[:-2]) != lead or any(
+            n % b for n, b in zip(d.shape[-2:], s.shape[-2:])):
+        _refuse(fqn, d.ao_class, f"scale {tuple(s.shape)}",
+                f"is not a block grid dividing the shape {d.shape} with one grid per leading index")
+    block = (d.shape[-2] // s.shape[-2], d.shape[-1] // s.shape[-1])
+    d.fmt, d.recipe = "fp8_block", dict(block=block, fp8_dtype=q.dtype, pow2=False, eps=0.0)
+    return d
+
+
+def _f8_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+    s = obj.scale
+    lead = d.shape[:-2]
+    if d.fmt == "fp8_tensor":
+        scale_inv = s.reshape(()) if not lead else s.reshape(1).expand(math.prod(lead)).reshape(lead).contiguous()
+    else:
+        scale_inv = s
+    bs = getattr(obj, "block_size", None)
+    gran = ("per_tensor" if d.fmt == "fp8_tensor" else
+            "per_row" if d.recipe["block"] == (1, d.shape[-1]) else "per_block")
+    extra = {"granularity": gran, "block_size": _plain(bs),
+             "fp8_dtype": str(obj.qdata.dtype).replace("torch.", ""),
+             "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
+             "mm_config": _plain(getattr(obj, "mm_config", None)),
+             "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None))}
+    return {"data": obj.qdata, "scale_inv": scale_inv}, extra
+
+
+def _f8_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+    c = qt.components()
+    s = c["scale_inv"]
+    if d.fmt == "fp8_tensor" and s.numel() > 1:
+        if not bool((s == s.reshape(-1)[0]).all()):
+            raise CheckpointFormatError(f"{_where(fqn, d.ao_class)}: the target holds one scale, the loaded "
+                                        f"tensor one per leading index")
+        s = s.reshape(-1)[:1]
+    obj.scale.copy_(s.reshape(obj.scale.shape))
+    obj.qdata.view(_U8).copy_(c["data"].view(_U8))
+
+
+_KINDS = {
+    "NVFP4Tensor": (_nv_describe, _nv_extract, _nv_insert),
+    "MXTensor": (_mx_describe, _mx_extract, _mx_insert),
+    "Float8Tensor": (_f8_describe, _f8_extract, _f8_insert),
+}
+_QT = {"nvfp4": NVFP4Tensor, "mxfp8": MXFP8Tensor, "fp8_tensor": Float8Tensor, "fp8_block": Float8BlockTensor}
+
+
+# ============================================================================ public functions
+def ao_class_of(obj: Any) -> Optional[str]:
+    """torchao's class name of a live torchao tensor (matched by module + qualname, bases too), a
+    DTensor holding one, or a :class:`TorchAOPayload`; None otherwise. Never imports torchao."""
+    obj = getattr(obj, "_local_tensor", obj)
+    if isinstance(obj, TorchAOPayload):
+        return obj.ao_class
+    for cls in type(obj).__mro__:
+        name = AO_CLASSES.get((cls.__module__, cls.__qualname__))
+        if name is not None:
+            return name
+    return None
+
+
+def _kind(obj: Any, fqn: str):
+    local = getattr(obj, "_local_tensor", obj)
+    name = ao_class_of(local)
+    if name is None:
+        raise UnsupportedFormatError(f"tensor '{fqn}': {type(local).__name__} is not a torchao quantized tensor "
+                                     f"(NVFP4Tensor, MXTensor, Float8Tensor)")
+    describe, extract, ins = _KINDS[name]
+    return local, describe(local, fqn), extract, ins
+
+
+def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
+    """The canonical ckptq tensor of a torchao tensor (live, a DTensor's local one, or a pickle
+    payload) and a ``producer`` record of builtins.
+
+    Components are compact and unswizzled, of the object's logical shape; ``data`` (and unswizzled
+    scales, Float8 scales) are views of torchao's buffers, swizzled scales and NVFP4 ``amax`` copies.
+    ``producer`` = ``{"name": "torchao", "version" (of the live library; None for a pickle payload),
+    "class", "orig_dtype", "swizzled", ...}`` plus, for
+    NVFP4Tensor, ``per_tensor_scale`` (None / "scalar" / "per_expert"), ``scale_product_max_ulp``,
+    ``use_triton_kernel``, ``act_per_tensor_scale`` (float hex list), ``act_quant_kwargs``; MXTensor
+    ``elem_dtype``, ``block_size``, ``kernel_preference``, ``act_quant_kwargs``; Float8Tensor
+    ``granularity`` (per_tensor / per_row / per_block), ``block_size``, ``fp8_dtype``,
+    ``kernel_preference``, ``mm_config``, ``act_quant_kwargs``.
+
+    Raises:
+        UnsupportedFormatError: what ckptq cannot hold exactly (names FQN, class and field).
+        CheckpointFormatError: a field whose shape or dtype contradicts torchao's layout.
+    """
+    local, d, extract, _ = _kind(obj, fqn)
+    comps, extra = extract(local, d, fqn)
+    cls = _QT[d.fmt]
+    qt = cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
+    version = None if isinstance(local, TorchAOPayload) else _version()  # a pickle's writer version is unknown
+    producer = {"name": PRODUCER, "version": version, "class": d.ao_class,
+                "orig_dtype": str(d.dtype).replace("torch.", ""), "swizzled": d.swizzled, **extra}
+    return qt, producer
+
+
+def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
+    """Fresh uninitialized canonical components of ``obj``'s format, recipe, logical shape and device
+    (what a load reads into before :func:`insert`)."""
+    local, d, _, _ = _kind(obj, fqn)
+    cls = _QT[d.fmt]
+    rec = cls.Recipe(**d.recipe)
+    dev = local.qdata.device
+    comps = {s.name: torch.empty(s.shape(d.shape), dtype=s.dtype, device=dev)
+             for s in cls.component_specs(d.shape, rec)}
+    return cls.from_components(comps, d.shape, d.dtype, rec, fqn=fqn)
+
+
+def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
+    """Write canonical ``qt`` into the torchao tensor's buffers in place: ``qdata``, ``scale``
+    (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` =
+    ``fl32(amax / 2688)``. Nothing is requantized: returns None.
+
+    Raises:
+        CheckpointFormatError: ``qt``'s format, element dtype, block or shape does not fit the target
+            (including an NVFP4 target without per_tensor_scale for a tensor whose amax is not 2688).
+        UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
+    """
+    local, d, _, ins = _kind(obj, fqn)
+    where = _where(fqn, d.ao_class)
+    if getattr(qt, "FORMAT", None) != d.fmt:
+        raise CheckpointFormatError(f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; "
+                                    f"the target holds {d.fmt}")
+    if tuple(qt.shape) != d.shape:
+        raise CheckpointFormatError(f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, "
+                                    f"the target {d.shape}")
+    for key in ("fp8_dtype", "block"):
+        if key in d.recipe and getattr(qt.recipe, key) != d.recipe[key]:
+            raise CheckpointFormatError(f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
+                                        f"target {key}={d.recipe[key]}; requantize instead of a raw insert")
+    ins(local, qt, d, fqn)
+    return None

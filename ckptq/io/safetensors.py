@@ -1,0 +1,240 @@
+"""Hugging Face safetensors checkpoints as a ckptq source (read-only).
+
+``open_checkpoint`` accepts one ``.safetensors`` file or a folder with ``model.safetensors.index.json``
+(or ``*.safetensors`` files) and optional ``config.json`` / ``hf_quant_config.json``. The layout
+(ModelOpt, compressed-tensors, DeepSeek FP8: :mod:`ckptq.adapters.hf`) is detected from the config
+and the tensor names; each quantized weight becomes a ckptq ``"quantized"`` entry named
+``<module>.weight`` whose ``keys`` map each ckptq component to the HF tensor holding it, with
+producer ``{"name": ..., "layout": ...}`` in its descriptor. Everything else is a plain tensor entry.
+
+Data, block scales and per-tensor FP8 scales are the stored bytes (bit-exact); the NVFP4 global scale
+becomes ckptq's ``amax`` (exact when the exporter recorded it, else the closest value, see
+:mod:`ckptq.adapters.hf`). HF names are the training FQNs unless ``names=`` rename rules say otherwise
+(:func:`ckptq.adapters.hf.parse_rename_rules`, written training FQN -> HF name as for the export,
+applied in reverse).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from ..adapters import hf
+from ..contract import Entry, EntryTable
+from ..errors import CheckpointFormatError
+from ..formats import from_components
+from ..formats.base import QuantizedTensor, str_to_dtype
+
+__all__ = ["SafetensorsView", "is_safetensors_source", "INDEX_NAME"]
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def is_safetensors_source(path: Path) -> bool:
+    """A ``.safetensors`` file, or a folder holding an index or ``*.safetensors`` files (no DCP ``.metadata``)."""
+    try:
+        if path.is_file():
+            return path.suffix == ".safetensors"
+        if path.is_dir() and not (path / ".metadata").exists():
+            return (path / INDEX_NAME).is_file() or any(path.glob("*.safetensors"))
+    except OSError:
+        return False
+    return False
+
+
+def _read_json(p: Path) -> Optional[dict]:
+    if not p.is_file():
+        return None
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{p}: not readable JSON ({e}); fix or remove the file") from e
+
+
+class SafetensorsView(EntryTable):
+    """Read-only logical view of a safetensors file or folder (:class:`ckptq.checkpoint.CheckpointView` interface).
+
+    Args:
+        path: a ``.safetensors`` file or a folder.
+        names: the rename rules the export used, training FQN -> HF name (``["*=model.*"]`` or
+            ``{"*": "model.*"}``); applied in reverse (HF name -> FQN). Default identity.
+
+    Raises:
+        CheckpointFormatError: a shard listed in the index is missing, a tensor of the index is not in
+            its shard, the config disagrees with the tensors, or a tensor has the wrong shape; each
+            message names the file, the tensor and the fix.
+        UnsupportedFormatError: the config names a quantization method ckptq does not read.
+    """
+
+    world_size = None
+
+    def __init__(self, path: Union[str, Path], *, names: Any = None):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self._rules = hf.parse_rename_rules(names)
+        folder = self.path if self.path.is_dir() else self.path.parent
+        self.config = _read_json(folder / "config.json")
+        self.hf_quant_config = _read_json(folder / "hf_quant_config.json")
+        self._where: dict[str, Path] = {}  # HF name -> file
+        self._meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._file_meta: dict[Path, dict] = {}
+        index = _read_json(folder / INDEX_NAME) if self.path.is_dir() else None
+        if self.path.is_dir():
+            if index is not None:
+                wm = index.get("weight_map")
+                if not isinstance(wm, dict):
+                    raise CheckpointFormatError(f"{folder / INDEX_NAME}: no 'weight_map' object; regenerate the index")
+                files = sorted({folder / f for f in wm.values()})
+                for f in files:
+                    if not f.is_file():
+                        raise CheckpointFormatError(
+                            f"{f}: shard listed in {INDEX_NAME} is missing (it holds e.g. "
+                            f"'{next(n for n, v in wm.items() if folder / v == f)}'); copy the missing shard "
+                            f"into the folder or re-export the checkpoint"
+                        )
+            else:
+                files = sorted(folder.glob("*.safetensors"))
+        else:
+            files = [self.path]
+        self.files = files
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    self._file_meta[f] = dict(h.metadata() or {})
+                    for name in h.keys():
+                        sl = h.get_slice(name)
+                        dt = hf.ST_DTYPES.get(sl.get_dtype())
+                        if dt is None:
+                            raise CheckpointFormatError(f"{f}: tensor '{name}' has safetensors dtype "
+                                                        f"{sl.get_dtype()}, which ckptq does not read")
+                        self._meta[name] = (dt, tuple(int(s) for s in sl.get_shape()))
+                        self._where.setdefault(name, f)
+            except CheckpointFormatError:
+                raise
+            except Exception as e:  # safetensors raises its own error types for truncated headers
+                raise CheckpointFormatError(f"{f}: not a readable safetensors file ({e}); re-copy or re-export it") from e
+        if index is not None:
+            for name, fname in index["weight_map"].items():
+                f = folder / fname
+                if name not in self._meta or self._where[name] != f:
+                    raise CheckpointFormatError(
+                        f"{f}: tensor '{name}' is listed in {INDEX_NAME} but is not in that shard; the "
+                        f"index and shards disagree: regenerate the index or re-export"
+                    )
+        self.layout = hf.detect_layout(self.config, self.hf_quant_config, list(self._meta), str(self.path))
+        self.source = f"safetensors ({self.layout.name})" if self.layout else "safetensors"
+        self._build_entries()
+
+    # ------------------------------------------------------------------ entries
+    def _logical_dtype(self) -> torch.dtype:
+        cfg = self.config or {}
+        name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+        try:
+            dt = str_to_dtype(str(name).replace("torch.", ""))
+        except Exception:
+            return torch.bfloat16
+        return dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+    def _build_entries(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._plain: dict[str, str] = {}  # fqn -> HF name
+        self._quant: dict[str, tuple[hf.FormatMap, dict[str, str]]] = {}
+        names = list(self._meta)
+        groups, rest = (hf.group_modules(names, self.layout) if self.layout else ({}, names))
+        dtype = self._logical_dtype()
+        producer = self.layout.producer if self.layout else None
+        if self.layout is not None and self.layout.name == "modelopt" and isinstance(self.hf_quant_config, dict):
+            producer = str((self.hf_quant_config.get("producer") or {}).get("name", producer))
+        for module, group in groups.items():
+            where = f"{self._where[next(iter(group.values()))]}"
+            candidates = hf.match_formats(self.layout, module, group,
+                                          {n: self._meta[n][0] for n in group.values()}, where)
+            problem = None
+            for fm in candidates:
+                data_name = group[fm.data.suffix]
+                shape = hf.logical_shape(fm, self._meta[data_name][1])
+                recipe = self._recipe_for(fm, group)
+                problem = next(((t, hf.expected_shape(t, fm, shape, recipe)) for t in fm.tensors
+                                if tuple(self._meta[group[t.suffix]][1]) != hf.expected_shape(t, fm, shape, recipe)),
+                               None)
+                if problem is None:
+                    break
+            if problem is not None:
+                fm, (t, want) = candidates[0], problem
+                data_name = group[fm.data.suffix]
+                shape = hf.logical_shape(fm, self._meta[data_name][1])
+                got = self._meta[group[t.suffix]][1]
+                raise CheckpointFormatError(
+                    f"{self._where[group[t.suffix]]}: tensor '{group[t.suffix]}' has shape {list(got)}, but "
+                    f"{self.layout.name} {fm.format} of a weight of shape {list(shape)} (from "
+                    f"'{data_name}') needs {list(want)}; the file is truncated or the config's scheme "
+                    f"(e.g. block size) disagrees with the tensors: fix config.json or re-export"
+                )
+            fqn = hf.rename(f"{module}.weight", self._rules, inverse=True)
+            keys = {t.component: group[t.suffix] for t in fm.tensors}
+            desc = hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer)
+            self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
+            self._quant[fqn] = (fm, group)
+        for name in rest:
+            fqn = hf.rename(name, self._rules, inverse=True)
+            dt, shape = self._meta[name]
+            if fqn in self._entries:
+                raise CheckpointFormatError(f"{self._where[name]}: tensor '{name}' maps to '{fqn}', which another "
+                                            f"tensor already maps to; fix the rename rules")
+            self._entries[fqn] = Entry(fqn, "tensor", shape, dt, None, {fqn: fqn})
+            self._plain[fqn] = name
+
+    def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
+        if fm.format not in ("fp8_block", "fp8_tensor"):
+            return {}
+        stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
+        return hf.import_recipe(fm, stored, self.config)
+
+    def _load(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f = self._where[name]
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                return h.get_tensor(name)
+        except Exception as e:
+            raise CheckpointFormatError(f"{f}: cannot read tensor '{name}' ({e}); the file is damaged: re-copy it") from e
+
+    # ------------------------------------------------------------------ CheckpointView interface
+    def hf_name(self, fqn: str) -> str:
+        """The HF tensor name of a plain entry (the module path + ``.weight`` of a quantized one)."""
+        if fqn in self._plain:
+            return self._plain[fqn]
+        fm, group = self._quant[fqn]
+        return group[fm.data.suffix]
+
+    def read(self, fqn: str) -> Union[QuantizedTensor, torch.Tensor]:
+        """The whole logical tensor: a QuantizedTensor for quantized weights, else the stored tensor."""
+        e = self.entry(fqn)
+        if e.kind == "tensor":
+            return self._load(self._plain[fqn])
+        fm, group = self._quant[fqn]
+        stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors}
+        hint = None
+        for t in fm.tensors:
+            if t.codec in ("ws2", "gs"):
+                text = self._file_meta.get(self._where[group[t.suffix]], {}).get(hf.amax_metadata_key(group[t.suffix]))
+                if text:
+                    hint = hf.decode_amax(text, e.shape[:-2])
+        comps, _ = hf.import_components(fm, stored, e.shape, hint)
+        return from_components(e.descriptor, comps)
+
+    def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
+        raise CheckpointFormatError(f"{self.path}: safetensors sources have no non-tensor entries ('{fqn}')")
+
+    def mapping(self, key: str) -> Optional[tuple]:
+        return None
+
+
+#: ``(name, detect, opener)`` for :func:`ckptq.checkpoint.open_checkpoint`.
+SOURCE = ("Hugging Face safetensors", is_safetensors_source, SafetensorsView)
