@@ -141,8 +141,11 @@ def consumer_weights(folder: Path, layout: str, names: list[str]) -> tuple[dict[
             out[n] = w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
         elif t[f"{m}.weight_scale"].dtype == torch.uint8:  # MXFP8: q * 2^(e-127)
             out[n] = w.float() * torch.exp2(t[f"{m}.weight_scale"].float() - 127).repeat_interleave(32, -1)
-        else:
-            out[n] = w.float() * t[f"{m}.weight_scale"].reshape(())
+        else:  # FP8: one decode scale, or compressed-tensors' block scales on the 128x128 grid
+            s = t[f"{m}.weight_scale"].float()
+            if s.numel() > 1:
+                s = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+            out[n] = w.float() * s.reshape(()) if s.numel() == 1 else w.float() * s
     return out, "reference formula"
 
 

@@ -137,3 +137,29 @@ def test_main_job_sees_a_flipped_bit(main_job, encoder):
     assert result["differ"] == [embedding, weight]
     assert (result["bit_exact"], result["plain_exact"]) == ("35/36", "67/68")
     assert minilm.sharded_problems(result)  # which makes the main job exit 1
+
+
+@pytest.mark.parametrize("fmt, layout", [("fp8_block", "compressed-tensors"), ("fp8_block", "deepseek-fp8"),
+                                         ("fp8_tensor", "modelopt"), ("mxfp8", "compressed-tensors"),
+                                         ("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors")])
+def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypatch, fmt, layout):
+    """README command 1 installs no test extras: the main job's HF reload then uses the layouts'
+    reference formulas, which must decode every layout/format it exports (exactly, except NVFP4's
+    global scale: within 2 fp32 ulp, see ckptq/adapters/hf.py)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckptq
+    from ckptq.export import export_checkpoint
+
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import fails: the fallback path
+    g = torch.Generator().manual_seed(0)
+    q = ckptq.quantize(torch.randn(160, 256, generator=g), fmt)
+    dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout=layout, ignore=())
+    got, how = minilm.consumer_weights(tmp_path / "hf", layout, ["layer.weight"])
+    assert how == "reference formula"
+    want = q.dequantize(torch.float32)
+    if fmt == "nvfp4":
+        assert torch.allclose(got["layer.weight"], want, rtol=2 * 2**-23, atol=0)
+    else:
+        assert torch.equal(got["layer.weight"], want)
