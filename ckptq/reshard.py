@@ -27,7 +27,7 @@ from . import chunks
 from .checkpoint import CheckpointView, open_checkpoint
 from .contract import CKPTQ_KEY, Entry, emit_components, high_precision_descriptor, make_record, native_descriptor
 from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
-from .formats import FORMATS, format_class, quantize, requantize
+from .formats import FORMATS, format_class, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db

@@ -56,7 +56,6 @@ import copy
 import hashlib
 import io
 import json
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -491,7 +490,6 @@ def path_load(ck: Path, orig: Path) -> str:
     from torch.distributed.checkpoint.api import CheckpointException
 
     import ckptq
-    from ckptq.errors import CkptqError
     from ckptq.io import SafeFileSystemReader, dcp_failure
 
     out = []

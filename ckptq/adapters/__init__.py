@@ -27,6 +27,7 @@ __all__ = [
     "local_quantized",
     "pickle_globals",
     "describe_entry",
+    "check_fits",
     "registered",
 ]
 
@@ -122,6 +123,28 @@ def local_quantized(obj: Any) -> Optional[tuple[Any, Optional[Adapter]]]:
         return local, None
     adapter = adapter_for(local)
     return None if adapter is None else (local, adapter)
+
+
+def check_fits(qt: Any, fmt: str, shape: tuple, recipe: Mapping[str, Any], where: str) -> None:
+    """Raise unless canonical ``qt`` can be written raw into a foreign target that holds ``fmt`` of
+    logical ``shape`` with ``recipe`` (its element dtype and block must agree; other recipe options
+    only guide encoding). ``where`` names the tensor and class in the message.
+
+    Raises:
+        CheckpointFormatError: another format, logical shape, ``fp8_dtype`` or ``block``.
+    """
+    from ..errors import CheckpointFormatError
+
+    if getattr(qt, "FORMAT", None) != fmt:
+        raise CheckpointFormatError(f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; "
+                                    f"the target holds {fmt}")
+    if tuple(qt.shape) != tuple(shape):
+        raise CheckpointFormatError(f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, the target "
+                                    f"{tuple(shape)}")
+    for key in ("fp8_dtype", "block"):
+        if key in recipe and getattr(qt.recipe, key) != recipe[key]:
+            raise CheckpointFormatError(f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
+                                        f"target {key}={recipe[key]}; requantize instead of a raw insert")
 
 
 def describe_entry(fqn: str) -> Optional[str]:

@@ -55,6 +55,7 @@ import torch
 from ..errors import CheckpointFormatError, ShardingError, UnsafeCheckpointError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor, quantize
 from ..metrics import sqnr_db
+from . import check_fits
 
 __all__ = [
     "TE_CLASSES",
@@ -803,20 +804,6 @@ def _check_holdable(d: _Desc, fqn: str) -> None:
         )
 
 
-def _check_fit(qt: Any, kind: _Kind, d: _Desc, fqn: str) -> None:
-    where = _where(fqn, d.te_class)
-    if not isinstance(qt, kind.qt_class):
-        raise CheckpointFormatError(f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; "
-                                    f"the target holds {d.fmt}")
-    if tuple(qt.shape) != d.shape:
-        raise CheckpointFormatError(f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, the target "
-                                    f"{d.shape}")
-    for key in ("fp8_dtype", "block"):
-        if key in d.recipe and getattr(qt.recipe, key) != d.recipe[key]:
-            raise CheckpointFormatError(f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
-                                        f"target {key}={d.recipe[key]}; requantize instead of a raw insert")
-
-
 def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
     """Write canonical ``qt`` into the TE object's buffers in place, in TE's layout.
 
@@ -835,7 +822,7 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
     local, kind, d = _kind(obj, fqn)
-    _check_fit(qt, kind, d, fqn)
+    check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.te_class))
     sqnr = kind.insert(local, qt, d, fqn)
     if sqnr is not None:
         warnings.warn(

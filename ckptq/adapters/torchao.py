@@ -90,6 +90,7 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+from . import check_fits
 
 __all__ = [
     "AO_CLASSES",
@@ -656,16 +657,6 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
     local, d, _, ins = _kind(obj, fqn)
-    where = _where(fqn, d.ao_class)
-    if getattr(qt, "FORMAT", None) != d.fmt:
-        raise CheckpointFormatError(f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; "
-                                    f"the target holds {d.fmt}")
-    if tuple(qt.shape) != d.shape:
-        raise CheckpointFormatError(f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, "
-                                    f"the target {d.shape}")
-    for key in ("fp8_dtype", "block"):
-        if key in d.recipe and getattr(qt.recipe, key) != d.recipe[key]:
-            raise CheckpointFormatError(f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
-                                        f"target {key}={d.recipe[key]}; requantize instead of a raw insert")
+    check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.ao_class))
     ins(local, qt, d, fqn)
     return None

@@ -80,7 +80,8 @@ def _recipe(cls: type, block, fp8_dtype=None, pow2=False, eps=0.0, columnwise=Fa
     try:
         return cls.recipe_from_kernel_args(list(block), fp8_dtype, bool(pow2), float(eps), bool(columnwise))
     except (CkptqError, TypeError, ValueError) as e:  # the recipe's own validation
-        torch._check(False, lambda: f"ckptq: {e}")
+        msg = f"ckptq: {e}"
+        torch._check(False, lambda: msg)
 
 
 def logical_shape(
