@@ -28,6 +28,7 @@ __all__ = [
     "pickle_globals",
     "describe_entry",
     "check_fits",
+    "refuse",
     "registered",
 ]
 
@@ -123,6 +124,17 @@ def local_quantized(obj: Any) -> Optional[tuple[Any, Optional[Adapter]]]:
         return local, None
     adapter = adapter_for(local)
     return None if adapter is None else (local, adapter)
+
+
+def refuse(where: str, fqn: str, field: str, why: str) -> None:
+    """Raise UnsupportedFormatError for a foreign tensor ckptq cannot store exactly: names the
+    tensor and class (``where``), the field and why, and the high-precision rule to use instead."""
+    from ..errors import UnsupportedFormatError
+
+    raise UnsupportedFormatError(
+        f"{where}: {field} {why}, which ckptq cannot store exactly. Save it in high "
+        f"precision with QuantizedSavePlanner(rules={{'{fqn}': 'high_precision'}})."
+    )
 
 
 def check_fits(qt: Any, fmt: str, shape: tuple, recipe: Mapping[str, Any], where: str) -> None:

@@ -55,7 +55,7 @@ import torch
 from ..errors import CheckpointFormatError, ShardingError, UnsafeCheckpointError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor, quantize
 from ..metrics import sqnr_db
-from . import check_fits
+from . import check_fits, refuse
 
 __all__ = [
     "TE_CLASSES",
@@ -376,10 +376,7 @@ def _where(fqn: str, te_class: str) -> str:
 
 
 def _refuse(fqn: str, te_class: str, field: str, why: str) -> None:
-    raise UnsupportedFormatError(
-        f"{_where(fqn, te_class)}: {field} {why}, which ckptq cannot store exactly. Save it in high "
-        f"precision with QuantizedSavePlanner(rules={{'{fqn}': 'high_precision'}})."
-    )
+    refuse(_where(fqn, te_class), fqn, field, why)
 
 
 def _held(obj: Any, desc: _Desc, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], fqn: str) -> dict:

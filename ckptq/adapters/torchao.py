@@ -90,7 +90,7 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
-from . import check_fits
+from . import check_fits, refuse
 
 __all__ = [
     "AO_CLASSES",
@@ -313,10 +313,7 @@ def _where(fqn: str, ao_class: str) -> str:
 
 
 def _refuse(fqn: str, ao_class: str, field: str, why: str) -> None:
-    raise UnsupportedFormatError(
-        f"{_where(fqn, ao_class)}: {field} {why}, which ckptq cannot store exactly. Save it in high "
-        f"precision with QuantizedSavePlanner(rules={{'{fqn}': 'high_precision'}})."
-    )
+    refuse(_where(fqn, ao_class), fqn, field, why)
 
 
 def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = False) -> Optional[torch.Tensor]:
