@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .errors import (
     CheckpointFormatError,
+    ChecksumMismatchError,
     CkptqError,
     InconsistentScaleError,
     QuantizationError,
@@ -42,6 +43,7 @@ __all__ = [
     "convert_checkpoint",
     "CkptqError",
     "CheckpointFormatError",
+    "ChecksumMismatchError",
     "ShardingError",
     "InconsistentScaleError",
     "UnsupportedFormatError",

@@ -48,6 +48,8 @@ __all__ = [
     "read_record",
     "has_record",
     "make_record",
+    "with_checksums",
+    "read_checksums",
     "Entry",
     "EntryTable",
     "fold_entries",
@@ -129,6 +131,62 @@ def _short(x: Any, limit: int = 200) -> str:
 def make_record(tensors: Mapping[str, dict], world_size: int, **extra: Any) -> dict:
     """The value stored under ``planner_data[CKPTQ_KEY]`` (builtins only)."""
     return {"version": CONTRACT_VERSION, "world_size": int(world_size), "tensors": dict(tensors), **extra}
+
+
+# ------------------------------------------------------------------------------ checksums
+def with_checksums(planner_data: Any, checksums: Mapping[tuple, int]) -> dict:
+    """``planner_data`` with ``checksums`` stored in its ckptq record (a copy; a record with no
+    tensors is created when the save had none, e.g. DCP's default planner with ckptq's writer).
+
+    ``checksums`` maps ``(fqn, offsets)`` (``offsets`` a tuple of ints for a tensor chunk, ``None``
+    for a bytes entry) to the :mod:`ckptq.checksums` checksum of that chunk. Stored, builtins only,
+    as ``record["checksums"] = {"algorithm": "crc32c", "chunks": {fqn: {offsets: int}}}``.
+    """
+    from .checksums import ALGORITHM
+
+    data = dict(planner_data) if isinstance(planner_data, Mapping) else {}
+    record = dict(data.get(CKPTQ_KEY) or {"version": CONTRACT_VERSION, "world_size": None, "tensors": {}})
+    table: dict[str, dict] = {}
+    for (fqn, offsets), value in checksums.items():
+        table.setdefault(str(fqn), {})[None if offsets is None else tuple(int(o) for o in offsets)] = int(value)
+    record["checksums"] = {"algorithm": ALGORITHM, "chunks": table}
+    data[CKPTQ_KEY] = record
+    return data
+
+
+def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> Optional[dict[tuple, int]]:
+    """The checksum table of a checkpoint, ``{(fqn, offsets or None): checksum}``, or ``None`` when
+    it has none (saved by an older ckptq, by another tool, or without ckptq's storage writer) or
+    one of an algorithm this ckptq does not know (nothing can be verified then).
+
+    Raises:
+        CheckpointFormatError: the table is malformed (restore the metadata or re-save).
+    """
+    from .checksums import ALGORITHM
+
+    if not has_record(planner_data):
+        return None
+    table = read_record(planner_data).get("checksums")
+    if table is None:
+        return None
+    bad = CheckpointFormatError(
+        f"{where}: malformed checksum table in the '{CKPTQ_KEY}' record ({_short(table)}); restore the "
+        f"metadata or re-save the checkpoint"
+    )
+    if not isinstance(table, Mapping) or not isinstance(table.get("chunks"), Mapping):
+        raise bad
+    if table.get("algorithm") != ALGORITHM:
+        return None
+    out: dict[tuple, int] = {}
+    for fqn, per_chunk in table["chunks"].items():
+        if not isinstance(fqn, str) or not isinstance(per_chunk, Mapping):
+            raise bad
+        for offsets, value in per_chunk.items():
+            if not (offsets is None or (isinstance(offsets, tuple) and all(_is_int(o) for o in offsets))) \
+                    or not _is_int(value) or not 0 <= value < 2**32:
+                raise bad
+            out[(fqn, offsets)] = value
+    return out
 
 
 # ------------------------------------------------------------------------------ descriptors

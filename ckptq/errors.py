@@ -14,6 +14,7 @@ __all__ = [
     "UnsupportedFormatError",
     "QuantizationError",
     "UnsafeCheckpointError",
+    "ChecksumMismatchError",
     "UsageError",
 ]
 
@@ -46,6 +47,11 @@ class QuantizationError(CkptqError, ValueError):
 
 class UnsafeCheckpointError(CheckpointFormatError):
     """A pickle in a checkpoint references a global outside the allow-list; nothing from it was run."""
+
+
+class ChecksumMismatchError(CheckpointFormatError):
+    """A record's bytes do not match the checksum its checkpoint recorded for them (a corrupt or
+    replaced data file); the message names the file, byte range and entry."""
 
 
 class UsageError(CkptqError, ValueError):

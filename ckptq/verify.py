@@ -1,4 +1,5 @@
-"""Compare two checkpoints of any layout and mode, logical tensor by logical tensor."""
+"""Check a checkpoint's integrity (every record against its checksum), or compare two checkpoints of
+any layout and mode, logical tensor by logical tensor."""
 
 from __future__ import annotations
 
@@ -12,7 +13,52 @@ from .checkpoint import open_checkpoint
 from .formats.base import QuantizedTensor
 from .metrics import bit_exact, max_abs_error, sqnr_db
 
-__all__ = ["verify_checkpoints"]
+__all__ = ["verify_checkpoints", "check_integrity"]
+
+
+def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callable[[int], None]] = None) -> dict:
+    """Read every record of the DCP checkpoint at ``path`` once and check it (``ckptq verify PATH``).
+
+    Each record must be intact (inside its file, loadable with ``weights_only=True``, of the dtype
+    and chunk size the metadata gives) and match the checksum the checkpoint records for it
+    (:mod:`ckptq.checksums`). Records are read one at a time, in file order.
+
+    Args:
+        path: a DCP checkpoint directory.
+        progress: called with the byte length of each record checked.
+
+    Returns:
+        ``{"problems": [{"fqn", "offsets", "file", "start", "end", "problem"}],
+        "summary": {"records", "verified", "unverified", "failed", "bytes", "has_checksums", "ok"}}``:
+        ``verified`` records matched their checksum, ``unverified`` ones were read intact but have
+        none (a checkpoint saved without ckptq's storage writer, by an older ckptq, or records
+        another library wrote), ``failed`` ones are listed in ``problems``.
+
+    Raises:
+        CheckpointFormatError / UnsafeCheckpointError: the metadata cannot be read (then no record
+            can be located).
+    """
+    from .contract import read_checksums
+    from .io.reader import SafeFileSystemReader
+
+    reader = SafeFileSystemReader(path)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    problems, verified, unverified = reader.check_records(progress=progress)
+    rows = [{"fqn": index.fqn, "offsets": None if index.offset is None else list(index.offset), "file": rel,
+             "start": start, "end": end, "problem": problem} for index, rel, start, end, problem in problems]
+    return {
+        "problems": rows,
+        "summary": {
+            "records": verified + unverified + len(rows),
+            "verified": verified,
+            "unverified": unverified,
+            "failed": len(rows),
+            "bytes": sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
+            "has_checksums": read_checksums(metadata.planner_data, where=str(path)) is not None,
+            "ok": not rows,
+        },
+    }
 
 
 def _describe(x) -> str:

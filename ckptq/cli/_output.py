@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 import typer
 from tabulate import tabulate
@@ -25,6 +26,7 @@ __all__ = [
     "format_bytes",
     "format_number",
     "progress_enabled",
+    "byte_progress",
 ]
 
 
@@ -125,3 +127,16 @@ def progress_enabled() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+
+
+@contextlib.contextmanager
+def byte_progress(desc: str, total: Optional[int] = None) -> Iterator[Callable[[int], None]]:
+    """A tqdm bar of bytes done and bytes/s on stderr (when :func:`progress_enabled`); yields the
+    function to call with each amount of bytes done (a no-op without a bar)."""
+    if not progress_enabled():
+        yield lambda n: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
+        yield bar.update

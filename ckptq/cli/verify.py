@@ -1,4 +1,5 @@
-"""``ckptq verify A B``: compare two checkpoints tensor by tensor (see :func:`ckptq.verify.verify_checkpoints`)."""
+"""``ckptq verify PATH``: check a checkpoint's integrity (:func:`ckptq.verify.check_integrity`);
+``ckptq verify A B``: compare two checkpoints tensor by tensor (:func:`ckptq.verify.verify_checkpoints`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,21 @@ __all__ = ["verify"]
 
 @command("verify")
 def verify(
-    a: Annotated[Path, typer.Argument(help="First checkpoint directory.", metavar="A", show_default=False)],
-    b: Annotated[Path, typer.Argument(help="Second checkpoint directory.", metavar="B", show_default=False)],
+    a: Annotated[Path, typer.Argument(help="Checkpoint directory (alone: check its integrity).", metavar="A", show_default=False)],
+    b: Annotated[Optional[Path], typer.Argument(help="Second checkpoint directory, to compare with A.", metavar="[B]", show_default=False)] = None,
     min_sqnr: Annotated[Optional[float], typer.Option("--min-sqnr", help="Fail tensors whose SQNR (dB) of high-precision values is below this.")] = None,
     json_output: JsonOpt = False,
 ) -> None:
-    """Compare two checkpoints of any layout and mode: bit-exact, max abs error, SQNR; exit 1 on a failure."""
-    from ..verify import verify_checkpoints
+    """With one checkpoint: read every record and check it against its checksum (exit 1 on any
+    failure, with a table of what failed). With two: compare them, any layout and mode (bit-exact,
+    max abs error, SQNR; exit 1 on a failure)."""
+    from ..verify import check_integrity, verify_checkpoints
+
+    if b is None:
+        if min_sqnr is not None:
+            out.usage_error("--min-sqnr compares two checkpoints: give A and B")
+        _integrity(a, json_output)
+        return
 
     report = verify_checkpoints(a, b, min_sqnr=min_sqnr)
     if json_output:
@@ -37,4 +46,27 @@ def verify(
         out.echo()
         out.echo(f"{s['compared']} compared, {s['bit_exact']} bit-exact, {s['failed']} failed")
     if not report["summary"]["ok"]:
+        raise typer.Exit(1)
+
+
+def _integrity(path: Path, json_output: bool) -> None:
+    from ..verify import check_integrity
+
+    with out.byte_progress("verify") as advance:
+        report = check_integrity(path, progress=advance)
+    s = report["summary"]
+    if json_output:
+        out.echo_json(report)
+    else:
+        if report["problems"]:
+            rows = [[p["fqn"] + ("" if p["offsets"] is None else f" @{p['offsets']}"), p["file"],
+                     f"{p['start']}..{p['end']}", p["problem"]] for p in report["problems"]]
+            out.echo_table(rows, ["ENTRY", "FILE", "BYTES", "PROBLEM"])
+            out.echo()
+        out.echo(f"{s['records']} records ({out.format_bytes(s['bytes'])}): {s['verified']} verified, "
+                 f"{s['unverified']} without checksum, {s['failed']} failed")
+    if not s["has_checksums"]:
+        out.warning(f"{path} has no checksums (saved without ckptq's storage writer, by an older ckptq or by "
+                    f"another library): records were checked for structure only")
+    if not s["ok"]:
         raise typer.Exit(1)

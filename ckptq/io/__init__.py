@@ -12,11 +12,12 @@ from .reader import (
     read_metadata,
 )
 from .safe_pickle import ALLOWED_GLOBALS, SafeUnpickler, safe_load, safe_loads
-from .writer import AtomicFileSystemWriter
+from .writer import AtomicFileSystemWriter, ChecksumFileSystemWriter
 
 __all__ = [
     "SafeFileSystemReader",
     "AtomicFileSystemWriter",
+    "ChecksumFileSystemWriter",
     "read_metadata",
     "check_storage",
     "load_entries",

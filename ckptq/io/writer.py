@@ -18,6 +18,7 @@ that a future ``dcp.load`` might misread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import shutil
@@ -26,6 +27,8 @@ from typing import Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -36,10 +39,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..checksums import Hasher, checksum_key
+from ..contract import with_checksums
 from ..errors import CkptqError
 
 __all__ = [
     "CheckpointDirWriter",
+    "ChecksumFileSystemWriter",
     "AtomicFileSystemWriter",
     "check_dcp_version",
     "KNOWN_DCP_VERSIONS",
@@ -82,7 +88,9 @@ class CheckpointDirWriter:
     """Writes a DCP ``FileSystemWriter``-compatible checkpoint into ``path``, streaming.
 
     Each chunk is one ``torch.save`` record appended to ``__{rank}_0.distcp`` of the rank it is
-    assigned to, so a rank's chunks are contiguous in one file. :meth:`finish` writes ``.metadata``.
+    assigned to, so a rank's chunks are contiguous in one file. Every record's checksum
+    (:mod:`ckptq.checksums`) is computed on a background thread while the next is written, and
+    :meth:`finish` stores them in the ckptq record of ``.metadata``, which it writes last.
     ``path`` should be a new, empty directory.
 
     Raises:
@@ -96,6 +104,7 @@ class CheckpointDirWriter:
         self._files: dict[int, Any] = {}
         self._md: dict[str, Any] = {}
         self._storage: dict[MetadataIndex, Any] = {}
+        self._hasher = Hasher()
         self.bytes_per_rank: dict[int, int] = {}
 
     def _file(self, rank: int):
@@ -118,6 +127,7 @@ class CheckpointDirWriter:
         if t.untyped_storage().nbytes() != t.nbytes or not t.is_contiguous():
             t = t.clone()  # torch.save writes whole storages: never a view's parent
         torch.save(t, f)
+        self._hasher.submit((key, tuple(offsets)), t)
         self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, f.tell() - start)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + t.nbytes
 
@@ -126,6 +136,8 @@ class CheckpointDirWriter:
         f = self._file(rank)
         start = f.tell()
         f.write(record)
+        if not transform_descriptors:  # else the payload is the un-transformed bytes: not hashed
+            self._hasher.submit((key, None), record)
         self._md[key] = BytesStorageMetadata()
         info = self._storage_info(f"__{rank}_0.distcp", start, len(record))
         if transform_descriptors:
@@ -133,13 +145,15 @@ class CheckpointDirWriter:
         self._storage[MetadataIndex(key)] = info
 
     def finish(self, planner_data: dict) -> Metadata:
-        """Close the data files (fsync) and write ``.metadata`` with ``planner_data``; returns it."""
+        """Close the data files (fsync) and write ``.metadata`` with ``planner_data`` and the
+        records' checksums; returns it."""
         for f in self._files.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
         self._files.clear()
-        metadata = Metadata(state_dict_metadata=self._md, planner_data=dict(planner_data),
+        planner_data = with_checksums(planner_data, self._hasher.results())
+        metadata = Metadata(state_dict_metadata=self._md, planner_data=planner_data,
                             storage_data=self._storage, storage_meta=StorageMeta())
         metadata.version = self._version
         tmp = self.path / ".metadata.tmp"
@@ -155,10 +169,88 @@ class CheckpointDirWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        self._hasher.close()
 
 
-class AtomicFileSystemWriter(FileSystemWriter):
-    """A DCP ``FileSystemWriter`` whose checkpoint appears complete or not at all.
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """A ``WriteResult.storage_data`` on its way to the coordinator: DCP's location + checksum."""
+
+    info: Any
+    checksum: Optional[int]
+
+
+class _HashingPlanner:
+    """Save-planner proxy for :class:`ChecksumFileSystemWriter`: every value the storage writer
+    resolves is handed to a :class:`~ckptq.checksums.Hasher` as it is returned (CUDA tensors are
+    copied to the CPU here, as DCP's loader would)."""
+
+    def __init__(self, planner: Any, hasher: Hasher) -> None:
+        self._planner, self._hasher = planner, hasher
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def resolve_data(self, item: Any) -> Any:
+        data = self._planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = data.detach()
+            if data.device.type != "cpu":
+                data = data.cpu()
+            self._hasher.submit(checksum_key(item.index), data)
+        else:  # io.BytesIO of a bytes entry
+            self._hasher.submit(checksum_key(item.index), bytes(data.getbuffer()))
+        return data
+
+
+class ChecksumFileSystemWriter(FileSystemWriter):
+    """A DCP ``FileSystemWriter`` that records a checksum of every chunk it writes.
+
+    ``dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=...)`` (or
+    ``dcp.async_save``) writes DCP's usual files; each rank hashes the payload of every tensor
+    chunk and bytes entry it writes (:mod:`ckptq.checksums`: crc32c of the elements' bytes, on a
+    background thread while DCP writes), and the coordinator stores the table in the ckptq record
+    of ``.metadata`` (:func:`ckptq.contract.with_checksums`), with any planner. Readers that do not
+    know checksums (stock ``dcp.load``) read the checkpoint as usual; ckptq's loads verify them
+    (:class:`ckptq.io.SafeFileSystemReader`, :class:`ckptq.QuantizedLoadPlanner`, ``ckptq verify``).
+
+    Args:
+        path: the checkpoint directory.
+        **kwargs: passed to ``FileSystemWriter``.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        hasher = Hasher()
+        try:
+            results = super().write_data(plan, _HashingPlanner(planner, hasher)).wait()
+            sums = hasher.results()
+        finally:
+            hasher.close()
+        out: Future = Future()
+        out.set_result([dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
+                        for r in results])
+        return out
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        sums: dict[tuple, int] = {}
+        plain: list[list[WriteResult]] = []
+        for rank_results in results:
+            plain.append([])
+            for r in rank_results:
+                info = r.storage_data
+                if isinstance(info, _Checked):
+                    if info.checksum is not None:
+                        sums[checksum_key(r.index)] = info.checksum
+                    info = info.info
+                plain[-1].append(dataclasses.replace(r, storage_data=info))
+        if sums:
+            metadata.planner_data = with_checksums(metadata.planner_data, sums)
+        super().finish(metadata, plain)
+
+
+class AtomicFileSystemWriter(ChecksumFileSystemWriter):
+    """A DCP ``FileSystemWriter`` whose checkpoint appears complete or not at all (and carries
+    checksums, as :class:`ChecksumFileSystemWriter`).
 
     ``dcp.save(sd, storage_writer=AtomicFileSystemWriter(path), planner=...)`` writes every rank's
     files into the sibling staging directory ``.{name}.ckptq-saving`` (emptied by the coordinator

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .. import adapters, chunks
-from ..contract import Entry, fold_entries
-from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
+from ..checksums import checksum, checksum_key
+from ..contract import Entry, fold_entries, read_checksums
+from ..errors import CheckpointFormatError, ChecksumMismatchError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
 from ..metrics import sqnr_db
@@ -339,9 +340,21 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             :attr:`requantized` (also logged).
         strict_dtype: raise when a plain target's dtype differs from the saved dtype (DCP would
             cast silently); ``False`` allows the cast.
+        verify_checksums: check what is read against the checksums the checkpoint records
+            (:mod:`ckptq.checksums`; written by :class:`ckptq.io.ChecksumFileSystemWriter`,
+            ``AtomicFileSystemWriter`` and the offline tools). On by default; a mismatch raises
+            :class:`ckptq.ChecksumMismatchError` naming the file, byte range and FQN. With
+            :class:`ckptq.io.SafeFileSystemReader` every record is verified as it is read; with
+            DCP's stock ``FileSystemReader`` the planner verifies each read that covers a whole saved
+            chunk (logging once that partial reads are unverified). A checkpoint without checksums
+            loads with a one-line notice on the ``ckptq`` logger.
         **kwargs: passed to ``DefaultLoadPlanner``.
 
     Non-tensor (bytes) entries are unpickled with ``torch.load(weights_only=True)``.
+
+    Raises (from ``commit_tensor``/``load_bytes``, wrapped by ``dcp.load`` in
+    ``CheckpointException``: see :func:`ckptq.io.dcp_failure`):
+        ChecksumMismatchError: a whole-chunk read whose bytes differ from the recorded checksum.
     """
 
     def __init__(
@@ -351,10 +364,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         strict_dtype: bool = True,
         grouped: Optional[Mapping[str, Sequence[str]]] = None,
         requantize_misaligned: bool = False,
+        verify_checksums: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(allow_partial_load=allow_partial_load, **kwargs)
         self.strict_dtype = strict_dtype
+        self.verify_checksums = verify_checksums
+        #: set by :class:`ckptq.io.SafeFileSystemReader` when it verifies every record itself.
+        self.checksums_verified_by_reader = False
         self.grouped = {k: list(v) for k, v in (grouped or {}).items()}
         self._member_of = {m: (k, i) for k, ms in self.grouped.items() for i, m in enumerate(ms)}
         self.requantize_misaligned = requantize_misaligned
@@ -369,6 +386,15 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._entries = fold_entries(metadata) if metadata is not None else {}
         self._buffers = {}
+        self.checksums_verified_by_reader = False
+        self._partial_noticed = False
+        self._checksums = read_checksums(metadata.planner_data) if metadata is not None else None
+        if self.verify_checksums and metadata is not None and self._checksums is None:
+            logger.warning(
+                "ckptq: %s has no checksums (saved by DCP's FileSystemWriter, an older ckptq or another "
+                "library), so its data is loaded unverified; save with "
+                "storage_writer=ckptq.io.ChecksumFileSystemWriter(path) to get them",
+                getattr(metadata.storage_meta, "checkpoint_id", None) or "the checkpoint")
 
     # ---------------------------------------------------------------- planning
     def create_local_plan(self) -> LoadPlan:
@@ -507,12 +533,48 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         return narrow_tensor_by_index(buf.get(), read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        if self._checksums and self.verify_checksums and not self.checksums_verified_by_reader:
+            self._verify_read(read_item, tensor)
         buf = self._buffers.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset)))
         if buf is None or buf.route is None:
             return super().commit_tensor(read_item, tensor)
         buf.route.committed()
 
+    def _verify_read(self, read_item: ReadItem, data: Any) -> None:
+        """Compare a read that covers a whole saved chunk (or a bytes entry) with its checksum."""
+        index = read_item.storage_index
+        expected = self._checksums.get(checksum_key(index))
+        if expected is None:
+            return
+        if isinstance(data, torch.Tensor):
+            md = self.metadata.state_dict_metadata.get(index.fqn)
+            chunk = next((c for c in getattr(md, "chunks", ()) if tuple(c.offsets) == tuple(index.offset)), None)
+            whole = (chunk is not None and not any(read_item.storage_offsets)
+                     and tuple(read_item.lengths) == tuple(chunk.sizes)
+                     and data.dtype == md.properties.dtype)
+            if not whole:
+                if not self._partial_noticed:
+                    self._partial_noticed = True
+                    logger.warning("ckptq: reads of parts of saved chunks are not checked against the "
+                                   "checkpoint's checksums with DCP's FileSystemReader; load with "
+                                   "storage_reader=ckptq.io.SafeFileSystemReader(path) to verify every record")
+                return
+        got = checksum(data)
+        if got != expected:
+            info = (self.metadata.storage_data or {}).get(index)
+            place = (f"record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+                     if hasattr(info, "relative_path") else "its record")
+            chunk_text = f" (chunk at offsets {list(index.offset)})" if index.offset is not None else ""
+            where = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
+            raise ChecksumMismatchError(
+                f"{where}: '{index.fqn}'{chunk_text}, {place}: checksum mismatch (crc32c of the chunk's bytes is "
+                f"{got:08x}, the metadata records {expected:08x}): the data file is corrupt. Restore it "
+                f"from a copy or re-save the checkpoint"
+            )
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        if self._checksums and self.verify_checksums and not self.checksums_verified_by_reader:
+            self._verify_read(read_item, value.getbuffer())
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
