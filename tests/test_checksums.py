@@ -1,0 +1,203 @@
+"""Checksums (issue 9): every chunk ckptq writes carries a crc32c of its bytes; loads verify them.
+
+Corruption is made by flipping one bit in the middle of a record's byte range (inside the tensor
+payload, where torch's own zip reader notices nothing), so each test would pass silently without
+checksums.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from typer.testing import CliRunner
+
+import ckptq
+from ckptq.checksums import checksum, checksum_key, payload
+from ckptq.contract import read_checksums
+from ckptq.io import ChecksumFileSystemWriter, SafeFileSystemReader, dcp_failure, read_metadata
+
+from _dist import run_distributed
+
+warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {
+        "w_mx": ckptq.quantize(torch.randn(128, 256, generator=g), "mxfp8"),
+        "w_nv": ckptq.quantize(torch.randn(64, 128, generator=g), "nvfp4"),
+        "w_f8": ckptq.quantize(torch.randn(32, 64, generator=g), "fp8_tensor"),
+        "norm": torch.randn(256, generator=g).to(torch.bfloat16),
+        "step": 7,
+    }
+
+
+def _empty_like(sd: dict) -> dict:
+    return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+
+
+def _save(sd, path, writer=ChecksumFileSystemWriter):
+    dcp.save(sd, storage_writer=writer(path), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+
+
+def _flip(path, fqn: str) -> tuple[str, int, int]:
+    """Flip one bit in the middle of ``fqn``'s first record; returns its (file, start, end)."""
+    md = read_metadata(path)
+    index, info = next((i, v) for i, v in md.storage_data.items() if i.fqn == fqn)
+    f = path / info.relative_path
+    data = bytearray(f.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x10
+    f.write_bytes(bytes(data))
+    return info.relative_path, info.offset, info.offset + info.length
+
+
+def _load(path, sd, *, reader=True, **planner_kwargs):
+    try:
+        if reader:
+            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner(**planner_kwargs),
+                     no_dist=True)
+        else:
+            dcp.load(sd, checkpoint_id=str(path), planner=ckptq.QuantizedLoadPlanner(**planner_kwargs), no_dist=True)
+    except CheckpointException as e:
+        raise dcp_failure(e, str(path)) from None
+
+
+def test_every_record_has_the_checksum_of_its_payload(tmp_path):
+    sd = _state()
+    _save(sd, tmp_path / "ck")
+    md = read_metadata(tmp_path / "ck")
+    table = read_checksums(md.planner_data)
+    assert set(table) == {checksum_key(i) for i in md.storage_data}
+    assert table[("norm", (0,))] == checksum(sd["norm"])
+    for name in ("w_mx", "w_nv", "w_f8"):
+        for comp, t in sd[name].components().items():
+            assert table[(f"{name}.{comp}", (0,) * t.dim())] == checksum(t), (name, comp)
+    out = _empty_like(sd)
+    _load(tmp_path / "ck", out)
+    for name in ("w_mx", "w_nv", "w_f8"):
+        for comp, t in sd[name].components().items():
+            assert bytes(payload(out[name].components()[comp])) == bytes(payload(t)), (name, comp)
+    assert out["step"] == 7
+
+
+@pytest.mark.parametrize("fqn", ["w_mx.data", "w_nv.scale", "norm", "step"])
+@pytest.mark.parametrize("reader", [True, False], ids=["SafeFileSystemReader", "FileSystemReader"])
+def test_a_flipped_bit_is_a_checksum_error_naming_file_bytes_and_fqn(tmp_path, fqn, reader):
+    sd = _state()
+    _save(sd, tmp_path / "ck")
+    rel, start, end = _flip(tmp_path / "ck", fqn)
+    with pytest.raises(ckptq.ChecksumMismatchError) as e:
+        _load(tmp_path / "ck", _empty_like(sd), reader=reader)
+    msg = str(e.value)
+    assert f"'{fqn}'" in msg and rel in msg and f"{start}..{end}" in msg and "checksum mismatch" in msg
+
+
+def test_verification_can_be_turned_off(tmp_path):
+    sd = _state()
+    _save(sd, tmp_path / "ck")
+    _flip(tmp_path / "ck", "norm")
+    out = _empty_like(sd)
+    _load(tmp_path / "ck", out, verify_checksums=False)  # loads the corrupt bytes, as asked
+    assert not torch.equal(out["norm"], sd["norm"])
+    with pytest.raises(ckptq.ChecksumMismatchError):
+        _load(tmp_path / "ck", _empty_like(sd))  # the default verifies
+
+
+def test_checkpoint_without_checksums_loads_with_one_notice(tmp_path, caplog):
+    sd = _state()
+    _save(sd, tmp_path / "ck", writer=dcp.FileSystemWriter)
+    assert read_checksums(read_metadata(tmp_path / "ck").planner_data) is None
+    with caplog.at_level(logging.WARNING, logger="ckptq"):
+        _load(tmp_path / "ck", _empty_like(sd))
+    notices = [r for r in caplog.records if "no checksums" in r.getMessage()]
+    assert len(notices) == 1 and "\n" not in notices[0].getMessage()
+
+
+def test_verify_path_checks_integrity(tmp_path):
+    from ckptq.cli import app
+
+    sd = _state()
+    _save(sd, tmp_path / "ck")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["verify", str(tmp_path / "ck")])
+    n = len(read_metadata(tmp_path / "ck").storage_data)
+    assert ok.exit_code == 0, ok.output
+    assert f"{n} verified, 0 without checksum, 0 failed" in ok.output
+    rel, start, end = _flip(tmp_path / "ck", "w_nv.data")
+    bad = runner.invoke(app, ["verify", str(tmp_path / "ck")])
+    assert bad.exit_code == 1
+    assert "w_nv.data" in bad.output and f"{start}..{end}" in bad.output and "1 failed" in bad.output
+    _save(sd, tmp_path / "plain", writer=dcp.FileSystemWriter)
+    old = runner.invoke(app, ["verify", str(tmp_path / "plain")])
+    assert old.exit_code == 0 and f"0 verified, {n} without checksum" in old.output
+    assert "no checksums" in old.output
+
+
+def test_offline_tools_write_checksums(tmp_path):
+    sd = _state()
+    _save(sd, tmp_path / "src", writer=dcp.FileSystemWriter)  # no checksums in the source
+    ckptq.convert_checkpoint(tmp_path / "src", tmp_path / "bf16", to="bfloat16")
+    ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "r2", mesh="dp_shard=2", plan="fsdp2")
+    from ckptq.verify import check_integrity
+
+    for out in ("bf16", "r2"):
+        report = check_integrity(tmp_path / out)
+        s = report["summary"]
+        assert s["ok"] and s["has_checksums"] and s["unverified"] == 0 and s["verified"] == s["records"], (out, s)
+    _flip(tmp_path / "r2", "w_mx.data")
+    assert check_integrity(tmp_path / "r2")["summary"]["failed"] == 1
+
+
+def test_async_save_records_checksums(tmp_path):
+    sd = _state()
+    fut = dcp.async_save(sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck"),
+                         planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    fut.result()
+    md = read_metadata(tmp_path / "ck")
+    assert set(read_checksums(md.planner_data)) == {checksum_key(i) for i in md.storage_data}
+
+
+def _two_rank_save(rank, world, path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256) / 1000
+    sd = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+          "q": distribute_tensor(full.clone(), mesh, [Shard(0)])}
+    sd = ckptq.quantize_state_dict(sd, {"q": "mxfp8"})
+    dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=ckptq.QuantizedSavePlanner())
+
+
+def _two_rank_load(rank, world, path, safe):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": distribute_tensor(torch.zeros(64, 256), mesh, [Shard(1)])}
+    reader = SafeFileSystemReader(path) if safe else None
+    try:
+        dcp.load(sd, storage_reader=reader, checkpoint_id=None if safe else path, planner=ckptq.QuantizedLoadPlanner())
+    except CheckpointException as e:
+        err = dcp_failure(e, path)
+        return type(err).__name__, str(err)
+    return None, None
+
+
+@pytest.mark.slow
+def test_two_ranks_gather_every_checksum_and_partial_reads_are_verified(tmp_path):
+    path = str(tmp_path / "ck")
+    run_distributed(2, _two_rank_save, path)
+    md = read_metadata(path)
+    table = read_checksums(md.planner_data)
+    assert set(table) == {checksum_key(i) for i in md.storage_data}
+    assert {i.relative_path for i in md.storage_data.values()} == {"__0_0.distcp", "__1_0.distcp"}
+    # both ranks' chunks of "w" are in the table, and a Shard(1) load reads parts of each chunk
+    rel, start, end = _flip(tmp_path / "ck", "w")
+    results = run_distributed(2, _two_rank_load, path, True)
+    assert all(kind == "ChecksumMismatchError" and f"{start}..{end}" in msg for kind, msg in results), results
