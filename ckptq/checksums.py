@@ -24,10 +24,16 @@ from typing import Any, Hashable, Optional, Union
 
 import torch
 
-__all__ = ["ALGORITHM", "checksum", "checksum_key", "payload", "Hasher"]
+__all__ = ["ALGORITHM", "SAFETENSORS_KEY", "checksum", "checksum_key", "payload", "Hasher",
+           "safetensors_table", "read_safetensors_table"]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
 ALGORITHM = "crc32c"
+
+#: the ``__metadata__`` key of a safetensors file ckptq wrote (``ckptq export``) holding the checksum
+#: of each of its tensors: a JSON object ``{tensor name: "%08x"}`` (safetensors metadata values are
+#: strings; fixed-width hex keeps the header's size known before the data is written).
+SAFETENSORS_KEY = "ckptq.crc32c"
 
 
 def payload(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> memoryview:
@@ -91,3 +97,26 @@ class Hasher:
             self._pool.shutdown(wait=True)
             self._pool = None
         self._futures = {}
+
+
+def safetensors_table(values: dict) -> str:
+    """The :data:`SAFETENSORS_KEY` value for ``{tensor name: checksum}`` (sorted, fixed width)."""
+    import json
+
+    return json.dumps({k: f"{int(v):08x}" for k, v in sorted(values.items())}, separators=(",", ":"))
+
+
+def read_safetensors_table(metadata: Optional[dict]) -> Optional[dict]:
+    """``{tensor name: checksum}`` from a safetensors file's ``__metadata__``, or ``None`` when it
+    has no (readable) table: a file another tool wrote, or a damaged header (whose tensors are then
+    reported unverified)."""
+    import json
+
+    text = (metadata or {}).get(SAFETENSORS_KEY)
+    if not isinstance(text, str):
+        return None
+    try:
+        table = json.loads(text)
+        return {str(k): int(v, 16) for k, v in table.items() if isinstance(v, str) and len(v) == 8}
+    except (ValueError, AttributeError):
+        return None

@@ -34,6 +34,7 @@ import torch
 
 from .adapters import hf
 from .checkpoint import open_checkpoint
+from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor
@@ -322,8 +323,10 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
             meta_keys = {hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(s[:-1]) if t.codec == "gs" else s))
                          for it in shard if it.kind == "quantized"
                          for t, (name, _, s) in zip(it.fm.tensors, it.out_names) if t.codec in ("ws2", "gs")}
-            metadata = {"format": "pt", **meta_keys}
+            metadata = {"format": "pt", **meta_keys,
+                        SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
             header = _header(entries, metadata)
+            hasher = Hasher()
             with open(tmp / fname, "wb", buffering=0) as f:
                 f.write(header)
                 for it in shard:
@@ -333,6 +336,7 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
                         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                             raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
                         written += _write_tensor(f, t)
+                        hasher.submit(name, t)
                         weight_map[name] = fname
                     metadata.update(meta)
                     if "max_ulps" in info:
@@ -340,6 +344,7 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
                     if progress:
                         progress(it.nbytes)
                     del tensors
+                metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
                 final = _header(entries, metadata)
                 if len(final) != len(header):
                     raise CkptqError("internal: shard header changed size")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
@@ -24,12 +25,14 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
     (:mod:`ckptq.checksums`). Records are read one at a time, in file order.
 
     Args:
-        path: a DCP checkpoint directory.
+        path: a DCP checkpoint directory, or a safetensors file or folder (``ckptq export`` writes a
+            checksum per tensor into each file's ``__metadata__``: :data:`ckptq.checksums.SAFETENSORS_KEY`).
         progress: called with the byte length of each record checked.
 
     Returns:
         ``{"problems": [{"fqn", "offsets", "file", "start", "end", "problem"}],
-        "summary": {"records", "verified", "unverified", "failed", "bytes", "has_checksums", "ok"}}``:
+        "summary": {"records", "verified", "unverified", "failed", "bytes", "has_checksums", "ok"}}``
+        (``bytes`` is None for safetensors sources):
         ``verified`` records matched their checksum, ``unverified`` ones were read intact but have
         none (a checkpoint saved without ckptq's storage writer, by an older ckptq, or records
         another library wrote), ``failed`` ones are listed in ``problems``.
@@ -40,13 +43,25 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
     """
     from .contract import read_checksums
     from .io.reader import SafeFileSystemReader
+    from .io.safetensors import check_safetensors_records, is_safetensors_source
 
+    if is_safetensors_source(Path(path)):
+        problems, verified, unverified = check_safetensors_records(path, progress=progress)
+        rows = [{"fqn": name, "offsets": None, "file": rel, "start": start, "end": end, "problem": problem}
+                for name, rel, start, end, problem in problems]
+        return _integrity_report(rows, verified, unverified, None, verified > 0)
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     problems, verified, unverified = reader.check_records(progress=progress)
     rows = [{"fqn": index.fqn, "offsets": None if index.offset is None else list(index.offset), "file": rel,
              "start": start, "end": end, "problem": problem} for index, rel, start, end, problem in problems]
+    return _integrity_report(rows, verified, unverified,
+                             sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
+                             read_checksums(metadata.planner_data, where=str(path)) is not None)
+
+
+def _integrity_report(rows: list, verified: int, unverified: int, nbytes: Optional[int], has_checksums: bool) -> dict:
     return {
         "problems": rows,
         "summary": {
@@ -54,8 +69,8 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
             "verified": verified,
             "unverified": unverified,
             "failed": len(rows),
-            "bytes": sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
-            "has_checksums": read_checksums(metadata.planner_data, where=str(path)) is not None,
+            "bytes": nbytes,
+            "has_checksums": has_checksums,
             "ok": not rows,
         },
     }

@@ -201,3 +201,37 @@ def test_two_ranks_gather_every_checksum_and_partial_reads_are_verified(tmp_path
     rel, start, end = _flip(tmp_path / "ck", "w")
     results = run_distributed(2, _two_rank_load, path, True)
     assert all(kind == "ChecksumMismatchError" and f"{start}..{end}" in msg for kind, msg in results), results
+
+
+def test_export_writes_checksums_that_reads_and_verify_check(tmp_path):
+    from safetensors import safe_open
+
+    from ckptq.checkpoint import open_checkpoint
+    from ckptq.checksums import read_safetensors_table
+    from ckptq.export import export_checkpoint
+    from ckptq.verify import check_integrity
+
+    sd = {"model.layers.0.mlp.weight": ckptq.quantize(torch.randn(64, 128), "mxfp8"),
+          "model.norm.weight": torch.randn(128)}
+    _save(sd, tmp_path / "ck")
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout="compressed-tensors")
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    with safe_open(str(files[0]), framework="pt") as h:
+        table = read_safetensors_table(h.metadata())
+        assert table and set(table) == set(h.keys())
+        assert all(table[k] == checksum(h.get_tensor(k)) for k in h.keys())
+    s = check_integrity(tmp_path / "hf")["summary"]
+    assert s["ok"] and s["verified"] == s["records"] == len(table)
+    # flip one bit inside the quantized weight's bytes
+    name = next(k for k in table if k.endswith("weight_packed") or k.endswith(".weight") and "mlp" in k)
+    data = bytearray(files[0].read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    import json
+
+    start, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 1
+    files[0].write_bytes(bytes(data))
+    report = check_integrity(tmp_path / "hf")
+    assert report["summary"]["failed"] == 1 and report["problems"][0]["fqn"] == name
+    with pytest.raises(ckptq.ChecksumMismatchError, match=name):
+        open_checkpoint(tmp_path / "hf").read("model.layers.0.mlp.weight")

@@ -63,7 +63,8 @@ def _integrity(path: Path, json_output: bool) -> None:
                      f"{p['start']}..{p['end']}", p["problem"]] for p in report["problems"]]
             out.echo_table(rows, ["ENTRY", "FILE", "BYTES", "PROBLEM"])
             out.echo()
-        out.echo(f"{s['records']} records ({out.format_bytes(s['bytes'])}): {s['verified']} verified, "
+        size = "" if s["bytes"] is None else f" ({out.format_bytes(s['bytes'])})"
+        out.echo(f"{s['records']} records{size}: {s['verified']} verified, "
                  f"{s['unverified']} without checksum, {s['failed']} failed")
     if not s["has_checksums"]:
         out.warning(f"{path} has no checksums (saved without ckptq's storage writer, by an older ckptq or by "

@@ -23,12 +23,13 @@ from typing import Any, Optional, Union
 import torch
 
 from ..adapters import hf
+from ..checksums import checksum, read_safetensors_table
 from ..contract import Entry, EntryTable
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, ChecksumMismatchError
 from ..formats import from_components
 from ..formats.base import QuantizedTensor, str_to_dtype
 
-__all__ = ["SafetensorsView", "is_safetensors_source", "INDEX_NAME"]
+__all__ = ["SafetensorsView", "is_safetensors_source", "check_safetensors_records", "INDEX_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -196,14 +197,10 @@ class SafetensorsView(EntryTable):
         return hf.import_recipe(fm, stored, self.config)
 
     def _load(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
+        """Tensor ``name`` from its file, checked against the file's checksum table when it has one
+        (files ``ckptq export`` wrote; :func:`_load_checked`)."""
         f = self._where[name]
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                return h.get_tensor(name)
-        except Exception as e:
-            raise CheckpointFormatError(f"{f}: cannot read tensor '{name}' ({e}); the file is damaged: re-copy it") from e
+        return _load_checked(f, name, read_safetensors_table(self._file_meta.get(f)))
 
     # ------------------------------------------------------------------ CheckpointView interface
     def hf_name(self, fqn: str) -> str:
@@ -238,3 +235,78 @@ class SafetensorsView(EntryTable):
 
 #: ``(name, detect, opener)`` for :func:`ckptq.checkpoint.open_checkpoint`.
 SOURCE = ("Hugging Face safetensors", is_safetensors_source, SafetensorsView)
+
+
+def _load_checked(f: Path, name: str, table: Optional[dict]) -> torch.Tensor:
+    """Tensor ``name`` of safetensors file ``f``; compared with ``table[name]`` when present.
+
+    Raises:
+        CheckpointFormatError: the tensor cannot be read (a damaged file).
+        ChecksumMismatchError: its bytes differ from the checksum the file records (names the file,
+            the byte range and the tensor).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as h:
+            t = h.get_tensor(name)
+    except Exception as e:
+        raise CheckpointFormatError(f"{f}: cannot read tensor '{name}' ({e}); the file is damaged: re-copy it") from e
+    expected = (table or {}).get(name)
+    if expected is not None:
+        got = checksum(t)
+        if got != expected:
+            start, end = _byte_range(f, name)
+            raise ChecksumMismatchError(
+                f"{f}: tensor '{name}', bytes {start}..{end}: checksum mismatch (crc32c of its bytes is "
+                f"{got:08x}, the file records {expected:08x}): the file is corrupt. Re-copy it or re-export"
+            )
+    return t
+
+
+def _byte_range(f: Path, name: str) -> tuple[int, int]:
+    """Absolute byte range of tensor ``name`` in safetensors file ``f`` (from its header)."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    start, end = header[name]["data_offsets"]
+    return 8 + n + int(start), 8 + n + int(end)
+
+
+def check_safetensors_records(path: Union[str, Path], progress: Any = None) -> tuple[list, int, int]:
+    """Read every tensor of a safetensors file or folder once and check it (``ckptq verify PATH``).
+
+    Returns:
+        ``(problems, verified, unverified)`` as :meth:`ckptq.io.SafeFileSystemReader.check_records`,
+        with ``problems`` as ``(name, file, start, end, message)``; tensors of files without a ckptq
+        checksum table (written by other tools) count as ``unverified``.
+
+    Raises:
+        CheckpointFormatError: a file is not a readable safetensors file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    problems, verified, unverified = [], 0, 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                names, table = list(h.keys()), read_safetensors_table(h.metadata())
+        except Exception as e:
+            raise CheckpointFormatError(f"{f}: not a readable safetensors file ({e}); re-copy or re-export it") from e
+        for name in names:
+            start, end = _byte_range(f, name)
+            if progress is not None:
+                progress(end - start)
+            try:
+                _load_checked(f, name, table)
+            except CheckpointFormatError as e:
+                text = str(e)
+                problems.append((name, f.name, start, end, text.split(": ", 2)[-1] if text.startswith(str(f)) else text))
+                continue
+            if table is not None and name in table:
+                verified += 1
+            else:
+                unverified += 1
+    return problems, verified, unverified
