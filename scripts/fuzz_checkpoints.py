@@ -9,6 +9,7 @@ and runs every reader path on each mutant, in worker processes with a time limit
   and ``read_raw_bytes`` of every non-tensor entry;
 * ``inspect``: :func:`ckptq.inspect.inspect_checkpoint` with ``stats=True``;
 * ``verify``: :func:`ckptq.verify.verify_checkpoints` of the original against the mutant;
+* ``integrity``: :func:`ckptq.verify.check_integrity` of the mutant alone (``ckptq verify PATH``);
 * ``load``: ``dcp.load`` with :class:`ckptq.io.SafeFileSystemReader` + ``QuantizedLoadPlanner``,
   into targets of the saved formats and into plain float32 targets (the decode route); a
   ``CheckpointException`` counts as a ckptq error only when what it wraps is one
@@ -29,8 +30,11 @@ Each mutant is classified (worst first):
 * ``UNCAUGHT``: a path raised something other than a ckptq error;
 * ``SILENT_WRONG``: a path returned a different result from the original's without an error;
 * ``DATA_FLIP``: the same, for a mutation that only changed stored values (tensor payload bytes,
-  or the record of a non-tensor entry, which ``read_raw_bytes`` copies verbatim): undetectable
-  without checksums (issue 9 item 1), counted apart;
+  or the record of a non-tensor entry, which ``read_raw_bytes`` copies verbatim) of a base
+  *without* checksums (``plain1``, saved with DCP's own writer, and the TE-written ``te1``):
+  undetectable there, counted apart. On the checksummed bases (``native1``/``hp1`` saved with
+  :class:`ckptq.io.ChecksumFileSystemWriter`, ``native2``/``hp2`` written by ``ckptq reshard``)
+  such a mutant is ``SILENT_WRONG`` unless a path reports it;
 * ``METADATA_VALID``: an edit of the ckptq record or a descriptor (``planner_data``), or a byte
   flip in ``.metadata``, that leaves another valid checkpoint over the same files (the logical
   dtype, an encoder-only recipe option such as ``eps``, no ckptq record at all: a plain DCP
@@ -127,12 +131,17 @@ def build_corpus(root: Path) -> dict[str, Path]:
 
     import ckptq
 
+    from ckptq.io import ChecksumFileSystemWriter
+
     warnings.filterwarnings("ignore")
     bases = {}
     for mode, name in (("native", "native1"), ("high_precision", "hp1")):
         bases[name] = root / name
-        dcp.save(_quantized_state(), checkpoint_id=str(bases[name]), planner=ckptq.QuantizedSavePlanner(mode=mode),
-                 no_dist=True)
+        dcp.save(_quantized_state(), storage_writer=ChecksumFileSystemWriter(bases[name]),
+                 planner=ckptq.QuantizedSavePlanner(mode=mode), no_dist=True)
+    bases["plain1"] = root / "plain1"  # DCP's own writer: no checksums (data flips load unverified)
+    dcp.save(_quantized_state(), checkpoint_id=str(bases["plain1"]), planner=ckptq.QuantizedSavePlanner(),
+             no_dist=True)
     for src, name in (("native1", "native2"), ("hp1", "hp2")):
         bases[name] = root / name
         ckptq.reshard_checkpoint(bases[src], bases[name], mesh="2")
@@ -263,7 +272,13 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
         md.planner_data = rng.choice(JUNK + [{"__ckptq__": rng.choice(JUNK)}])
         return f"{op} -> {md.planner_data!r}"
     if op == "record" and rec is not None:
-        field = rng.choice(["version", "world_size", "tensors", "mesh"])
+        field = rng.choice(["version", "world_size", "tensors", "mesh", "checksums", "checksums"])
+        table = rec.get("checksums")
+        if field == "checksums" and isinstance(table, dict) and table.get("chunks") and rng.random() < 0.6:
+            fqn = rng.choice(sorted(table["chunks"]))
+            offsets = rng.choice(list(table["chunks"][fqn]))
+            table["chunks"][fqn][offsets] ^= 1 << rng.randrange(32)  # a wrong checksum: must be a mismatch
+            return f"{op} checksum of {fqn} {offsets} changed"
         rec[field] = rng.choice(JUNK + [99, 2, "1"])
         return f"{op} {field} -> {rec[field]!r}"
     if rec is not None and rec.get("tensors"):
@@ -449,6 +464,15 @@ def path_verify(ck: Path, orig: Path) -> str:
     return _strip(report, str(ck))
 
 
+def path_integrity(ck: Path, orig: Path) -> str:
+    from ckptq.verify import check_integrity
+
+    report = check_integrity(ck)
+    if not report["summary"]["ok"]:  # ckptq verify PATH: what failed is reported, exit 1
+        raise VerifyDetected(f"{report['summary']['failed']} records failed the integrity check")
+    return _strip(report, str(ck))
+
+
 class VerifyDetected(Exception):
     """verify_checkpoints reported a difference (counts like a ckptq error: nothing silent)."""
 
@@ -513,7 +537,10 @@ def path_load(ck: Path, orig: Path) -> str:
 
 
 READERS = {"read_metadata": path_read_metadata, "view": path_view, "inspect": path_inspect, "verify": path_verify,
-           "load": path_load}
+           "integrity": path_integrity, "load": path_load}
+
+#: bases whose chunks carry checksums: a changed stored value must be detected there.
+CHECKSUMMED = {"native1", "native2", "hp1", "hp2"}
 
 
 def run_paths(ck: Path, orig: Path) -> dict[str, tuple[str, str]]:
@@ -542,7 +569,7 @@ def run_paths(ck: Path, orig: Path) -> dict[str, tuple[str, str]]:
 _MAX_ALLOC_MB = 512.0
 
 
-def classify(kind: str, results: dict, reference: dict, canary_hit: bool) -> str:
+def classify(kind: str, results: dict, reference: dict, canary_hit: bool, checksummed: bool = False) -> str:
     if canary_hit:
         return "CODE_EXECUTED"
     statuses = [s for s, _ in results.values()]
@@ -553,7 +580,7 @@ def classify(kind: str, results: dict, reference: dict, canary_hit: bool) -> str
     differs = [p for p, (s, v) in results.items() if s == "ok" and v != reference[p][1]]
     if differs:
         if kind == "data":
-            return "DATA_FLIP"
+            return "SILENT_WRONG" if checksummed else "DATA_FLIP"
         if kind in ("descriptor", "metadata_bytes") and "load" not in differs:
             return "METADATA_VALID"
         return "SILENT_WRONG"
@@ -591,7 +618,7 @@ def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_al
             kind, what = mutate(orig, ck, rng, canary, payloads[base])
             results = run_paths(ck, orig)
             hit = os.path.exists(canary)
-            cls = classify(kind, results, references[base], hit)
+            cls = classify(kind, results, references[base], hit, base in CHECKSUMMED)
             conn.send(("done", {"index": index, "base": base, "kind": kind, "mutation": what, "class": cls,
                                 "paths": {p: r[0] for p, r in results.items()},
                                 "detail": {p: r[1] for p, r in results.items() if r[0] in ("uncaught", "alloc")
@@ -712,8 +739,8 @@ def summary_table(result: dict) -> str:
     ops = collections.Counter(c["mutation"].split(":")[0].split(" ")[0] for c in cases)
     lines.append("")
     lines.append("mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
-    lines.append("DATA_FLIP = stored values changed (tensor payload, a non-tensor record) and read without error: "
-                 "undetectable without checksums (issue 9 item 1)")
+    lines.append("DATA_FLIP = stored values changed (tensor payload, a non-tensor record) and read without error, "
+                 "in a base without checksums (plain1, te1); on checksummed bases that is SILENT_WRONG")
     lines.append("METADATA_VALID = .metadata edited into another valid description, reported faithfully: "
                  "undetectable without a checksum of the metadata itself")
     lines.append(f"{len(cases)} mutants in {result['seconds']:.0f} s; code executed: {result['canary']}")

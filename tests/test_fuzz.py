@@ -52,12 +52,21 @@ def fuzz_run():
 def test_fuzz_subset_finds_nothing_bad(fuzz_run):
     counts = fuzz_run["counts"]
     assert len(fuzz_run["cases"]) == 60
-    assert {c["base"] for c in fuzz_run["cases"]} == {"native1", "native2", "hp1", "hp2", "te1"}
+    assert {c["base"] for c in fuzz_run["cases"]} == {"native1", "native2", "hp1", "hp2", "plain1", "te1"}
     assert not fuzz_run["canary"]
     bad = [c for c in fuzz_run["cases"] if c["class"] in ("CODE_EXECUTED", "HANG", "BIG_ALLOC", "UNCAUGHT",
                                                           "SILENT_WRONG")]
     assert not bad, bad
     assert counts["CKPTQ_ERROR"] >= 30  # most mutants are malformed, and said so
+
+
+def test_fuzz_subset_changed_values_of_checksummed_checkpoints_are_detected(fuzz_run):
+    import fuzz_checkpoints as fc
+
+    data = [c for c in fuzz_run["cases"] if c["kind"] == "data" and c["base"] in fc.CHECKSUMMED]
+    assert len(data) >= 3
+    assert all(c["class"] in ("CKPTQ_ERROR", "SAME") for c in data), data
+    assert any(c["class"] == "CKPTQ_ERROR" and "ChecksumMismatchError" in str(c["errors"]) for c in data)
 
 
 def test_fuzz_subset_structural_mutants_are_ckptq_errors(fuzz_run):
