@@ -19,7 +19,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from . import adapters
 from .checkpoint import CheckpointView, open_checkpoint
-from .contract import Entry, fold_entries, has_record, read_record, saved_world_size
+from .checksums import checksum_key
+from .contract import Entry, fold_entries, has_record, read_checksums, read_record, saved_world_size
 from .formats.base import dtype_to_str, str_to_dtype
 
 __all__ = ["inspect_checkpoint"]
@@ -72,7 +73,8 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
         (format -> rows), ``world_size`` (ranks that saved: the ckptq record's, else inferred
         from ``__<rank>_*.distcp`` file names, else None), ``world_size_source`` (``"ckptq"``,
         ``"files"`` or None), ``files`` (data files), ``dcp_version``, ``ckptq_version`` (None
-        for a checkpoint without a ckptq record).
+        for a checkpoint without a ckptq record), ``checksums`` (``[records with a checksum,
+        records]``, None for non-DCP sources).
 
     Raises:
         CheckpointFormatError: the path is not a readable DCP checkpoint, files are missing or
@@ -220,8 +222,17 @@ def _summary(metadata: Optional[Metadata], rows: list[dict]) -> dict:
         "dcp_version": getattr(metadata, "version", None),
         "ckptq_version": (read_record(metadata.planner_data)["version"]
                           if metadata is not None and has_record(metadata.planner_data) else None),
+        "checksums": _checksum_count(metadata),
         "source": "dcp" if metadata is not None else None,
     }
+
+
+def _checksum_count(metadata: Any) -> Optional[list]:
+    """``[records with a checksum, records]`` of a DCP checkpoint (None for other sources)."""
+    if metadata is None or not isinstance(metadata.storage_data, Mapping):
+        return None
+    table = read_checksums(metadata.planner_data) or {}
+    return [sum(checksum_key(i) in table for i in metadata.storage_data), len(metadata.storage_data)]
 
 
 # ---------------------------------------------------------------------------------------- data

@@ -85,5 +85,9 @@ def _print_summary(s: dict) -> None:
         ["files", str(s["files"])],
         ["ckptq", "-" if s["ckptq_version"] is None else f"layout v{s['ckptq_version']}"],
     ]
+    if s.get("checksums") is not None:
+        have, records = s["checksums"]
+        lines.append(["checksums", f"crc32c, {have} of {records} records" if have else "none (ckptq verify cannot "
+                                                                                      "check the data)"])
     out.echo()
     out.echo_table(lines, ["SUMMARY", ""])
