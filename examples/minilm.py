@@ -3,11 +3,14 @@
 For each format (nvfp4, mxfp8, fp8_block 128x128, fp8_tensor), every 2-D Linear weight of the
 model's encoder (36 weights: 384x384, 1536x384, 384x1536) is quantized, then:
 
-1. saved natively with ``dcp.save(..., planner=QuantizedSavePlanner())`` (single process, no process
-   group; the other parameters stay plain fp32 tensors in the same state dict);
+1. saved natively with ``dcp.save(..., storage_writer=AtomicFileSystemWriter(path),
+   planner=QuantizedSavePlanner())`` (single process, no process group; atomic and checksummed; the
+   other parameters stay plain fp32 tensors in the same state dict);
 2. inspected with the CLI, ``ckptq inspect PATH`` (its table is printed);
 3. loaded into a fresh state dict of empty QuantizedTensors of the same format and recipe with
-   ``QuantizedLoadPlanner``; every component of every weight must come back bit-exact;
+   ``QuantizedLoadPlanner``; every component of every weight must come back bit-exact; every record
+   must match its checksum (``ckptq verify PATH``), and a copy with one flipped bit must fail to load
+   with ``ChecksumMismatchError``;
 4. saved in high precision (``mode="high_precision"``, bf16), which plain DCP loads into bf16 tensors;
 5. measured: bytes on disk of native / high-precision / a bf16 reference checkpoint (the same
    state dict with the 36 weights cast to bf16, saved with plain DCP), SQNR of the dequantized
@@ -37,6 +40,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +58,9 @@ import bert  # noqa: E402
 import ckptq  # noqa: E402
 from ckptq.cli import console_command  # noqa: E402
 from ckptq.formats.base import slice_box  # noqa: E402
-from ckptq.io import SafeFileSystemReader  # noqa: E402
+from ckptq.io import AtomicFileSystemWriter, SafeFileSystemReader, dcp_failure, read_metadata  # noqa: E402
+from ckptq.verify import check_integrity  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
 
 #: format name -> quantization recipe (the DESIGN.md defaults, spelled out).
@@ -86,6 +92,24 @@ def stored_bytes(path: Path, names: list[str]) -> int:
         for idx, info in md.storage_data.items()
         if idx.fqn in wanted or idx.fqn.startswith(prefixes)
     )
+
+
+def corruption_caught(src: Path, copy: Path, fqn: str, target: dict) -> bool:
+    """Copy checkpoint ``src``, flip one bit in the middle of ``fqn``'s record, load the copy: is it
+    a ``ckptq.ChecksumMismatchError`` (rather than a silently different tensor)?"""
+    shutil.copytree(src, copy)
+    info = next(v for k, v in read_metadata(copy).storage_data.items() if k.fqn == fqn)
+    f = copy / info.relative_path
+    data = bytearray(f.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x04
+    f.write_bytes(bytes(data))
+    try:
+        dcp.load(target, storage_reader=SafeFileSystemReader(copy), planner=ckptq.QuantizedLoadPlanner())
+    except CheckpointException as e:
+        return isinstance(dcp_failure(e, str(copy)), ckptq.ChecksumMismatchError)
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+    return False
 
 
 def run_inspect(path: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -183,7 +207,7 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
 
     # 1. native save
     native = work / f"{fmt}-native"
-    dcp.save(state, checkpoint_id=str(native), planner=ckptq.QuantizedSavePlanner())
+    dcp.save(state, storage_writer=AtomicFileSystemWriter(native), planner=ckptq.QuantizedSavePlanner())
 
     # 2. inspect
     r = run_inspect(native)
@@ -228,6 +252,13 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
         problems.append(f"not bit-exact after reload: {bad[:3]}{'...' if len(bad) > 3 else ''}")
     if plain_exact != len(orig) - len(names):
         problems.append(f"plain tensors changed on reload: {row['plain_exact']}")
+
+    # 3b. integrity: every record carries a checksum; one flipped bit in a copy is caught on load
+    integrity = check_integrity(native)["summary"]
+    caught = corruption_caught(native, work / f"{fmt}-corrupt", f"{names[0]}.data", fresh_like(state))
+    row["integrity"] = f"{integrity['verified']}/{integrity['records']}" + (", flip caught" if caught else ", FLIP MISSED")
+    if not integrity["ok"] or integrity["verified"] != integrity["records"] or not caught:
+        problems.append(f"integrity: {integrity}, flipped bit caught: {caught}")
 
     # 4. high-precision save; plain DCP (default planner) must load it into bf16 tensors
     hp = work / f"{fmt}-hp"
@@ -629,7 +660,7 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
 
     headers = ["format", "native B", "high-prec B", "bf16 B", "native/bf16", "weights native/bf16",
-               "weight SQNR dB", "bit-exact reload", "emb cos mean", "emb cos min",
+               "weight SQNR dB", "bit-exact reload", "checksums verified", "emb cos mean", "emb cos min",
                f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact", "plain unchanged",
                "HF export reload (emb vs ckptq)"]
     table = []
@@ -640,16 +671,19 @@ def main(argv=None) -> int:
         else:
             sharded_cols = ["error", "error"]
         if "native_bytes" not in r:
-            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 2 + sharded_cols + ["-"])
+            table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 3 + sharded_cols + ["-"])
             continue
         table.append([
             r["format"], f"{r['native_bytes']:,}", f"{r['hp_bytes']:,}", f"{r['bf16_bytes']:,}",
             f"{r['native_over_bf16']:.3f}", f"{r['native_over_bf16_weights']:.3f}", f"{r['sqnr_db']:.2f}",
-            r["bit_exact"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols, _hf_cell(r.get("hf_export")),
+            r["bit_exact"], r["integrity"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols,
+            _hf_cell(r.get("hf_export")),
         ])
     log("\nckptq on all-MiniLM-L6-v2: 36 Linear weights quantized, native vs high-precision (bf16) DCP checkpoints")
     log("(B = bytes on disk of the whole checkpoint directory, whose other parameters are fp32 in all three;")
-    log(" 'weights native/bf16' counts the stored bytes of the 36 quantized weights only; emb cos: per sentence,")
+    log(" 'weights native/bf16' counts the stored bytes of the 36 quantized weights only; 'checksums verified':")
+    log(" records of the native checkpoint whose crc32c matched (`ckptq verify PATH`), and whether one flipped bit")
+    log(" in a copy was caught on load (ChecksumMismatchError); emb cos: per sentence,")
     log(" embedding with the reloaded dequantized weights vs with the fp32 weights, over 16 sentences;")
     log(f" '{headers[-3]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
         f"({TARGET_PLAN}),")
