@@ -24,7 +24,7 @@ from typing import Any, Hashable, Optional, Union
 
 import torch
 
-__all__ = ["ALGORITHM", "SAFETENSORS_KEY", "checksum", "checksum_key", "payload", "Hasher",
+__all__ = ["ALGORITHM", "SAFETENSORS_KEY", "checksum", "check", "checksum_key", "payload", "Hasher",
            "safetensors_table", "read_safetensors_table"]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
@@ -59,6 +59,25 @@ def checksum(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> int:
     import crc32c
 
     return crc32c.crc32c(payload(data))
+
+
+def check(data: Any, expected: Optional[int], where: str) -> None:
+    """Compare the checksum of ``data`` with ``expected`` (nothing to do when it is None).
+
+    Raises:
+        ChecksumMismatchError: they differ; the message starts with ``where`` (the checkpoint, the
+            entry, its file and byte range) and says what to do.
+    """
+    if expected is None:
+        return
+    got = checksum(data)
+    if got != expected:
+        from .errors import ChecksumMismatchError
+
+        raise ChecksumMismatchError(
+            f"{where}: checksum mismatch (crc32c of the stored bytes is {got:08x}, the checkpoint records "
+            f"{expected:08x}): the data file is corrupt. Restore it from a copy or re-save the checkpoint"
+        )
 
 
 def checksum_key(index: Any) -> tuple:

@@ -50,8 +50,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-from ..checksums import checksum, checksum_key
-from ..errors import CheckpointFormatError, ChecksumMismatchError, CkptqError, UnsafeCheckpointError
+from ..checksums import check, checksum_key
+from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .safe_pickle import safe_load
 
 __all__ = [
@@ -385,16 +385,7 @@ class SafeFileSystemReader(FileSystemReader):
             ) from e
 
     def _check_sum(self, index: MetadataIndex, payload: Any, where: str) -> None:
-        expected = (self._checksums or {}).get(checksum_key(index))
-        if expected is None:
-            return
-        got = checksum(payload)
-        if got != expected:
-            raise ChecksumMismatchError(
-                f"{where}: checksum mismatch (crc32c of the chunk's bytes is {got:08x}, the metadata "
-                f"records {expected:08x}): the data file is corrupt. Restore it from a copy or re-save "
-                f"the checkpoint"
-            )
+        check(payload, (self._checksums or {}).get(checksum_key(index)), where)
 
     def check_records(self, progress: Optional[Any] = None) -> tuple[list[tuple[MetadataIndex, str, int, int, str]], int, int]:
         """Read every record of the checkpoint once and compare its checksum (``ckptq verify PATH``).

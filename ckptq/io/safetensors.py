@@ -23,9 +23,9 @@ from typing import Any, Optional, Union
 import torch
 
 from ..adapters import hf
-from ..checksums import checksum, read_safetensors_table
+from ..checksums import check, checksum, read_safetensors_table
 from ..contract import Entry, EntryTable
-from ..errors import CheckpointFormatError, ChecksumMismatchError
+from ..errors import CheckpointFormatError
 from ..formats import from_components
 from ..formats.base import QuantizedTensor, str_to_dtype
 
@@ -253,14 +253,9 @@ def _load_checked(f: Path, name: str, table: Optional[dict]) -> torch.Tensor:
     except Exception as e:
         raise CheckpointFormatError(f"{f}: cannot read tensor '{name}' ({e}); the file is damaged: re-copy it") from e
     expected = (table or {}).get(name)
-    if expected is not None:
-        got = checksum(t)
-        if got != expected:
-            start, end = _byte_range(f, name)
-            raise ChecksumMismatchError(
-                f"{f}: tensor '{name}', bytes {start}..{end}: checksum mismatch (crc32c of its bytes is "
-                f"{got:08x}, the file records {expected:08x}): the file is corrupt. Re-copy it or re-export"
-            )
+    if expected is not None and checksum(t) != expected:
+        start, end = _byte_range(f, name)
+        check(t, expected, f"{f}: tensor '{name}', bytes {start}..{end}")
     return t
 
 

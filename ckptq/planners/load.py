@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .. import adapters, chunks
-from ..checksums import checksum, checksum_key
+from ..checksums import check, checksum_key
 from ..contract import Entry, fold_entries, read_checksums
-from ..errors import CheckpointFormatError, ChecksumMismatchError, ShardingError, UnsupportedFormatError
+from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
 from ..metrics import sqnr_db
@@ -354,7 +354,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     Raises (from ``commit_tensor``/``load_bytes``, wrapped by ``dcp.load`` in
     ``CheckpointException``: see :func:`ckptq.io.dcp_failure`):
-        ChecksumMismatchError: a whole-chunk read whose bytes differ from the recorded checksum.
+        ChecksumMismatchError: a whole-chunk read whose bytes differ from the recorded checksum
+            (:func:`ckptq.checksums.check`).
     """
 
     def __init__(
@@ -559,18 +560,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                                    "checkpoint's checksums with DCP's FileSystemReader; load with "
                                    "storage_reader=ckptq.io.SafeFileSystemReader(path) to verify every record")
                 return
-        got = checksum(data)
-        if got != expected:
-            info = (self.metadata.storage_data or {}).get(index)
-            place = (f"record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
-                     if hasattr(info, "relative_path") else "its record")
-            chunk_text = f" (chunk at offsets {list(index.offset)})" if index.offset is not None else ""
-            where = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
-            raise ChecksumMismatchError(
-                f"{where}: '{index.fqn}'{chunk_text}, {place}: checksum mismatch (crc32c of the chunk's bytes is "
-                f"{got:08x}, the metadata records {expected:08x}): the data file is corrupt. Restore it "
-                f"from a copy or re-save the checkpoint"
-            )
+        info = (self.metadata.storage_data or {}).get(index)
+        place = (f"record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+                 if hasattr(info, "relative_path") else "its record")
+        chunk_text = f" (chunk at offsets {list(index.offset)})" if index.offset is not None else ""
+        path = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
+        check(data, expected, f"{path}: '{index.fqn}'{chunk_text}, {place}")
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if self._checksums and self.verify_checksums and not self.checksums_verified_by_reader:
