@@ -235,3 +235,18 @@ def test_export_writes_checksums_that_reads_and_verify_check(tmp_path):
     assert report["summary"]["failed"] == 1 and report["problems"][0]["fqn"] == name
     with pytest.raises(ckptq.ChecksumMismatchError, match=name):
         open_checkpoint(tmp_path / "hf").read("model.layers.0.mlp.weight")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_resident_tensors_are_checksummed_like_cpu_ones(tmp_path):
+    sd = _state()
+    _save(sd, tmp_path / "cpu")
+    cuda = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+    _save(cuda, tmp_path / "cuda")
+    a = read_checksums(read_metadata(tmp_path / "cpu").planner_data)
+    b = read_checksums(read_metadata(tmp_path / "cuda").planner_data)
+    assert a == b
+    out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in cuda.items()}
+    _load(tmp_path / "cuda", out)
+    assert torch.equal(out["norm"].cpu(), sd["norm"])
