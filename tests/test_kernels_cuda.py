@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckptq
+from ckptq import numerics as N
 from ckptq import ops
 from ckptq.ops import _backends
 
@@ -172,3 +173,139 @@ def test_current_stream_and_device_guard_cuda():
     with ops.force("reference"):
         r = ckptq.quantize(x, "nvfp4")
     K.assert_same(r.components(), q.components(), "side stream")
+
+
+# ------------------------------------------------------- NVFP4 encode (issue 11 part 3)
+# The CUDA nvfp4 encode rounds to E2M1 with one fp32 add of a magic number (kernels.cuh,
+# e2m1_magic_bits), takes block amaxes of bf16 / fp16 sources from the raw words and reads the
+# encode multiplier from a per-CTA table of the 256 scale bytes. These tests put products
+# x * enc on, and one or two ulps beside, every E2M1 grid point and tie, for each source dtype.
+E2M1_POINTS = [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 6.5, 8.0]
+
+
+def _step_ulps(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x moved by n ulps of its dtype (bit-pattern steps of |x|, sign kept; 0 stays >= 0)."""
+    it = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[x.dtype]
+    bits = x.abs().view(it).to(torch.int64) + n
+    bits = bits.clamp(min=0)
+    return bits.to(it).view(x.dtype).copysign(x)
+
+
+def near_tie_matrix(dtype, n_blocks=4096, seed=0):
+    """(n_blocks, 16) of dtype and the matrix amax. Each block holds its amax A (random position) and
+    15 values t / enc (rounded to dtype) moved by -2..2 ulps, for E2M1 grid points and ties t, with
+    random signs (and some -0.0), never above A so that the block amax stays A; enc is the block's
+    encode multiplier by the reference's formulas. The matrix amax is 336 = 2688 / 8 (S_enc = 8
+    exactly) and half the blocks have an A whose scale byte is a power of two, so that their enc is
+    a power of two and t / enc is exact in every dtype: those products land exactly on the ties;
+    the other blocks have random A (products next to the ties, rounded in fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    ga = torch.tensor(336.0)
+    rand_a = (torch.rand(n_blocks, generator=g) + 0.5) * torch.exp2(torch.randint(-8, 8, (n_blocks,), generator=g).float())
+    pow2_a = 0.75 * torch.exp2(torch.randint(-6, 9, (n_blocks,), generator=g).float()) * (
+        1 + (torch.rand(n_blocks, generator=g) - 0.5) / 16)  # A * S_enc / 6 within 1/32 of 2^j
+    amax_b = torch.where(torch.arange(n_blocks) % 2 == 0, pow2_a, rand_a).clamp(max=336.0)
+    amax_b[0] = ga
+    amax_b = amax_b.to(dtype).float()
+    s_enc = N.nvfp4_global_encode_scale(ga)
+    s = N.cast_fp8(amax_b * (s_enc * N.INV_6), torch.float8_e4m3fn)
+    enc = torch.fmin(torch.reciprocal(s.float() * torch.reciprocal(s_enc)), torch.tensor(N.FLT_MAX))
+    t = torch.tensor(E2M1_POINTS)[torch.randint(0, len(E2M1_POINTS), (n_blocks, 15), generator=g)]
+    base = (t.double() / enc.double()[:, None]).to(dtype)
+    x = _step_ulps(base, 0)
+    for n in (-2, -1, 1, 2):
+        pick = torch.randint(0, 6, (n_blocks, 15), generator=g) == 0
+        x = torch.where(pick, _step_ulps(base, n), x)
+    sign = torch.where(torch.rand(n_blocks, 15, generator=g) < 0.5, -1.0, 1.0).to(dtype)
+    x = x * sign
+    a = amax_b.to(dtype)[:, None]
+    x = torch.where(~(x.float().abs() <= a.float()), a * sign, x)  # also inf / NaN from the ulp steps
+    out = torch.cat([amax_b.to(dtype)[:, None], x], dim=1)
+    perm = torch.argsort(torch.rand(n_blocks, 16, generator=g), dim=1)  # the amax anywhere in its block
+    out = torch.gather(out, 1, perm)
+    out.view(-1)[1::997] = -0.0
+    return out, ga
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("given", [True, False], ids=["amax-given", "amax-computed"])
+def test_nvfp4_e2m1_ties_cuda(dtype, given):
+    """Products on and beside every E2M1 grid point and tie, 1x16 blocks; with amax= given (the
+    enc of the construction) and computed by the kernel (the same, as the max block amax)."""
+    _need_cuda_backend()
+    x, ga = near_tie_matrix(dtype, seed=int(given) + 3 * (dtype == torch.float16))
+    # (n_blocks, 16) -> (512, 128): 8 blocks per row, rows multiple of 16 and not
+    x = x.reshape(512, 128).to(DEV)
+    kw = {"amax": ga.to(DEV)} if given else {}
+    K.check_pair(x, "nvfp4", {}, backend="cuda", **kw)
+    K.check_pair(x[:500], "nvfp4", {}, backend="cuda", **kw)
+    K.check_pair(x.reshape(4096, 16), "nvfp4", {"two_d": True}, backend="cuda", **kw)
+    # Share of products that the construction put exactly on a tie (the case the magic add must get right).
+    s_enc = N.nvfp4_global_encode_scale(ga)
+    q = ckptq.quantize(x, "nvfp4", **kw)
+    s = q.components()["scale"].float().cpu().reshape(-1, 1)
+    enc = torch.fmin(torch.reciprocal(s * torch.reciprocal(s_enc)), torch.tensor(N.FLT_MAX))
+    v = (x.float().cpu().reshape(-1, 16) * enc).abs()
+    ties = torch.isin(v, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])).float().mean().item()
+    assert ties > 0.1, ties
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("amax", [2688.0, 1.0, 6.0 * 448.0 * 2.0**-20, 3.0e38, 1.0e-30])
+def test_nvfp4_every_16bit_pattern_cuda(dtype, amax):
+    """All 2^16 bf16 / fp16 bit patterns (NaN, inf, subnormals, both zeros) in 1x16 and 16x16
+    blocks, under several global amaxes (so S_enc and the block scales sweep their ranges)."""
+    _need_cuda_backend()
+    x = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    for shape in [(4096, 16), (256, 256), (16, 4096)]:
+        xs = x.reshape(shape).to(DEV)
+        K.check_pair(xs, "nvfp4", {}, backend="cuda", amax=torch.tensor(amax, device=DEV))
+        K.check_pair(xs, "nvfp4", {"two_d": True}, backend="cuda", amax=torch.tensor(amax, device=DEV))
+    K.check_pair(x.reshape(256, 256).to(DEV), "nvfp4", {}, backend="cuda")
+
+
+def test_nvfp4_baseline_encode_switch_cuda(monkeypatch):
+    """CKPTQ_NVFP4_ENCODE=baseline runs the encode kernel of before issue 11 (the benchmark's
+    baseline): the same bytes as the reference and as the default kernel."""
+    _need_cuda_backend()
+    x = K.random_hp((3, 96, 512), seed=12).to(DEV)
+    for src in (x, x.to(torch.bfloat16), K.make_source("mxfp8", {}, x)):
+        for rec in ({}, {"two_d": True}):
+            with ops.force("cuda"):
+                new = (ckptq.requantize(src, "nvfp4", **rec) if isinstance(src, ckptq.QuantizedTensor)
+                       else ckptq.quantize(src, "nvfp4", **rec)).components()
+            monkeypatch.setenv("CKPTQ_NVFP4_ENCODE", "baseline")
+            K.check_pair(src, "nvfp4", rec, backend="cuda")
+            with ops.force("cuda"):
+                old = (ckptq.requantize(src, "nvfp4", **rec) if isinstance(src, ckptq.QuantizedTensor)
+                       else ckptq.quantize(src, "nvfp4", **rec)).components()
+            monkeypatch.delenv("CKPTQ_NVFP4_ENCODE")
+            K.assert_same(old, new, "baseline vs default nvfp4 encode")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(3, 70, 160), (5, 33, 48), (1, 1, 16), (7, 16, 16), (3, 2000, 2720), (1, 999, 4112),
+                                   (1, 4001, 4096), (1, 48, 8192)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_nvfp4_streaming_kernel_cuda(dtype, shape, monkeypatch):
+    """The streaming bf16/fp16 -> nvfp4 kernel: tiles across matrices of a batch (different
+    amaxes), a partial last tile, more tiles than resident CTAs (stage reuse), the two-pass order
+    (reversed) and amax= per matrix; the same bytes as the reference and as the other kernels
+    (CKPTQ_NVFP4_ENCODE=tile, baseline)."""
+    _need_cuda_backend()
+    x = K.random_hp(shape, seed=sum(shape))
+    x[0] *= 1e-3
+    if shape[0] > 2:
+        x[2] *= 1e4
+    x = x.to(dtype).to(DEV)
+    amax = (torch.rand(shape[0], generator=torch.Generator().manual_seed(1)) * 50).to(DEV)
+    K.check_pair(x, "nvfp4", {}, backend="cuda")
+    K.check_pair(x, "nvfp4", {}, backend="cuda", amax=amax)
+    with ops.force("cuda"):
+        new = ckptq.quantize(x, "nvfp4").components()
+        new_amax = ckptq.quantize(x, "nvfp4", amax=amax).components()
+        for mode in ("tile", "baseline"):
+            monkeypatch.setenv("CKPTQ_NVFP4_ENCODE", mode)
+            K.assert_same(ckptq.quantize(x, "nvfp4").components(), new, f"CKPTQ_NVFP4_ENCODE={mode}")
+            K.assert_same(ckptq.quantize(x, "nvfp4", amax=amax).components(), new_amax, f"{mode}, amax=")
+        monkeypatch.delenv("CKPTQ_NVFP4_ENCODE")

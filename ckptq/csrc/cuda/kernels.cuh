@@ -15,6 +15,11 @@
 //    pass over the source (for FP8 / NVFP4 sources on the raw codes, see seg_amax_raw); the
 //    encode pass then walks the tiles in reverse order so that its first tiles are the ones the
 //    amax pass read last (possibly still in L2).
+//  * nvfp4 targets (issue 11 part 3): E2M1 rounding by one fp32 add of a magic number
+//    (e2m1_magic_bits), the encode multiplier from a per-CTA table of the 256 scale bytes; and for
+//    bf16 / fp16 sources with 1x16 blocks and K % 16 == 0 a separate streaming kernel
+//    (nv1d_kernel: persistent CTAs, tiles brought into shared memory by bulk asynchronous copies
+//    several tiles ahead). CKPTQ_NVFP4_ENCODE=baseline still runs the encode of before (D_NVB).
 // Numerics: numerics.h shared with the CPU; FP8 casts use the sm_89+ cvt.rn.satfinite
 // instructions (bit-identical to the spec's NaN-canonicalizing, clamping RNE cast: NaN -> 0x7F),
 // bf16/fp16 the same conversions c10 uses on the device. Build with --fmad=false.
@@ -37,7 +42,10 @@ namespace cudak {
 using namespace ckptq::num;
 
 enum SrcKind : int { S_F32 = 0, S_BF16, S_F16, S_FP8, S_MX, S_NV };
-enum DstKind : int { D_F32 = 0, D_BF16, D_F16, D_FP8T, D_FP8B, D_MX, D_NV, D_MXCW };  // MXCW: mxfp8 + columnwise copy
+// MXCW: mxfp8 + columnwise copy. NVB: nvfp4 with the encode of before issue 11 (per-block division,
+// threshold-style E2M1 rounding), kept as the benchmark baseline (CKPTQ_NVFP4_ENCODE=baseline).
+enum DstKind : int { D_F32 = 0, D_BF16, D_F16, D_FP8T, D_FP8B, D_MX, D_NV, D_MXCW, D_NVB };
+__host__ __device__ constexpr bool is_nv(int D) { return D == D_NV || D == D_NVB; }
 
 constexpr int kThreads = 256;
 constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -55,7 +63,7 @@ constexpr unsigned kFull = 0xFFFFFFFFu;
 __host__ __device__ constexpr bool three_per_sm(int S, int D) {
   return CKPTQ_OCC_POLICY == 0 ? false
          : CKPTQ_OCC_POLICY == 1 ? (D == D_FP8B && (S == S_BF16 || S == S_F16))
-                                 : ((D == D_FP8B || D == D_NV) && (S == S_BF16 || S == S_F16 || S == S_FP8 || S == S_MX));
+                                 : ((D == D_FP8B || is_nv(D)) && (S == S_BF16 || S == S_F16 || S == S_FP8 || S == S_MX));
 }
 __host__ __device__ constexpr int rows_for(int S, int D) { return (S == S_F32 || three_per_sm(S, D)) ? 4 : 8; }
 __host__ __device__ constexpr int min_blocks_for(int S, int D) { return three_per_sm(S, D) ? 3 : 2; }
@@ -156,6 +164,70 @@ constexpr uint32_t kPow2_126 = 0x7E800000u;
 __device__ __forceinline__ uint32_t nvfp4_code_gpu(float x, float enc) {
   const float v = x * enc;
   return e2m1_index(fabsf(v)) | ((__float_as_uint(v) >> 28) & 8u);
+}
+
+// ------------------------------------------------------- NVFP4 encode without integer-ALU work
+// (issue 11 part 3). sm_90 has no E2M1 conversion, and the threshold count / bit rounding of
+// e2m1_index costs about 11 integer-pipe instructions per element. Here an element costs one fp32
+// multiply and one fp32 add (FMA pipe), two min/max, two integer multiplies (FMA pipe) and two
+// funnel shifts.
+//
+// E2M1 rounding by one fp32 add. The E2M1 magnitudes are a fixed-point grid per range of
+// a = min(|v|, 6): step 0.5 on [0, 2] (0, .5, 1, 1.5, 2), step 1 on [2, 4] (2, 3, 4), step 2 on
+// [4, 6] (4, 6); the spec's ties-to-even thresholds (.25 -> 0, .75 -> 1, 1.25 -> 1, 1.75 -> 2,
+// 2.5 -> 2, 3.5 -> 4, 5 -> 4) are exactly round-half-even on that grid. Adding a magic M whose ulp
+// is the step rounds a onto the grid in one IEEE add (round to nearest even): with E' = the fp32
+// exponent field of max(a, 1) (127, 128 or 129), M = 2^(E' - 127 + 22) has ulp 2^(E' - 128) = the
+// step, and bits(a + M) - bits(M) = k = round_half_even(a / step). The E2M1 index is k + 2 (E' - 127)
+// (0..4, 4..6, 6..7), so M also carries that offset in its low mantissa bits:
+//   bits(M) = (E' + 22) << 23 | 2 (E' - 127) = E' * (2^23 + 2) + (22 << 23) - 254,
+// and the low 4 bits of bits(a + M) are the index (bit 3 clear, at most 7). Exact because: the
+// offset is even (so the tie-break of the sum's last bit is the tie-break of k), a + M stays in the
+// binade of M (a <= 6 is far below 2^(E' + 22)), and a + M is one correctly rounded fp32 add (no
+// contraction: --fmad=false). E' comes from an integer multiply-high (mul.hi by 2^9 = shift by 23,
+// kept on the FMA pipe). A NaN product (the GPU's positive canonical NaN) gives a = fminf(NaN, 6)
+// = 6 -> index 7, sign 0, as the spec's NaN -> 7. Checked against e2m1_encode for every fp32 value.
+constexpr uint32_t kE2m1MagicBias = (22u << 23) - 254u;
+
+// mul.hi.u32 through inline PTX so that the multiply is not strength-reduced to a shift (ALU).
+__device__ __forceinline__ uint32_t mulhi_u32(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// bits of a + M: the low 4 bits are the E2M1 magnitude index of the product v (see above).
+__device__ __forceinline__ uint32_t e2m1_magic_bits(float v) {
+  const float a = fminf(fabsf(v), 6.0f);
+  const uint32_t e = mulhi_u32(__float_as_uint(fmaxf(a, 1.0f)), 512u);
+  return __float_as_uint(a + __uint_as_float(e * 0x800002u + kE2m1MagicBias));
+}
+
+// Eight products v = x * enc -> eight E2M1 codes, element j in nibble j. The indices are packed by
+// funnel shifts that insert the low nibble of bits(a + M) at the top (element 0 ends lowest); the
+// signs by funnel shifts that insert the top nibble of bits(v) (sign in its bit 3) at the bottom,
+// masked to bit 3 of each nibble once per word. The sign of v is the spec's signbit (-0.0 -> 8);
+// a NaN product is positive on the GPU (code 7).
+__device__ __forceinline__ uint32_t nvfp4_pack8(const float* v) {
+  uint32_t idx = 0, sgn = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) idx = __funnelshift_r(idx, e2m1_magic_bits(v[j]), 4);
+#pragma unroll
+  for (int j = 7; j >= 0; --j) sgn = __funnelshift_l(__float_as_uint(v[j]), sgn, 4);
+  return idx | (sgn & 0x88888888u);
+}
+
+// Block amax bits (abs_bits order) of a 16-bit source segment from its raw words: |x| bits of
+// bf16 / fp16 sort like the values (NaN above inf), so a per-halfword unsigned max of the
+// sign-cleared words is the NaN-propagating amax; one fp32 conversion at the end (exact).
+template <int S>
+__device__ __forceinline__ uint32_t seg_amax_16bit(const uint32_t* w) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) m = __vmaxu2(m, w[k] & 0x7FFF7FFFu);
+  m = max(m & 0xFFFFu, m >> 16);
+  if constexpr (S == S_BF16) return m << 16;
+  return abs_bits(__half2float(__ushort_as_half((unsigned short)m)));
 }
 
 __device__ __forceinline__ uint4 ldg16(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
@@ -358,10 +430,19 @@ __device__ __forceinline__ void store_hp_seg(const Params& p, int64_t o, float (
   }
 }
 
+template <int D>
 __device__ __forceinline__ void store_nvfp4_seg(const Params& p, uint8_t* out, const float (&v)[16], float enc, int c) {
   uint32_t w[2] = {0, 0};
+  if constexpr (D == D_NVB) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) w[j >> 3] |= nvfp4_code_gpu(v[j], enc) << (4 * (j & 7));
+    for (int j = 0; j < 16; ++j) w[j >> 3] |= nvfp4_code_gpu(v[j], enc) << (4 * (j & 7));
+  } else {
+    float x[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) x[j] = v[j] * enc;  // the spec's x * enc, one fp32 multiply
+    w[0] = nvfp4_pack8(x);
+    w[1] = nvfp4_pack8(x + 8);
+  }
   if (p.vec) {
     *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
   } else {
@@ -482,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, 2) amax_kernel(const Params p, uint3
 // Decode, reduce and encode one tile whose raw bytes are in g (loads issued earlier).
 template <int S, int D, int R>
 __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, const Seg<S> (&g)[R], uint32_t* s_blk,
-                                             uint32_t* s_col) {
+                                             uint32_t* s_col, const float* s_enc) {
   const int tid = threadIdx.x;
   const int SC = t.SC, tx = t.tx, ty = t.ty, RP = t.RP, TC = SC * 16;
   const int64_t b = t.b;
@@ -517,7 +598,7 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
   }
 
   // ---- blocked targets: block amax over (bm x bk) = (2^lbm rows) x (G = 2^lg segments)
-  if constexpr (D == D_FP8B || D == D_MX || D == D_MXCW || D == D_NV) {
+  if constexpr (D == D_FP8B || D == D_MX || D == D_MXCW || is_nv(D)) {
     const int lg = p.lbk - 4;
     const int G = 1 << lg;
     const int lwr = 5 - p.lsc;  // log2 of the rows one warp covers per pass
@@ -526,7 +607,10 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
     const bool e5m2 = D == D_FP8B && p.d_e5m2 != 0;
     const float fmax = e5m2 ? kE5M2Max : kE4M3Max;
     Nvfp4Tensor T{};
-    if constexpr (D == D_NV) T = nvfp4_tensor(p.t_amax[b]);
+    if constexpr (is_nv(D)) T = nvfp4_tensor(p.t_amax[b]);
+    // nvfp4 from bf16 / fp16: block amaxes from the raw words (2 elements per integer max). Raw
+    // words past K are zero (load_raw); segments past M are skipped (1x16) or zeroed (16x16).
+    constexpr bool fast_amax = D == D_NV && (S == S_BF16 || S == S_F16);
 
     // Block amax -> (encode multiplier; writes the block scale if this thread owns it).
     auto params = [&](uint32_t abits, int r, bool writer) -> float {
@@ -536,9 +620,10 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
         if (writer)
           reinterpret_cast<float*>(p.d_scale)[(b * p.nsr + (r >> p.lbm)) * (int64_t)p.nsc + (c >> p.lbk)] = 1.0f / sc;
         return sc;
-      } else if constexpr (D == D_NV) {  // s = e4m3(amax * (S_enc / 6)); enc = fminf(1 / (s * S_dec), FLT_MAX)
+      } else if constexpr (is_nv(D)) {  // s = e4m3(amax * (S_enc / 6)); enc = fminf(1 / (s * S_dec), FLT_MAX)
         const uint8_t sb = (uint8_t)(cvt_fp8x2(amax * T.s_enc_div6, 0.0f, false) & 0xFFu);
         if (writer) reinterpret_cast<uint8_t*>(p.d_scale)[(b * p.nsr + (r >> p.lbm)) * (int64_t)p.nsc + (c >> 4)] = sb;
+        if constexpr (D == D_NV) return s_enc[sb];  // the same function of the byte, tabulated per CTA
         return nvfp4_enc(fp8_to_float(sb, false), T);
       } else {
         const uint8_t e = mx_scale_from_amax(amax);
@@ -547,9 +632,9 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
       }
     };
     auto encode = [&](const float (&v)[16], float mult, int r) {
-      uint8_t* out = data + (((b * p.M + r) * (int64_t)p.K + c) >> (D == D_NV ? 1 : 0));
-      if constexpr (D == D_NV)
-        store_nvfp4_seg(p, out, v, mult, c);
+      uint8_t* out = data + (((b * p.M + r) * (int64_t)p.K + c) >> (is_nv(D) ? 1 : 0));
+      if constexpr (is_nv(D))
+        store_nvfp4_seg<D>(p, out, v, mult, c);
       else
         store_fp8_seg(p, out, v, mult, e5m2, c);
     };
@@ -563,7 +648,7 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
       for (int i = 0; i < R; ++i) {
         float v[16];
         decode<S>(p, g[i], c, src_amax, v);
-        uint32_t a = seg_amax(v);
+        uint32_t a = fast_amax ? seg_amax_16bit<S>(g[i].w) : seg_amax(v);
         for (int off = 1; off < G; off <<= 1) a = max(a, __shfl_xor_sync(kFull, a, off));
         if constexpr (D == D_MXCW) {  // 32x1 blocks: per column amax over 32 rows
           const int lr5 = min(5, lwr);
@@ -584,7 +669,7 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
       for (int i = 0; i < R; ++i) {
         float v[16];
         decode<S>(p, g[i], c, src_amax, v);
-        a[i] = seg_amax(v);
+        a[i] = fast_amax ? (g[i].ok ? seg_amax_16bit<S>(g[i].w) : 0u) : seg_amax(v);
       }
       for (int off = 1; off < G; off <<= 1) {
 #pragma unroll
@@ -647,18 +732,201 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
 template <int S, int D>
 __global__ void __launch_bounds__(kThreads, min_blocks_for(S, D)) requant_kernel(const Params p) {
   constexpr int R = rows_for(S, D);
-  __shared__ uint32_t s_blk[(D == D_FP8B || D == D_NV) ? R * 128 : 1];
+  __shared__ uint32_t s_blk[(D == D_FP8B || is_nv(D)) ? R * 128 : 1];
   __shared__ uint32_t s_col[(D == D_MXCW) ? R * 128 : 1];
+  __shared__ float s_enc[D == D_NV ? 256 : 1];
   const Tile t = tile_of<R>(p, blockIdx.x);
   Seg<S> g[R];
   load_tile<S, R>(p, t, g);
-  process_tile<S, D, R>(p, t, g, s_blk, s_col);
+  if constexpr (D == D_NV) {
+    // nvfp4 encode multiplier of every block-scale byte s, enc = fminf(1 / (float(s) * S_dec), FLT_MAX)
+    // (numerics.h nvfp4_enc, bit for bit): one division per thread and CTA instead of one per block.
+    static_assert(kThreads == 256, "one table entry per thread");
+    s_enc[threadIdx.x] = nvfp4_enc(fp8_to_float((uint8_t)threadIdx.x, false), nvfp4_tensor(p.t_amax[t.b]));
+    __syncthreads();
+  }
+  process_tile<S, D, R>(p, t, g, s_blk, s_col, s_enc);
+}
+
+// ------------------------------------------------- streaming nvfp4 1x16 encode (issue 11 part 3)
+// bf16 / fp16 -> nvfp4 with 1x16 blocks and K % 16 == 0 (aligned): every 16-element block is 32
+// contiguous source bytes -> 8 data bytes + 1 scale byte at the same block index, so the whole
+// batch is one 1-D stream of blocks. Persistent CTAs walk tiles of kNvTile blocks (16 KB of
+// source); each tile comes into shared memory by one bulk asynchronous copy (cp.async.bulk, done
+// by the sm_90 TMA unit, completion on an mbarrier) kNvStages tiles ahead, so the loads stay in flight
+// while the CTA computes and without holding registers (the one-tile-per-CTA kernel above stalls
+// between its loads and its stores). Thread t encodes blocks t and t + 256 of a tile: the scale
+// bytes and the 8-byte data words of a warp are contiguous. Per block: amax from the raw words,
+// scale byte, enc from the per-CTA table, E2M1 by nvfp4_pack8 (the same numerics as process_tile).
+// Two-pass (amax computed): the amax kernel runs first and the tiles are walked in reverse, so the
+// first tiles read are the ones the amax pass read last (in L2); the stores are evict-first (st.cs)
+// so that they do not push those tiles out.
+// Pipeline shape: 4 stages per CTA x 3 CTAs per SM (3x4 measured the same, 6x2 slower: docs/benchmarks.md).
+constexpr int kNvStages = 4, kNvCtasPerSm = 3;
+constexpr int kNvTile = 2 * kThreads;  // blocks per tile
+constexpr int kNvTileBytes = kNvTile * 32;
+__host__ __device__ constexpr size_t nv_smem_bytes(int nst) {
+  return (size_t)nst * kNvTileBytes + 256 * sizeof(float) + nst * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) { return (uint32_t)__cvta_generic_to_shared(ptr); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred P;\n"
+      "NV1D_WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 P, [%0], %1;\n"
+      " @!P bra NV1D_WAIT_%=;\n}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One bulk copy of `bytes` (multiple of 16, 16-byte aligned) global -> shared, completing on bar.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // our generic reads of dst before the async write
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+// Index of the matrix that block `blk` lies in (blk / bpm) without a 64-bit integer division:
+// the fp64 quotient is off by at most one (blk < 2^42), then corrected.
+__device__ __forceinline__ int64_t matrix_of(int64_t blk, int64_t bpm, double inv_bpm) {
+  int64_t q = (int64_t)((double)blk * inv_bpm);
+  const int64_t r = blk - q * bpm;
+  q += r < 0 ? -1 : (r >= bpm ? 1 : 0);
+  return q;
+}
+
+// Persistent CTAs stream their tiles (blockIdx.x + k * gridDim.x; reversed tile numbers when
+// p.reverse, the two-pass order: the tiles the amax kernel read last are likely still in L2),
+// kNvStages tiles in flight per CTA via cp.async.bulk while the CTA encodes.
+template <int S>
+__global__ void __launch_bounds__(kThreads, kNvCtasPerSm) nv1d_kernel(const Params p) {
+  static_assert(S == S_BF16 || S == S_F16, "16-bit sources");
+  extern __shared__ __align__(128) uint8_t nv_smem[];
+  uint4* buf = reinterpret_cast<uint4*>(nv_smem);  // [kNvStages][kNvTile * 2] 16-byte chunks
+  float* s_enc = reinterpret_cast<float*>(nv_smem + (size_t)kNvStages * kNvTileBytes);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(s_enc + 256);
+  const int tid = threadIdx.x;
+  const int64_t bpm = (int64_t)p.M * (p.K >> 4);  // blocks per matrix
+  const int64_t nblk = p.B * bpm;
+  const int64_t ntiles = (nblk + kNvTile - 1) / kNvTile;
+  const double inv_bpm = 1.0 / (double)bpm;
+  const char* src = reinterpret_cast<const char*>(p.s_data);
+  // This CTA's tiles: blockIdx.x + k * gridDim.x, k < my_n (grid <= ntiles, so my_n >= 1).
+  const int64_t my_n = (ntiles - 1 - blockIdx.x) / gridDim.x + 1;
+  auto tile_at = [&](int64_t k) -> int64_t { return blockIdx.x + k * gridDim.x; };
+  auto issue = [&](int64_t ti, int st) {  // bulk load of tile ti into stage st
+    const int64_t nb = min((int64_t)kNvTile, nblk - ti * kNvTile);
+    bulk_load(buf + (size_t)st * (kNvTile * 2), src + ti * kNvTileBytes, (uint32_t)(nb * 32), &bar[st]);
+  };
+  if (tid == 0) {
+#pragma unroll
+    for (int st = 0; st < kNvStages; ++st) mbar_init(&bar[st], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // The 16-byte halves of a block are read in swizzled order (threads 4..7 of each 8 start with
+  // the second half) so that a quarter-warp's 16-byte reads hit 32 distinct banks.
+  const int h0 = (tid >> 2) & 1;
+  auto read_stage = [&](int st, uint4 (&raw)[2][2]) {
+    const uint4* sb = buf + (size_t)st * (kNvTile * 2);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int lb = tid + j * kThreads;
+      raw[j][0] = sb[2 * lb + h0];
+      raw[j][1] = sb[2 * lb + (h0 ^ 1)];
+    }
+  };
+
+  // ---- encode: sequence q = 0..my_n-1 in tile order (reversed tile numbers when p.reverse).
+  auto tile_q = [&](int64_t q) -> int64_t {
+    const int64_t tl = tile_at(q);
+    return p.reverse ? ntiles - 1 - tl : tl;
+  };
+  auto stage_q = [&](int64_t q) -> int { return (int)(q % kNvStages); };
+  if (tid == 0)
+    for (int64_t q = 0; q < kNvStages && q < my_n; ++q) issue(tile_q(q), stage_q(q));
+  int64_t b_tab = -1;
+  Nvfp4Tensor T{};
+  for (int64_t q = 0; q < my_n; ++q) {
+    const int64_t ti = tile_q(q);
+    const int st = stage_q(q);
+    const int64_t blk0 = ti * kNvTile;
+    const int64_t nb = min((int64_t)kNvTile, nblk - blk0);
+    const int64_t b_first = p.B == 1 ? 0 : matrix_of(blk0, bpm, inv_bpm);
+    const int64_t b_last = p.B == 1 ? 0 : matrix_of(blk0 + nb - 1, bpm, inv_bpm);
+    mbar_wait(&bar[st], (uint32_t)((q / kNvStages) & 1));
+    uint4 raw[2][2];
+    read_stage(st, raw);
+    __syncthreads();  // every thread has read stage st (and finished the previous tile)
+    if (tid == 0 && q + kNvStages < my_n) issue(tile_q(q + kNvStages), stage_q(q + kNvStages));
+    if (b_first != b_tab) {  // uniform: (re)build the enc table of this tile's first matrix
+      T = nvfp4_tensor(p.t_amax[b_first]);
+      s_enc[tid] = nvfp4_enc(fp8_to_float((uint8_t)tid, false), T);
+      b_tab = b_first;
+      __syncthreads();
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int lb = tid + j * kThreads;
+      if (lb >= nb) continue;
+      const int64_t blk = blk0 + lb;
+      // the half read first, then the other
+      const uint32_t w[8] = {raw[j][0].x, raw[j][0].y, raw[j][0].z, raw[j][0].w,
+                             raw[j][1].x, raw[j][1].y, raw[j][1].z, raw[j][1].w};
+      const float amax = amax_from_bits(seg_amax_16bit<S>(w));
+      Nvfp4Tensor Tb = T;
+      const bool other = b_first != b_last && matrix_of(blk, bpm, inv_bpm) != b_first;  // a tile across matrices
+      if (other) Tb = nvfp4_tensor(p.t_amax[matrix_of(blk, bpm, inv_bpm)]);
+      const uint8_t sbyte = (uint8_t)(cvt_fp8x2(amax * Tb.s_enc_div6, 0.0f, false) & 0xFFu);
+      const float enc = other ? nvfp4_enc(fp8_to_float(sbyte, false), Tb) : s_enc[sbyte];
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (S == S_BF16) {
+          x[2 * i] = __uint_as_float(w[i] << 16) * enc;
+          x[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u) * enc;
+        } else {
+          x[2 * i] = __half2float(__ushort_as_half((unsigned short)(w[i] & 0xFFFFu))) * enc;
+          x[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(w[i] >> 16))) * enc;
+        }
+      }
+      const uint32_t c0 = nvfp4_pack8(x), c1 = nvfp4_pack8(x + 8);
+      __stcs(reinterpret_cast<uint2*>(p.d_data) + blk, h0 ? make_uint2(c1, c0) : make_uint2(c0, c1));
+      __stcs(reinterpret_cast<char*>(p.d_scale) + blk, (char)sbyte);
+    }
+  }
 }
 
 // -------------------------------------------------------------------------- launchers
 template <int S, int D>
 void launch_requant(const Params& p, int64_t grid, cudaStream_t stream) {
   requant_kernel<S, D><<<(unsigned)grid, kThreads, 0, stream>>>(p);
+}
+
+// Streaming nvfp4 encode (nv1d_kernel): persistent grid of up to kNvCtasPerSm CTAs per SM.
+template <int S>
+cudaError_t launch_nv1d(const Params& p, cudaStream_t stream) {
+  constexpr size_t smem = nv_smem_bytes(kNvStages);
+  static int max_ctas = 0;  // per process: CTAs that fit on the device at once
+  if (max_ctas == 0) {
+    int dev = 0, sms = 0, per_sm = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    cudaFuncSetAttribute(nv1d_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nv1d_kernel<S>, kThreads, smem);
+    max_ctas = sms * (per_sm > 0 ? per_sm : 1);
+  }
+  const int64_t nblk = p.B * (int64_t)p.M * (p.K >> 4);
+  const int64_t ntiles = (nblk + kNvTile - 1) / kNvTile;
+  const int grid = (int)(ntiles < max_ctas ? ntiles : max_ctas);
+  nv1d_kernel<S><<<grid, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <int S>

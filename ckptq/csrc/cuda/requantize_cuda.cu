@@ -8,6 +8,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "../requantize.h"
 #include "kernels.cuh"
 
@@ -30,6 +33,9 @@ CKPTQ_EXTERN_DST(D_FP8B)
 CKPTQ_EXTERN_DST(D_MX)
 CKPTQ_EXTERN_DST(D_MXCW)
 CKPTQ_EXTERN_DST(D_NV)
+CKPTQ_EXTERN_DST(D_NVB)
+extern template cudaError_t launch_nv1d<S_BF16>(const Params&, cudaStream_t);
+extern template cudaError_t launch_nv1d<S_F16>(const Params&, cudaStream_t);
 }  // namespace cudak
 }  // namespace ckptq
 
@@ -57,6 +63,21 @@ int src_kind(Fmt f) {
     case Fmt::NVFP4: return S_NV;
   }
   return -1;
+}
+
+// nvfp4 encode kernel choice, CKPTQ_NVFP4_ENCODE (benchmark switches; the bytes are the same):
+// unset = the streaming kernel for bf16 / fp16 1x16 (two-pass: amax kernel, then the streaming
+// kernel in reverse tile order); "tile" = the new encode arithmetic in the one-tile-per-CTA kernel;
+// "baseline" = the kernel of before issue 11 part 3. Read at every call (the benchmark switches it
+// within one process).
+enum class NvMode { Stream, Tile, Baseline };
+NvMode nvfp4_mode() {
+  const char* v = std::getenv("CKPTQ_NVFP4_ENCODE");
+  if (v == nullptr || *v == 0) return NvMode::Stream;
+  if (std::strcmp(v, "tile") == 0) return NvMode::Tile;
+  if (std::strcmp(v, "baseline") == 0) return NvMode::Baseline;
+  TORCH_CHECK(false, "ckptq: CKPTQ_NVFP4_ENCODE must be unset, tile or baseline; got '", v, "'");
+  return NvMode::Stream;
 }
 
 int dst_kind(const Plan& p) {
@@ -143,6 +164,7 @@ void launch_for_dst(int D, const Params& k, int64_t grid, cudaStream_t st) {
     case D_MX: launch_requant<S, D_MX>(k, grid, st); break;
     case D_MXCW: launch_requant<S, D_MXCW>(k, grid, st); break;
     case D_NV: launch_requant<S, D_NV>(k, grid, st); break;
+    case D_NVB: launch_requant<S, D_NVB>(k, grid, st); break;
   }
 }
 
@@ -173,7 +195,9 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   }
   Params k{};
   fill_source(k, p);
-  const int D = dst_kind(p);
+  int D = dst_kind(p);
+  const NvMode nv_mode = D == D_NV ? nvfp4_mode() : NvMode::Stream;
+  if (nv_mode == NvMode::Baseline) D = D_NVB;  // same bytes, the encode of before issue 11
   // Target geometry and support (mirrored by ckptq.ops._cuda_supports).
   int G = 1;
   if (p.df == Fmt::FP8_BLOCK || p.df == Fmt::MXFP8 || p.df == Fmt::NVFP4) {
@@ -202,6 +226,9 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   if (p.columnwise) vec = vec && aligned(k.d_cw_data, 16);
   k.vec = vec;
 
+  // bf16 / fp16 -> nvfp4 1x16 over contiguous rows of whole blocks: the streaming kernel.
+  const bool stream_nv = D == D_NV && k.lbm == 0 && k.vec && (S == S_BF16 || S == S_F16) && nv_mode == NvMode::Stream;
+
   // Per-matrix amax / scale of the per-tensor targets. ``buf`` must outlive the main launch.
   at::Tensor buf;
   if (per_tensor) {
@@ -223,6 +250,11 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
     }
     if (p.scale_in.defined()) k.t_scale = p.scale_in.data_ptr<float>();
     if (p.df == Fmt::FP8_TENSOR) k.t_scale_inv = p.outs[1].data_ptr<float>();
+  }
+  if (stream_nv) {
+    C10_CUDA_CHECK(S == S_BF16 ? launch_nv1d<S_BF16>(k, st) : launch_nv1d<S_F16>(k, st));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return p.outs;
   }
   const int64_t grid = grid_of(k);
   switch (S) {
