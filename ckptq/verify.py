@@ -25,14 +25,15 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
     (:mod:`ckptq.checksums`). Records are read one at a time, in file order.
 
     Args:
-        path: a DCP checkpoint directory, or a safetensors file or folder (``ckptq export`` writes a
-            checksum per tensor into each file's ``__metadata__``: :data:`ckptq.checksums.SAFETENSORS_KEY`).
+        path: a DCP checkpoint directory, a safetensors file or folder (``ckptq export`` writes a
+            checksum per tensor into each file's ``__metadata__``: :data:`ckptq.checksums.SAFETENSORS_KEY`),
+            or a ``torch.save`` file (the CRC-32 of each zip member, which torch writes).
         progress: called with the byte length of each record checked.
 
     Returns:
         ``{"problems": [{"fqn", "offsets", "file", "start", "end", "problem"}],
         "summary": {"records", "verified", "unverified", "failed", "bytes", "has_checksums", "ok"}}``
-        (``bytes`` is None for safetensors sources):
+        (``bytes`` is None for safetensors and torch.save sources):
         ``verified`` records matched their checksum, ``unverified`` ones were read intact but have
         none (a checkpoint saved without ckptq's storage writer, by an older ckptq, or records
         another library wrote), ``failed`` ones are listed in ``problems``.
@@ -45,8 +46,11 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
     from .io.reader import SafeFileSystemReader
     from .io.safetensors import check_safetensors_records, is_safetensors_source
 
-    if is_safetensors_source(Path(path)):
-        problems, verified, unverified = check_safetensors_records(path, progress=progress)
+    from .io import torchsave
+
+    if is_safetensors_source(Path(path)) or torchsave.detect(Path(path)):
+        check = check_safetensors_records if is_safetensors_source(Path(path)) else torchsave.check_torchsave_records
+        problems, verified, unverified = check(path, progress=progress)
         rows = [{"fqn": name, "offsets": None, "file": rel, "start": start, "end": end, "problem": problem}
                 for name, rel, start, end, problem in problems]
         return _integrity_report(rows, verified, unverified, None, verified > 0)

@@ -250,3 +250,20 @@ def test_cuda_resident_tensors_are_checksummed_like_cpu_ones(tmp_path):
     out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in cuda.items()}
     _load(tmp_path / "cuda", out)
     assert torch.equal(out["norm"].cpu(), sd["norm"])
+
+
+def test_verify_path_checks_torch_save_member_crcs(tmp_path):
+    from ckptq.verify import check_integrity
+
+    torch.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, tmp_path / "m.pt")
+    s = check_integrity(tmp_path / "m.pt")["summary"]
+    assert s["ok"] and s["verified"] == s["records"] >= 3
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    data = bytearray((tmp_path / "m.pt").read_bytes())
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + 100] ^= 1
+    (tmp_path / "m.pt").write_bytes(bytes(data))
+    report = check_integrity(tmp_path / "m.pt")
+    assert report["summary"]["failed"] == 1 and report["problems"][0]["fqn"].endswith("/data/0")

@@ -34,7 +34,7 @@ from ..errors import CheckpointFormatError
 from ..formats.base import QuantizedTensor
 from .foreign import load_record
 
-__all__ = ["TorchSaveView", "detect"]
+__all__ = ["TorchSaveView", "detect", "check_torchsave_records"]
 
 NAME = "torch.save file"
 
@@ -50,6 +50,44 @@ def detect(path: Path) -> bool:
             return any(n.count("/") == 1 and n.endswith("/data.pkl") for n in z.namelist())
     except (OSError, zipfile.BadZipFile, ValueError):
         return False
+
+
+def check_torchsave_records(path: Path, progress: Any = None) -> tuple[list, int, int]:
+    """Read every member of a ``torch.save`` archive once and check its CRC-32 (``ckptq verify PATH``).
+
+    ``torch.save`` stores each storage as a zip member with the CRC-32 of its bytes (torch's
+    ``serialization.config.save.compute_crc32``, on by default); members stored with CRC 0 (that
+    option off) count as unverified.
+
+    Returns:
+        ``(problems, verified, unverified)`` as :meth:`ckptq.io.SafeFileSystemReader.check_records`,
+        with ``problems`` as ``(member, file, start, end, message)``.
+
+    Raises:
+        CheckpointFormatError: the file is not a readable zip archive.
+    """
+    problems, verified, unverified = [], 0, 0
+    try:
+        z = zipfile.ZipFile(path)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise CheckpointFormatError(f"{path}: not a readable torch.save archive ({e}); restore the file") from e
+    with z:
+        for info in z.infolist():
+            start, end = info.header_offset, info.header_offset + info.compress_size
+            if progress is not None:
+                progress(info.compress_size)
+            if info.CRC == 0 and info.file_size:
+                unverified += 1
+                continue
+            try:
+                with z.open(info) as f:
+                    while f.read(1 << 24):
+                        pass
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+                problems.append((info.filename, Path(path).name, start, end, f"{e}: the file is corrupt; restore it"))
+                continue
+            verified += 1
+    return problems, verified, unverified
 
 
 def _flatten(obj: Any, prefix: str, out: dict, skipped: list, where: str) -> None:
