@@ -50,12 +50,19 @@ def _extensions():
     # vectorize; it changes no value (no reassociation, no contraction).
     cxx = opt + ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math",
                  "-Wno-unused-function"]
+    # -fopenmp: at::parallel_for is a header template whose OpenMP backend is a `#pragma omp parallel`
+    # in ATen/ParallelOpenMP.h, so without it the CPU kernels run on one thread whatever
+    # torch.get_num_threads() says. Linking with -fopenmp records libgomp.so.1, which resolves to the
+    # copy torch has already loaded (one OpenMP runtime, torch's thread count). Linux/GCC only (Apple
+    # clang has no -fopenmp; the kernels then run on one thread, as before).
+    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []
     exts = [
         ce.CppExtension(
             "ckptq._C",
             sources=[os.path.join(CSRC, "requantize_cpu.cpp")],
             include_dirs=[os.path.join(ROOT, CSRC)],
-            extra_compile_args={"cxx": cxx},
+            extra_compile_args={"cxx": cxx + omp},
+            extra_link_args=omp,
             py_limited_api=True,
         )
     ]

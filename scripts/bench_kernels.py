@@ -22,6 +22,11 @@ For each source -> target pair it measures, on the same device and in the same r
   ``NVFP4Tensor.dequantize``), eager and under ``torch.compile``; torchao's numerics differ from
   ckptq's (other rounding rules), so this compares speed only.
 
+On a CPU the run also measures the machine's copy bandwidth out of cache (``copy_bandwidth``:
+``b.copy_(a)`` of two buffers of at least twice the last-level cache, with 1 thread and with all
+of torch's threads; read + write bytes counted), and the table gives each kernel's GB/s against
+both, plus the fastest peer's time over ckptq's (>= 1: ckptq is at least as fast).
+
 Bytes moved = bytes of the source components read once + bytes of the target components written
 once ("logical"). Targets with a per-tensor amax (nvfp4, fp8_tensor) read the source twice (amax
 pass + encode pass): ``traffic`` adds that second read. Times are medians over ``--reps`` runs, each
@@ -137,6 +142,44 @@ def nbytes(t) -> int:
     if isinstance(t, ckptq.QuantizedTensor):
         return nbytes(t.components())
     return t.numel() * t.element_size()
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), or 0 if unknown."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for d in os.listdir(base):
+            try:
+                with open(os.path.join(base, d, "size")) as f:
+                    v = f.read().strip()
+            except OSError:
+                continue
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(v[-1:], 1)
+            best = max(best, int(v.rstrip("KMG")) * mult)
+    except OSError:
+        pass
+    return best
+
+
+def copy_bandwidth(reps: int) -> dict:
+    """CPU copy bandwidth out of cache: ``b.copy_(a)`` of uint8 buffers of max(2 x LLC, 512 MiB)
+    each, with 1 thread and with torch's thread count; GB/s counts the bytes read + written."""
+    llc = llc_bytes()
+    n = max(2 * llc, 512 * 2**20)
+    a = torch.ones(n, dtype=torch.uint8)
+    b = torch.zeros(n, dtype=torch.uint8)  # touched, so no page faults are timed
+    threads = torch.get_num_threads()
+    out = {"buffer_bytes": n, "llc_bytes": llc}
+    for t in sorted({1, threads}):
+        torch.set_num_threads(t)
+        try:
+            s = time_fn(lambda: b.copy_(a), torch.device("cpu"), max(3, reps), 1)
+        finally:
+            torch.set_num_threads(threads)
+        out[f"threads{t}_gbps"] = 2 * n / s / 1e9
+    out["threads"] = threads
+    return out
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -296,18 +339,19 @@ def bench_pair(name, device, args, deadline) -> dict:
         except Exception as e:  # noqa: BLE001
             peers["compile"] = f"n/a: {type(e).__name__}: {str(e)[:200]}"
     if not args.no_torchao and name in TARGET_PAIRS and time.time() < deadline:
+        stage = "torchao"  # the column a failure is reported in
         try:
             fn, label = torchao_fn(src, dst, rec, x, amax)
             row["torchao_fn"] = label
-            peers["torchao"], row["torchao_timing"] = best_time(fn, device, args.reps, iters)
+            if not args.no_torchao_eager:
+                peers["torchao"], row["torchao_timing"] = best_time(fn, device, args.reps, iters)
             if time.time() < deadline and not args.no_compile:
+                stage = "torchao_compile"
                 cf = torch.compile(fn, dynamic=False)
                 cf()
                 peers["torchao_compile"], row["torchao_compile_timing"] = best_time(cf, device, args.reps, iters)
         except Exception as e:  # noqa: BLE001
-            peers.setdefault("torchao", f"n/a: {type(e).__name__}: {str(e)[:200]}")
-            if "torchao" in peers and not isinstance(peers["torchao"], str):
-                peers["torchao_compile"] = f"n/a: {type(e).__name__}: {str(e)[:200]}"
+            peers[stage] = f"n/a: {type(e).__name__}: {str(e)[:200]}"
     row["peers_s"] = peers
     row["speedup"] = {k: (v / t if isinstance(v, float) else None) for k, v in peers.items()}
     return row
@@ -334,6 +378,10 @@ def run(args) -> dict:
         res["torchao"] = torchao.__version__
     except Exception as e:  # noqa: BLE001
         res["torchao"] = f"not available: {type(e).__name__}: {e}"
+    if device.type == "cpu":
+        res["loadavg_start"] = os.getloadavg()
+        res["copy_bw"] = copy_bandwidth(args.reps)
+        print(f"copy bandwidth out of cache: {res['copy_bw']}", flush=True)
     deadline = time.time() + args.budget_s
     for name in pairs:
         t0 = time.time()
@@ -350,6 +398,11 @@ def run(args) -> dict:
                 json.dump(res, f, indent=1)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cpu":
+        res["loadavg_end"] = os.getloadavg()
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
     return res
 
 
@@ -371,7 +424,70 @@ def summary_line(row) -> str:
             f" (traffic {row['traffic_ratio']:.2f})  {peers}")
 
 
+def peer_gbps(row, key) -> str:
+    v = row.get("peers_s", {}).get(key)
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return "n/a"
+    return f"{v * 1e3:.3g} ms, {(row['read_bytes'] + row['write_bytes']) / v / 1e9:.2f} GB/s"
+
+
+def fastest_peer(row):
+    """(name, seconds) of the fastest peer measured for the row, eager reference excluded."""
+    got = [(k, v) for k, v in row.get("peers_s", {}).items() if isinstance(v, float) and k != "eager"]
+    return min(got, key=lambda kv: kv[1]) if got else (None, None)
+
+
+PEER_NAMES = {"compile": "torch.compile ref", "torchao": "torchao", "torchao_compile": "torchao compiled"}
+
+
+def markdown_table_cpu(res: dict) -> str:
+    bw = res["copy_bw"]
+    t = bw["threads"]
+    c1, ct = bw["threads1_gbps"], bw[f"threads{t}_gbps"]
+    la0, la1 = res.get("loadavg_start"), res.get("loadavg_end")
+    lines = [
+        f"### CPU: {res['machine']}",
+        "",
+        f"torch {res['torch']}, torchao {res.get('torchao')}, measured {res['date']}; sources of >= {res['size_mib']:g} MiB "
+        f"(last-level cache {bw['llc_bytes'] / 2**20:.0f} MiB); median of {res['reps']} runs of {res['iters']} call(s) "
+        f"(wall time), ckptq and every peer in the same process"
+        + (f"; load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end (other jobs shared the machine)"
+           if la0 and la1 else "") + ".",
+        "",
+        f"Copy bandwidth out of cache (`b.copy_(a)`, two {bw['buffer_bytes'] / 2**20:.0f} MiB buffers, read + write "
+        f"counted): **1 thread {c1:.1f} GB/s, {t} threads {ct:.1f} GB/s**.",
+        "",
+        f"| pair | shape | MiB read + written | ckptq | GB/s | / 1-thread copy | / {t}-thread copy | "
+        "torch.compile ref | torchao | torchao compiled | eager ref | fastest peer / ckptq |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in res["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['pair']} | error: {row['error'][:80]} |" + " |" * 10)
+            continue
+        mib = (row["read_bytes"] + row["write_bytes"]) / 2**20
+        name, best = fastest_peer(row)
+        ratio = f"{best / row['t_ckptq_s']:.2f} ({PEER_NAMES[name]})" if name else "-"
+        lines.append(
+            f"| {row['pair']} | {'x'.join(map(str, row['shape']))} | {mib:.0f} | {row['t_ckptq_s'] * 1e3:.3g} ms | "
+            f"{row['gbps']:.2f} | {row['gbps'] / c1:.2f} | {row['gbps'] / ct:.2f} | {peer_gbps(row, 'compile')} | "
+            f"{peer_gbps(row, 'torchao')} | {peer_gbps(row, 'torchao_compile')} | {peer_gbps(row, 'eager')} | {ratio} |")
+    notes = sorted({f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}" for r in res["rows"]
+                    for k, v in r.get("peers_s", {}).items() if isinstance(v, str)})
+    lines += ["", "GB/s: bytes of the source components read once + target components written once, per second. "
+              "'fastest peer / ckptq': the fastest peer's time over ckptq's (>= 1: ckptq is at least as fast), "
+              "eager reference excluded. "
+              + ("torchao functions: " + ", ".join(sorted({r['torchao_fn'] for r in res['rows'] if 'torchao_fn' in r}))
+                 + ". " if any("torchao_fn" in r for r in res["rows"]) else "")
+              + ("Not measured: " + "; ".join(notes) + "." if notes else ""), ""]
+    return "\n".join(lines)
+
+
 def markdown_table(res: dict) -> str:
+    if res["device"] == "cpu" and "copy_bw" in res:
+        return markdown_table_cpu(res)
     dev = "GPU" if res["device"] == "cuda" else "CPU"
     lines = [
         f"### {dev}: {res['machine']}",
@@ -404,6 +520,23 @@ def markdown_table(res: dict) -> str:
                  + ". " if any("torchao_fn" in r for r in res["rows"]) else "")
               + ("Not measured: " + "; ".join(notes) + "." if notes else ""), ""]
     return "\n".join(lines)
+
+
+def render_subsection(res: dict, path: str = DOCS) -> None:
+    """Replace only the '### CPU: ...' (or '### GPU: ...') table of the '## Kernels' section with this
+    result, up to the next '####'/'###'/'##' heading (a hand-written '#### ...' analysis under the table
+    is kept); everything else in the file is kept."""
+    text = open(path).read()
+    start = text.find("## Kernels")
+    dev = "GPU" if res["device"] == "cuda" else "CPU"
+    a = text.find(f"\n### {dev}:", start) + 1 if start >= 0 else 0
+    if start < 0 or a == 0:
+        return render([res], path)
+    ends = [i for i in (text.find("\n#### ", a), text.find("\n### ", a), text.find("\n## ", a)) if i >= 0]
+    b = min(ends) + 1 if ends else len(text)
+    text = text[:a] + markdown_table(res).rstrip("\n") + "\n\n" + text[b:]
+    with open(path, "w") as f:
+        f.write(text.rstrip("\n") + "\n")
 
 
 def render(results: list[dict], path: str = DOCS) -> None:
@@ -439,14 +572,21 @@ def main(argv=None):
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--compile-all", action="store_true", help="torch.compile the reference for every pair")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-torchao-eager", action="store_true", help="time torchao only under torch.compile")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip peers once this many seconds have passed")
     p.add_argument("--json", help="write results here (after every pair)")
     p.add_argument("--markdown", nargs="?", const=DOCS, help="update the Kernels section of this file")
+    p.add_argument("--subsection", action="store_true",
+                   help="with --markdown/--render: replace only this device's '### CPU:'/'### GPU:' table")
     p.add_argument("--render", nargs="+", metavar="JSON", help="only render these result files into --markdown")
     args = p.parse_args(argv)
     if args.render:
         results = [json.load(open(f)) for f in args.render]
-        render(results, args.markdown or DOCS)
+        if args.subsection:
+            for r in results:
+                render_subsection(r, args.markdown or DOCS)
+        else:
+            render(results, args.markdown or DOCS)
         print("\n\n".join(markdown_table(r) for r in results))
         return
     if args.iters is None:
@@ -455,7 +595,10 @@ def main(argv=None):
     print()
     print(markdown_table(res))
     if args.markdown:
-        render([res], args.markdown)
+        if args.subsection:
+            render_subsection(res, args.markdown)
+        else:
+            render([res], args.markdown)
 
 
 if __name__ == "__main__":
