@@ -14,20 +14,54 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from .contract import Entry, EntryTable, fold_entries, read_record, saved_world_size
+from . import chunks
+from .checksums import check as check_checksum, checksum
+from .contract import Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
 from .errors import CheckpointFormatError
 from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata
 
-__all__ = ["Entry", "CheckpointView", "open_checkpoint", "register_source"]
+__all__ = ["Entry", "CheckpointView", "SavedChunk", "open_checkpoint", "register_source"]
+
+#: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
+STAGING_BYTES = 1 << 20
+
+
+@dataclasses.dataclass
+class SavedChunk:
+    """Where the payload of one saved chunk of a tensor entry lies (see :meth:`CheckpointView.saved_chunks`).
+
+    Attributes:
+        box: ``(offsets, sizes)`` of the chunk in the entry.
+        dtype: the entry's stored dtype.
+        file: the data file's path relative to the checkpoint.
+        start, length: the record's byte range in ``file``.
+        payload: offset in ``file`` of the chunk's elements (row-major, little-endian).
+        checksum: the crc32c the checkpoint records for it (None: it records none).
+        crc32: the zip CRC-32 its record's directory gives its payload (None: not one member).
+        where: how messages name it (checkpoint, entry, chunk, file and byte range).
+    """
+
+    box: chunks.Box
+    dtype: torch.dtype
+    file: str
+    start: int
+    length: int
+    payload: int
+    checksum: Optional[int]
+    where: str
+    crc32: Optional[int] = None
+    verified: bool = False
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -52,6 +86,10 @@ class CheckpointView(EntryTable):
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._entries = fold_entries(self.metadata, where=str(self.path))
+        self._saved: dict[str, Optional[list[SavedChunk]]] = {}
+        self._fds: dict[str, int] = {}
+        self._staging: Any = None
+        self._checksums: Any = False  # read on first use
 
     @property
     def world_size(self) -> Optional[int]:
@@ -82,9 +120,227 @@ class CheckpointView(EntryTable):
             blob = f.read(info.length)
         descriptors = getattr(info, "transform_descriptors", None)
         if not descriptors:
-            _check_archive(blob, f"{self.path}: '{fqn}', record '{info.relative_path}' bytes "
-                                 f"{info.offset}..{info.offset + info.length}")
+            where = f"{self.path}: '{fqn}', record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+            _check_archive(blob, where)
+            check_checksum(blob, (read_checksums(self.metadata.planner_data, where=str(self.path)) or {}).get((fqn, None)),
+                           where)
         return blob, descriptors
+
+    # ------------------------------------------------------------------ byte ranges
+    def saved_chunks(self, key: str) -> Optional[list[SavedChunk]]:
+        """The saved chunks of tensor entry ``key`` (a DCP key: a component key such as
+        ``"w.data"`` or a plain tensor's FQN) as byte ranges of the data files, or None when
+        some chunk cannot be read by byte range (a record another library wrote, one stored with
+        stream transforms, or a tensor that is not one contiguous run; read those with :meth:`read`).
+
+        Each record is checked first as :class:`~ckptq.io.SafeFileSystemReader` checks it (its zip
+        directory and pickle CRC, ``weights_only`` unpickling of the pickle alone, dtype and shape
+        against the metadata); the payload is not read. Cached per key.
+
+        Raises:
+            CheckpointFormatError: ``key`` is not a tensor entry, or a record is truncated, corrupt
+                or not what the metadata says (naming the file, byte range and entry).
+            UnsafeCheckpointError: a record's pickle cannot be loaded with ``weights_only=True``.
+        """
+        if key in self._saved:
+            return self._saved[key]
+        from .io.records import locate_payload
+
+        md = self.metadata.state_dict_metadata.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointFormatError(f"{self.path}: '{key}' is not a tensor entry of the checkpoint")
+        if self._checksums is False:
+            self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
+        out: Optional[list[SavedChunk]] = []
+        for c in md.chunks:
+            index = MetadataIndex(key, c.offsets)
+            info = (self.metadata.storage_data or {}).get(index)
+            rel = getattr(info, "relative_path", None)
+            if rel is None or type(info).__name__ == "ForeignLocation" or getattr(info, "transform_descriptors", None):
+                out = None
+                break
+            start, length = int(info.offset), int(info.length)
+            where = (f"{self.path}: '{key}' (chunk at offsets {list(c.offsets)}), record '{rel}' bytes "
+                     f"{start}..{start + length}")
+            try:
+                with open(self.path / rel, "rb") as f:
+                    at = locate_payload(f, start, length, where, md.properties.dtype, tuple(c.sizes))
+            except OSError as e:
+                raise CheckpointFormatError(f"{where}: the data file cannot be read ({e}); copy the whole "
+                                            f"checkpoint directory") from e
+            if at is None:
+                out = None
+                break
+            out.append(SavedChunk((tuple(c.offsets), tuple(c.sizes)), md.properties.dtype, str(rel), start, length,
+                                  start + at[0], self._checksums.get((key, tuple(int(o) for o in c.offsets))), where,
+                                  at[1]))
+        self._saved[key] = out
+        return out
+
+    def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> Optional[tuple[int, int]]:
+        """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
+        with the elements of tensor entry ``key`` at ``box``, copied from the byte ranges of the
+        saved chunks it overlaps (no whole tensor is assembled). Reads go straight into ``out``
+        where the bytes are contiguous on both sides, else through a 1 MiB buffer, a band of rows
+        at a time. Each saved chunk the checkpoint records a checksum for is checked the first time
+        it is read from (once per view): from the bytes read when they are the whole chunk, else
+        by reading the chunk once more, in order.
+
+        Memory: ``out`` plus :data:`STAGING_BYTES` (or one row of a chunk, if larger).
+
+        Returns:
+            ``(checksum, crc32)`` when ``box`` is exactly one saved chunk whose bytes were verified
+            against its recorded checksum: that checksum and the zip CRC-32 of its record (so a
+            writer need not hash the same bytes again), else None.
+
+        Raises:
+            CheckpointFormatError: the chunks cannot be read by byte range (:meth:`saved_chunks` is
+                None: use :meth:`read`), a data file is shorter than its metadata says, ``out`` does
+                not fit ``box``; ChecksumMismatchError: a chunk's bytes differ from its checksum.
+        """
+        saved = self.saved_chunks(key)
+        if saved is None:
+            raise CheckpointFormatError(f"{self.path}: '{key}' cannot be read by byte range; use read()")
+        if tuple(out.shape) != tuple(box[1]) or not out.is_contiguous() or (saved and out.dtype != saved[0].dtype):
+            raise CheckpointFormatError(f"{self.path}: '{key}': a buffer {out.dtype} {list(out.shape)} for box {box}")
+        covered, known = 0, None
+        for c in saved:
+            ov = chunks.intersect(box, c.box)
+            if ov is None or not math.prod(ov[1]) and ov[1]:
+                continue
+            covered += math.prod(ov[1])
+            self._copy(c, ov, box, out)
+            if c.box == tuple(box) and c.verified and c.crc32 is not None:
+                known = (c.checksum, c.crc32)
+        if covered != math.prod(box[1]):  # check_storage made chunks disjoint and complete
+            raise CheckpointFormatError(f"{self.path}: the saved chunks of '{key}' cover {covered} of the "
+                                        f"{math.prod(box[1])} elements of box {box}")
+        return known
+
+    def whole_chunk(self, key: str, box: chunks.Box) -> Optional[SavedChunk]:
+        """The saved chunk of tensor entry ``key`` whose box is exactly ``box``, if one is (and
+        the entry can be read by byte range: :meth:`saved_chunks`)."""
+        for c in self.saved_chunks(key) or ():
+            if c.box == (tuple(box[0]), tuple(box[1])):
+                return c
+        return None
+
+    def hash_chunk(self, c: SavedChunk) -> tuple[int, int]:
+        """``(checksum, crc32)`` of saved chunk ``c``'s payload: its crc32c (:mod:`ckptq.checksums`),
+        checked against the recorded one if the checkpoint has one, and its zip CRC-32 (the one
+        its record gives, else computed). Reads the payload once, in order, through the 1 MiB
+        staging buffer (for copying the chunk verbatim elsewhere, e.g. with ``copy_file_range``).
+
+        Raises:
+            ChecksumMismatchError: the bytes differ from the recorded checksum (naming the file,
+                byte range and entry). CheckpointFormatError: the data file is truncated.
+        """
+        from .io.records import payload_crc32
+
+        nbytes = math.prod(c.box[1]) * c.dtype.itemsize
+        stage = self._stage(STAGING_BYTES)
+        running, crc = 0, 0
+        for at in range(0, nbytes, STAGING_BYTES):
+            buf = memoryview(stage[:min(STAGING_BYTES, nbytes - at)])
+            self._pread(c, buf, at)
+            running = checksum(buf, running)
+            if c.crc32 is None:
+                crc = payload_crc32(buf, crc)
+        if c.checksum is not None:
+            self._verify(c, running)
+        return running, (c.crc32 if c.crc32 is not None else crc)
+
+    def data_fd(self, c: SavedChunk) -> int:
+        """A read-only file descriptor of ``c``'s data file (open until :meth:`close`)."""
+        return self._fd(c.file)
+
+    def close(self) -> None:
+        """Close the data files :meth:`read_box` opened (it reopens them when called again)."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self._staging = None
+
+    def _fd(self, rel: str) -> int:
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
+        return fd
+
+    def _pread(self, c: SavedChunk, into: memoryview, at: int) -> None:
+        """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at``."""
+        fd, pos, n = self._fd(c.file), c.payload + at, len(into)
+        done = 0
+        try:
+            while done < n:
+                got = os.preadv(fd, [into[done:]], pos + done)
+                if got <= 0:
+                    raise CheckpointFormatError(f"{c.where}: the data file ends inside the record; it is "
+                                                f"truncated: restore it or re-save")
+                done += got
+        except OSError as e:
+            raise CheckpointFormatError(f"{c.where}: the data file cannot be read ({e})") from e
+
+    def _stage(self, nbytes: int) -> Any:
+        """The staging buffer (a numpy uint8 array), at least ``nbytes`` long."""
+        if self._staging is None or len(self._staging) < nbytes:
+            import numpy as np
+
+            self._staging = np.empty(max(nbytes, STAGING_BYTES), dtype=np.uint8)
+        return self._staging
+
+    def _copy(self, c: SavedChunk, ov: chunks.Box, box: chunks.Box, out: torch.Tensor) -> None:
+        # Bytes are copied with numpy (one thread): torch's copy_ splits small copies over its
+        # thread pool, which stalls when the writer thread holds the other core.
+        item = out.element_size()
+        check = c.checksum is not None and not c.verified
+        whole = ov == c.box
+        if not c.box[1]:  # 0-d
+            dst = _bytes_of(out)
+            self._pread(c, dst, 0)
+            if check:
+                self._verify(c, checksum(dst))
+            return
+        out_b = _u8(out)  # (..., last * itemsize) bytes
+        rel_dst = tuple(o - b for o, b in zip(ov[0], box[0]))
+        rel_src = tuple(o - s for o, s in zip(ov[0], c.box[0]))
+        dst = out_b[_slices(rel_dst, ov[1], item)]
+        row = math.prod(c.box[1][1:]) * item  # bytes of one dim-0 slice of the chunk
+        r0, nrows = rel_src[0], ov[1][0]
+        if tuple(ov[1][1:]) == tuple(c.box[1][1:]) and dst.flags.c_contiguous:  # one run on both sides
+            view = memoryview(dst).cast("B")
+            self._pread(c, view, r0 * row)
+            if check and whole:
+                self._verify(c, checksum(view))
+        else:
+            band = max(1, STAGING_BYTES // max(row, 1))
+            stage = self._stage(min(band, nrows) * row)
+            inner = (slice(None),) + _slices(rel_src[1:], ov[1][1:], item)
+            running = 0
+            for b0 in range(0, nrows, band):
+                nb = min(band, nrows - b0)
+                buf = stage[:nb * row]
+                self._pread(c, memoryview(buf), (r0 + b0) * row)
+                if check and whole:
+                    running = checksum(memoryview(buf), running)
+                rows = buf.reshape((nb,) + tuple(c.box[1][1:-1]) + (c.box[1][-1] * item,))
+                dst[b0:b0 + nb] = rows[inner]
+            if check and whole:
+                self._verify(c, running)
+        if check and not whole:  # read the chunk once, in order, to check it
+            nbytes, step = math.prod(c.box[1]) * item, STAGING_BYTES
+            stage = self._stage(step)
+            running = 0
+            for at in range(0, nbytes, step):
+                buf = memoryview(stage[:min(step, nbytes - at)])
+                self._pread(c, buf, at)
+                running = checksum(buf, running)
+            self._verify(c, running)
+
+    def _verify(self, c: SavedChunk, got: int) -> None:
+        """``got``, the checksum of ``c``'s bytes as read (maybe hashed in bands), against the recorded one."""
+        check_checksum(None, c.checksum, c.where, got=got)
+        c.verified = True
 
     def mapping(self, key: str) -> Optional[tuple]:
         """DCP's flatten mapping (path tuple) of an entry, if the checkpoint has one."""
@@ -92,6 +348,26 @@ class CheckpointView(EntryTable):
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
             return pd[key]
         return None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t`` as a writable memoryview (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def _u8(t: torch.Tensor) -> Any:
+    """Contiguous CPU tensor ``t`` (rank >= 1) as a numpy uint8 array of shape ``(..., last * itemsize)``."""
+    return t.view(torch.uint8).numpy()
+
+
+def _slices(offsets: tuple, sizes: tuple, item: int) -> tuple:
+    """Index of a box in an array from :func:`_u8` (the last dim counted in bytes)."""
+    out = [slice(o, o + n) for o, n in zip(offsets, sizes)]
+    if out:
+        out[-1] = slice(offsets[-1] * item, (offsets[-1] + sizes[-1]) * item)
+    return tuple(out)
 
 
 def _check_archive(blob: bytes, where: str) -> None:

@@ -51,18 +51,21 @@ def payload(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> memoryvi
     return memoryview(data).cast("B")
 
 
-def checksum(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> int:
-    """``crc32c`` of :func:`payload` ``(data)``: an unsigned 32-bit int.
+def checksum(data: Union[torch.Tensor, bytes, bytearray, memoryview], value: int = 0) -> int:
+    """``crc32c`` of :func:`payload` ``(data)``: an unsigned 32-bit int; with ``value``, the
+    checksum continued from ``value`` (the checksum of the bytes before ``data``), so a chunk read
+    in parts hashes to the checksum of the whole.
 
     ``torch.uint8`` views are used, so every dtype (bf16, float8, packed fp4 in uint8) hashes its
     stored bytes. Little-endian hosts only (as every platform torch supports today)."""
     import crc32c
 
-    return crc32c.crc32c(payload(data))
+    return crc32c.crc32c(payload(data), value)
 
 
-def check(data: Any, expected: Optional[int], where: str) -> None:
-    """Compare the checksum of ``data`` with ``expected`` (nothing to do when it is None).
+def check(data: Any, expected: Optional[int], where: str, *, got: Optional[int] = None) -> None:
+    """Compare the checksum of ``data`` (or ``got``, one computed already, e.g. over parts) with
+    ``expected`` (nothing to do when it is None).
 
     Raises:
         ChecksumMismatchError: they differ; the message starts with ``where`` (the checkpoint, the
@@ -70,7 +73,7 @@ def check(data: Any, expected: Optional[int], where: str) -> None:
     """
     if expected is None:
         return
-    got = checksum(data)
+    got = checksum(data) if got is None else got
     if got != expected:
         from .errors import ChecksumMismatchError
 

@@ -32,6 +32,7 @@ __all__ = [
     "expand_to_aligned",
     "alignment",
     "box_within",
+    "intersect",
     "narrow_box",
     "blocked_view",
     "unblock",
@@ -193,6 +194,19 @@ def box_within(inner: Box, outer: Box) -> Box:
     rel = tuple(i - o for i, o in zip(io, oo))
     assert all(r >= 0 and r + s <= os_ for r, s, os_ in zip(rel, isz, osz)), (inner, outer)
     return rel, tuple(isz)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The box where boxes ``a`` and ``b`` (same rank, absolute offsets) overlap, or None when
+    they share no element (a 0-d box overlaps a 0-d box)."""
+    off, size = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        off.append(lo)
+        size.append(hi - lo)
+    return tuple(off), tuple(size)
 
 
 def narrow_box(t: torch.Tensor, box: Box) -> torch.Tensor:

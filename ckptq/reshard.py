@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
@@ -25,13 +26,14 @@ import torch
 
 from . import chunks
 from .checkpoint import CheckpointView, open_checkpoint
-from .contract import CKPTQ_KEY, Entry, emit_components, high_precision_descriptor, make_record, native_descriptor
+from .contract import (CKPTQ_KEY, Entry, component_fqn, emit_components, high_precision_descriptor, make_record,
+                       native_descriptor)
 from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
-from .formats import FORMATS, format_class, requantize
+from .formats import FORMATS, format_class, from_components, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db
-from .io.writer import CheckpointDirWriter, commit_dir, staging_dir
+from .io.writer import CheckpointDirWriter, commit_dir, encode_chunk, staging_dir
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "reshard_checkpoint", "convert_checkpoint",
            "HP_DTYPES"]
@@ -308,10 +310,14 @@ def _component_extent(off: int, size: int, div: int, full: int) -> int:
 
 
 # --------------------------------------------------------------------------------------- running
-def _materialize(view: CheckpointView, job: TensorJob) -> tuple[Any, Optional[float]]:
+def _materialize(view: CheckpointView, job: TensorJob, timing: Optional[dict] = None) -> tuple[Any, Optional[float]]:
     """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
-    values against the source's when it had to be re-encoded (else None)."""
+    values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
+    the seconds spent reading the sources."""
+    t0 = time.perf_counter()
     parts = [view.read(e.fqn) for e in job.sources]
+    if timing is not None:
+        timing["read"] = timing.get("read", 0.0) + time.perf_counter() - t0
     if len(parts) > 1:  # grouped stack: per-member components gain a leading batch dim
         if isinstance(parts[0], QuantizedTensor):
             q0 = parts[0]
@@ -350,20 +356,117 @@ def run_reshard(
     *,
     overwrite: bool = False,
     progress: Optional[Callable[[int], None]] = None,
+    distributed: bool = False,
 ) -> dict:
     """Execute ``plan`` into ``dst`` (a new directory; an existing one needs ``overwrite``).
 
     Writes into a temporary sibling and renames it into place only when complete, so an error
     leaves ``dst`` as it was; the source is only read.
 
+    Tensors whose bytes do not change (same format and recipe, or a plain tensor of the same dtype;
+    DCP sources) are copied box by box from the byte ranges of the source chunks each target chunk
+    overlaps. A target chunk that is a whole saved chunk is hashed (its recorded checksum checked)
+    by reading it through a 1 MiB buffer, and copied file to file by the kernel on a writer thread
+    (``copy_file_range``). Others are assembled (:meth:`CheckpointView.read_box`) in one of two
+    chunk buffers, hashed, and appended on the writer thread while the next is read. Tensors whose
+    bytes change are read whole, transformed and cut into their target chunks.
+
+    Args:
+        progress: called with the bytes of each chunk as it is queued for writing.
+        distributed: split the work over the processes of the default ``torch.distributed`` process
+            group (initialized from torchrun's environment with gloo if it is not yet): each writes
+            the target files :func:`ckptq.distributed.assign` gives it into one staging directory,
+            rank 0 writes ``.metadata`` and renames it into place once every process reported
+            success. Every process must call this with the same arguments.
+
     Returns:
-        ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db}}``.
+        ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db},
+        "processes", "process_rank"}`` (in distributed mode: of the whole checkpoint, on every
+        process; ``processes`` is 1 and ``process_rank`` 0 otherwise). ``seconds``: ``total`` (this
+        call), ``transform`` (the kernels: re-encoding, dequantizing, SQNR of whole tensors) and
+        ``whole_reads`` (reading those tensors), both summed over processes; the rest of ``total``
+        is byte-range copying, hashing and writing.
 
     Raises:
         ShardingError: the plan has alignment problems (nothing is written).
-        CkptqError: ``dst`` exists (without ``overwrite``) or overlaps the source.
+        CkptqError: ``dst`` exists (without ``overwrite``) or overlaps the source; in distributed
+            mode, on every process, when any process failed (naming the ranks and their errors).
     """
+    t_start = time.perf_counter()
     dst = Path(dst).absolute()
+    if not distributed:
+        return _run(view, plan, dst, overwrite, progress, None, t_start)
+    from .distributed import Group
+
+    group = Group.default()
+    try:
+        return _run(view, plan, dst, overwrite, progress, group, t_start)
+    finally:
+        group.close()
+
+
+def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t_start: float) -> dict:
+    tmp = None
+    if group is None or group.rank == 0:
+        try:
+            tmp = _prepare_output(view, plan, dst, overwrite)
+        except BaseException as e:
+            if group is None:
+                raise
+            tmp = e
+    if group is not None:
+        tmp = group.broadcast(tmp)
+        if isinstance(tmp, BaseException):
+            raise tmp
+    files = set(range(plan.mesh.world_size))
+    if group is not None:
+        files = group.assign(plan.bytes_per_rank())
+    writer = CheckpointDirWriter(tmp)
+    state = _RunState()
+    try:
+        try:
+            _execute(view, plan, writer, files, state, progress)
+            local = writer.close_local()
+        finally:
+            if hasattr(view, "close"):
+                view.close()
+        if group is None:
+            writer.finish(_planner_data(plan, state))
+        else:
+            results = group.gather_ok((local, state), to_root=True)  # raises on every rank if one failed
+            if group.rank == 0:
+                for shard, st in results[1:]:
+                    writer.merge_local(shard)
+                    state.merge(st)
+                writer.finish(_planner_data(plan, state))
+                commit_dir(tmp, dst)
+            group.gather_ok("committed" if group.rank == 0 else "ok")
+            results_state = group.broadcast((writer.bytes_per_rank, state.requantized, state.transform_s,
+                                             state.whole_read_s) if group.rank == 0 else None)
+            writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s = results_state
+    except BaseException as e:
+        writer.abort()
+        if group is not None and not getattr(e, "ckptq_reported", False):
+            group.report_failure(e)  # the others fail their next collective with this (once done writing)
+        if group is None or group.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if group is None:
+        commit_dir(tmp, dst)
+    return {
+        "path": str(dst),
+        "world_size": plan.mesh.world_size,
+        "bytes_per_rank": writer.bytes_per_rank,
+        "tensors": len(plan.jobs),
+        "requantized": state.requantized,
+        "processes": 1 if group is None else group.size,
+        "process_rank": 0 if group is None else group.rank,
+        "seconds": {"total": time.perf_counter() - t_start, "transform": state.transform_s,
+                    "whole_reads": state.whole_read_s},
+    }
+
+
+def _prepare_output(view, plan: ReshardPlan, dst: Path, overwrite: bool) -> Path:
     src = view.path.absolute()
     if dst == src or src in dst.parents or dst in src.parents:
         raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
@@ -375,32 +478,236 @@ def run_reshard(
             + "\n  ".join(plan.problems)
             + "\nNothing was written. Use --misaligned high-precision to export them dequantized."
         )
-    tmp = staging_dir(dst)
-    writer = CheckpointDirWriter(tmp)
-    descriptors: dict[str, dict] = {}
-    mappings: dict[str, tuple] = {}
-    requantized: dict[str, float] = {}
-    try:
-        for job in plan.jobs:
-            _write_job(view, job, writer, descriptors, mappings, requantized)
-            if progress:
-                progress(sum(job.bytes_per_rank.values()))
-        writer.finish({**mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))})
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_dir(tmp, dst)
-    return {
-        "path": str(dst),
-        "world_size": plan.mesh.world_size,
-        "bytes_per_rank": writer.bytes_per_rank,
-        "tensors": len(plan.jobs),
-        "requantized": requantized,
-    }
+    return staging_dir(dst)
 
 
-def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, mappings, requantized) -> None:
+@dataclasses.dataclass
+class _RunState:
+    """What the jobs produce besides records: descriptors, flatten mappings, SQNRs (mergeable)."""
+
+    descriptors: dict = dataclasses.field(default_factory=dict)
+    mappings: dict = dataclasses.field(default_factory=dict)
+    requantized: dict = dataclasses.field(default_factory=dict)
+    transform_s: float = 0.0  # transforming whole tensors (the kernels: requantize, dequantize, SQNR)
+    whole_read_s: float = 0.0  # reading whole tensors for them
+
+    def merge(self, other: "_RunState") -> None:
+        self.descriptors.update(other.descriptors)
+        self.mappings.update(other.mappings)
+        self.requantized.update(other.requantized)
+        self.transform_s += other.transform_s
+        self.whole_read_s += other.whole_read_s
+
+
+def _planner_data(plan: ReshardPlan, state: _RunState) -> dict:
+    descriptors = {k: state.descriptors[k] for k in sorted(state.descriptors)}
+    return {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
+
+
+@dataclasses.dataclass
+class _Item:
+    """One target chunk copied by byte range: entry ``key`` (global ``size``) at ``box``, from
+    entry ``src_key`` of the source, into target rank ``rank``'s file."""
+
+    rank: int
+    key: str
+    size: tuple
+    box: chunks.Box
+    src_key: str
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.box[1]) * _itemsize(self.dtype)
+
+
+def _copy_items(view, job: TensorJob, files: set) -> Optional[list[_Item]]:
+    """The target chunks of ``job`` in target ``files`` as byte-range copies, or None when its
+    bytes change (or its source cannot be read by byte range)."""
+    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem \
+            or not hasattr(view, "saved_chunks"):
+        return None
+    src = job.sources[0]
+    items: list[_Item] = []
+    if job.out == "quantized":
+        if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
+            return None
+        cls = format_class(job.out_format)
+        recipe = cls._recipe_from_json(job.out_recipe)
+        if cls._recipe_from_json(src.descriptor.get("recipe", {})) != recipe:
+            return None
+        specs = cls.component_specs(job.shape, recipe)
+        seen: set = set()
+        for rank, box in job.owners:
+            for spec in specs:
+                cbox = chunks.component_box(spec, job.shape, box, fqn=job.fqn, fmt=job.out_format)
+                key = component_fqn(job.fqn, spec.name)
+                if (key, cbox[0]) in seen or math.prod(cbox[1]) == 0:
+                    continue
+                seen.add((key, cbox[0]))
+                items.append(_Item(rank, key, spec.shape(job.shape), cbox, src.keys[spec.name], spec.dtype))
+    elif job.out == "tensor":
+        if src.kind != "tensor" or src.dtype != job.out_dtype:
+            return None
+        items = [_Item(rank, job.fqn, job.shape, box, src.fqn, src.dtype) for rank, box in job.owners]
+    else:
+        return None
+    items = [it for it in items if it.rank in files]
+    for key in {it.src_key for it in items}:
+        if view.saved_chunks(key) is None:
+            return None
+    return items
+
+
+def _copy_descriptor(job: TensorJob) -> Optional[dict]:
+    """The descriptor of a job copied by byte range (that of :func:`_write_job` for the same bytes)."""
+    src = job.sources[0]
+    if job.out == "tensor":
+        return high_precision_descriptor(src.descriptor, job.out_dtype, job.shape) if src.descriptor is not None else None
+    desc = dict(src.descriptor, shape=list(job.shape))
+    probe = from_components(desc, {name: torch.empty(c["shape"], dtype=str_to_dtype(c["dtype"]), device="meta")
+                                   for name, c in desc["components"].items()})  # no data: for the descriptor
+    return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
+
+
+def _execute(view, plan: ReshardPlan, writer: CheckpointDirWriter, files: set, state: _RunState,
+             progress: Optional[Callable[[int], None]]) -> None:
+    """Write the chunks of ``plan`` that go to target ``files`` (ranks) through ``writer``."""
+    work = []
+    biggest = 0
+    for job in plan.jobs:
+        items = _copy_items(view, job, files)
+        if items is not None:
+            biggest = max([biggest] + [it.nbytes for it in items if view.whole_chunk(it.src_key, it.box) is None])
+        work.append((job, items))
+    with _WriterThread(writer, buffers=2, buffer_bytes=biggest) as pipe:
+        for job, items in work:
+            if items is None:
+                if any(r in files for r, _ in job.owners):
+                    _write_job(view, job, pipe, files, state, progress)
+                continue
+            for it in items:
+                whole = view.whole_chunk(it.src_key, it.box)
+                if whole is not None:  # a saved chunk verbatim: hashed here, copied by the kernel there
+                    sums = view.hash_chunk(whole)
+                    pipe.add_copy(it.rank, it.key, it.size, it.box[0], it.dtype, it.box[1], view.data_fd(whole),
+                                  whole.payload, *sums)
+                else:
+                    buf = pipe.buffer(it.nbytes).view(it.dtype).view(it.box[1])
+                    known = view.read_box(it.src_key, it.box, buf)
+                    pipe.add_chunk(it.rank, it.key, it.size, it.box[0], buf, reused=True, encode=True, known=known)
+                if progress:
+                    progress(it.nbytes)
+            desc = _copy_descriptor(job)
+            if desc is not None:
+                state.descriptors[job.fqn] = desc
+            base = view.mapping(job.sources[0].fqn)
+            if base is not None:
+                if job.out == "quantized":
+                    for name, comp in desc["components"].items():
+                        state.mappings[comp["fqn"]] = (*base[:-1], f"{base[-1]}.{name}")
+                else:
+                    state.mappings[job.fqn] = base
+
+
+class _WriterThread:
+    """Runs a :class:`CheckpointDirWriter`'s appends on one background thread, in order, so that
+    reading the next chunk overlaps checksumming and writing this one. Chunks read into the
+    reusable buffers (:meth:`buffer`) go back to the pool once written; at most ``buffers`` of
+    them exist, and at most two other writes wait in the queue. An error on the thread is raised
+    by the next call (or on exit)."""
+
+    def __init__(self, writer: CheckpointDirWriter, *, buffers: int, buffer_bytes: int) -> None:
+        import queue
+        import threading
+
+        self.writer = writer
+        self._free: "queue.Queue" = queue.Queue()
+        for _ in range(buffers):
+            self._free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
+        self._jobs: "queue.Queue" = queue.Queue(maxsize=2)
+        self._pending: Optional[torch.Tensor] = None  # the buffer handed out last
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="ckptq-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._jobs.get()
+            if fn is None:
+                return
+            if self._error is None:
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                    self._error = e
+            elif getattr(fn, "buffer", None) is not None:
+                self._free.put(fn.buffer)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A free chunk buffer's first ``nbytes`` (uint8); waits for one to be written."""
+        import queue
+
+        while True:
+            self._check()
+            try:
+                buf = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
+        self._pending = buf
+        return buf[:nbytes]
+
+    def _submit(self, fn: Callable[[], None], buffer: Optional[torch.Tensor] = None) -> None:
+        self._check()
+        fn.buffer = buffer  # type: ignore[attr-defined]
+        self._jobs.put(fn)
+
+    def add_chunk(self, rank: int, key: str, size, offsets, tensor: torch.Tensor, *, reused: bool = False,
+                  encode: bool = False, known: Optional[tuple[int, int]] = None) -> None:
+        """Queue ``tensor`` for appending; ``reused``: it lies in the last :meth:`buffer`, which goes
+        back to the pool once written; ``encode``: hash it on this thread first (balancing the
+        reading and writing threads), else on the writer thread; ``known``: its checksums
+        (:func:`~ckptq.io.writer.encode_chunk`)."""
+        buf = self._pending if reused else None
+        chunk = encode_chunk(tensor, known=known) if encode else None
+
+        def run() -> None:
+            try:
+                if chunk is not None:
+                    self.writer.add_encoded(rank, key, size, offsets, chunk)
+                else:
+                    self.writer.add_chunk(rank, key, size, offsets, tensor)
+            finally:
+                if buf is not None:
+                    self._free.put(buf)
+        self._submit(run, buf)
+
+    def add_bytes(self, rank: int, key: str, record: bytes, transforms: Any = None) -> None:
+        self._submit(lambda: self.writer.add_bytes(rank, key, record, transforms))
+
+    def add_copy(self, *args: Any) -> None:
+        """Queue :meth:`CheckpointDirWriter.add_copy` (a chunk copied file to file)."""
+        self._submit(lambda: self.writer.add_copy(*args))
+
+    def __enter__(self) -> "_WriterThread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+        if exc[0] is None:
+            self._check()
+
+
+def _write_job(view, job: TensorJob, writer, files: set, state: _RunState,
+               progress: Optional[Callable[[int], None]]) -> None:
+    """Read, transform and cut one job whose bytes change; its chunks of target ``files`` only."""
+    descriptors, mappings, requantized = state.descriptors, state.mappings, state.requantized
     src = job.sources[0]
     if job.out == "bytes":
         record, transforms = view.read_raw_bytes(src.fqn)
@@ -408,7 +715,10 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
         if view.mapping(src.fqn):
             mappings[job.fqn] = view.mapping(src.fqn)
         return
-    out, sqnr = _materialize(view, job)
+    t0, timing = time.perf_counter(), {}
+    out, sqnr = _materialize(view, job, timing)
+    state.whole_read_s += timing.get("read", 0.0)
+    state.transform_s += time.perf_counter() - t0 - timing.get("read", 0.0)
     if sqnr is not None:
         requantized[job.fqn] = sqnr
     base = view.mapping(src.fqn) if len(job.sources) == 1 and job.member is None else None
@@ -421,14 +731,21 @@ def _write_job(view, job: TensorJob, writer: CheckpointDirWriter, descriptors, m
                 if (c.key, c.box[0]) in written or math.prod(c.box[1]) == 0:
                     continue
                 written.add((c.key, c.box[0]))
-                writer.add_chunk(rank, c.key, c.size, c.box[0], c.tensor)
+                if rank in files:
+                    writer.add_chunk(rank, c.key, c.size, c.box[0], c.tensor)
+                    if progress:
+                        progress(c.tensor.nbytes)
         if base is not None:
             for name, comp in desc["components"].items():
                 mappings[comp["fqn"]] = (*base[:-1], f"{base[-1]}.{name}")
         descriptors[job.fqn] = desc
         return
     for rank, box in job.owners:
-        writer.add_chunk(rank, job.fqn, out.shape, box[0], chunks.narrow_box(out, box))
+        if rank in files:
+            piece = chunks.narrow_box(out, box)
+            writer.add_chunk(rank, job.fqn, out.shape, box[0], piece)
+            if progress:
+                progress(piece.nbytes)
     if src.descriptor is not None:  # a high-precision entry of a quantized tensor keeps its record
         descriptors[job.fqn] = high_precision_descriptor(src.descriptor, out.dtype, out.shape)
     if base is not None:
@@ -451,6 +768,7 @@ def reshard_checkpoint(
     overwrite: bool = False,
     dry_run: bool = False,
     progress: Union[bool, Callable[[int], None], None] = None,
+    distributed: bool = False,
 ) -> dict:
     """Lay checkpoint ``src`` out for a target mesh in ``dst`` (``ckptq reshard``): plan, then write.
 
@@ -463,7 +781,11 @@ def reshard_checkpoint(
         grouped: ``"stack"`` / ``"split"`` grouped weights whose stems match ``grouped_glob``.
         misaligned: ``"error"`` or ``"high-precision"`` (export tensors whose cuts split blocks).
         overwrite: replace an existing ``dst``. dry_run: plan only, write nothing.
-        progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
+        progress: ``True`` for a tqdm bar on stderr (bytes and bytes/s; rank 0's share when
+            distributed), or a callable given the bytes of each chunk written.
+        distributed: split the writing over the processes of a ``torch.distributed`` job (every
+            process calls this with the same arguments; see :func:`run_reshard`). ``ckptq reshard``
+            sets it when started by ``torchrun`` with more than one process.
 
     Returns:
         ``{"plan": ReshardPlan.summary()}`` and, unless ``dry_run``, the keys of :func:`run_reshard`'s report.
@@ -480,7 +802,7 @@ def reshard_checkpoint(
         grouped=parse.parse_choice("--grouped", grouped, ("stack", "split")),
         grouped_glob=grouped_glob,
     )
-    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress)
+    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress, distributed)
 
 
 def convert_checkpoint(
@@ -500,6 +822,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     dry_run: bool = False,
     progress: Union[bool, Callable[[int], None], None] = None,
+    distributed: bool = False,
 ) -> dict:
     """Requantize every quantized tensor of ``src`` to format ``to`` into ``dst`` (``ckptq convert``),
     or dequantize it to a high-precision dtype, optionally laying it out for another mesh.
@@ -510,7 +833,9 @@ def convert_checkpoint(
             ``fp8_tensor``, or ``bfloat16``/``float16``/``float32``.
         block, two_d, columnwise, fp8_dtype, pow2: recipe options of ``to`` (``None``: its default);
             ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``.
-        mesh, plan, rules, misaligned, overwrite, dry_run, progress: as :func:`reshard_checkpoint`.
+        mesh, plan, rules, misaligned, overwrite, dry_run, progress, distributed: as
+            :func:`reshard_checkpoint` (distributed: tensors that are requantized are computed by
+            every process that writes one of their chunks).
 
     Returns:
         As :func:`reshard_checkpoint`.
@@ -527,10 +852,10 @@ def convert_checkpoint(
         options = dict(mode="native", hp_dtype=torch.bfloat16)
     else:
         options = dict(to=to, to_recipe=recipe, hp_dtype=HP_DTYPES.get(to, torch.bfloat16))
-    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress)
+    return _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress, distributed)
 
 
-def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress) -> dict:
+def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, dry_run, progress, distributed) -> dict:
     from . import parse
 
     misaligned = parse.parse_choice("--misaligned", misaligned, ("error", "high-precision"))
@@ -544,9 +869,29 @@ def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, d
     if progress is True:
         from tqdm import tqdm
 
-        total = sum(r["bytes"] for r in summary["ranks"])
-        with tqdm(total=total, unit="B", unit_scale=True, desc="writing", leave=False) as bar:
-            report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=bar.update)
+        files = set(range(mesh.world_size))
+        if distributed:
+            from .distributed import assign
+
+            files = assign(rplan.bytes_per_rank(), max(1, _process_count()))[_process_rank()]
+        total = sum(r["bytes"] for r in summary["ranks"] if r["rank"] in files)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="writing", leave=False,  # shows B/s
+                  disable=distributed and _process_rank() != 0) as bar:
+            report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=bar.update, distributed=distributed)
     else:
-        report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress or None)
+        report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress or None, distributed=distributed)
     return {**report, "plan": summary}
+
+
+def _process_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _process_count() -> int:
+    import torch.distributed as dist
+
+    from .distributed import torchrun_world_size
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else torchrun_world_size()

@@ -5,12 +5,18 @@ One command: ``python scripts/bench_reshard.py [--layers 16] [--workdir DIR] [--
 1. A synthetic Llama-style checkpoint (hidden 4096, GQA 32/8 heads, intermediate 14336; attention
    weights MXFP8, MLP weights NVFP4, stored natively; component bytes are random but valid) saved by
    4 ranks with FSDP2 ``Shard(0)``.
-2. ``ckptq reshard`` to ``dp_shard=2,tp=2`` (FSDP2 over TP: q/k/v/gate/up column-, o/down
-   row-parallel) -- wall time, throughput (checkpoint bytes / s) and peak RSS of the process --
-   against the route a user has today with plain tools, in the same run: ``dcp_to_torch_save``, then
-   4 ranks each ``torch.load(mmap=True)`` the file and ``dcp.save`` their DTensor shards.
-3. Load time of the target layout (4 gloo ranks, quantized DTensor targets, QuantizedLoadPlanner)
-   from the resharded checkpoint vs from the original with DCP's load-time resharding.
+2. The copy limit and ckptq, interleaved, ``--repeat`` rounds (median): ``cp -r SRC DST && sync``;
+   ``ckptq reshard`` to ``dp_shard=2,tp=2`` (FSDP2 over TP: q/k/v/gate/up column-, o/down
+   row-parallel), one process (wall, throughput = checkpoint bytes / s, ratio to the copy, peak RSS
+   against the bound: the process baseline -- ``VmHWM`` of the same command with ``--dry-run`` --
+   plus 2x the largest saved chunk); the same under ``torchrun --nproc-per-node N``
+   (``--processes``); ``ckptq convert --to nvfp4`` (the MXFP8 attention weights requantized, the
+   NVFP4 ones copied; kernel seconds reported by ``--json`` apart from the rest); and, with
+   ``--before DIR``, the ``ckptq`` package found in DIR (an older checkout) doing the same reshard.
+3. With ``--plain-route``: the route a user has with plain tools (``dcp_to_torch_save``, then 4
+   ranks each ``torch.load(mmap=True)`` the file and ``dcp.save`` their DTensor shards). With
+   ``--load``: load time of the target layout (4 gloo ranks, QuantizedLoadPlanner) from the
+   resharded checkpoint vs from the original (DCP's load-time resharding).
 4. Planning at scale without tensors: DCP metadata of a Llama-3-405B layout (NVFP4 weights) saved by
    1024 FSDP2 ranks, planned for dp_shard=256,tp=8 (2048 ranks): time and memory.
 
@@ -115,7 +121,7 @@ def _vm_hwm() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
 
 
-def _run_measured(args: list[str], env=None) -> tuple[float, int]:
+def _run_measured(args: list[str], env=None, cwd=None, stdout=None) -> tuple[float, int]:
     """Run ``python -m MODULE ...`` (args ``["-m", module, ...]``) or ``python -c CODE`` (args
     ``["-c", code]``); return (wall seconds, peak RSS bytes of that process)."""
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "err"), "w+") as err:
@@ -123,13 +129,36 @@ def _run_measured(args: list[str], env=None) -> tuple[float, int]:
         t0 = time.perf_counter()
         # stderr to a file, not a pipe: a full pipe would block the child
         proc = subprocess.run([sys.executable, "-c", _HWM, hwm, *args], env=env or os.environ.copy(),
-                              stdout=subprocess.DEVNULL, stderr=err)
+                              stdout=stdout or subprocess.DEVNULL, stderr=err, cwd=cwd)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             err.seek(0)
             raise RuntimeError(f"{args[:2]} failed:\n{err.read()[-3000:]}")
         with open(hwm) as f:
             return wall, int(f.read()) * 1024
+
+
+def _run_wall(cmd: list[str], env=None, cwd=None) -> float:
+    """Wall seconds of a command (its output discarded; a failure raises with its stderr)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env or os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          cwd=cwd, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:6]} failed:\n{proc.stderr[-3000:]}")
+    return wall
+
+
+def _largest_chunk(path) -> int:
+    """Bytes of the largest tensor chunk a checkpoint saved."""
+    import math
+
+    from ckptq.io import read_metadata
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = read_metadata(path)
+    return max(math.prod(c.sizes) * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
+               if isinstance(m, TensorStorageMetadata) for c in m.chunks)
 
 
 def _dir_bytes(path) -> int:
@@ -279,47 +308,97 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per timing (median)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--markdown", default=None, help="append the results table to this file")
+    ap.add_argument("--processes", type=int, default=2, help="torchrun processes of the scale-out row (0: skip)")
+    ap.add_argument("--before", default=None, help="a directory holding an older ckptq package to time as well")
+    ap.add_argument("--no-convert", action="store_true", help="skip the convert row")
+    ap.add_argument("--plain-route", action="store_true", help="also time dcp_to_torch_save + 4-rank re-save")
+    ap.add_argument("--load", action="store_true", help="also time 4-rank loads of both layouts")
     ap.add_argument("--skip-scale", action="store_true")
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds to wait after removing the last output")
     args = ap.parse_args()
     from _dist import run_distributed
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     src, dst, pt, resaved = work / "src", work / "dst", work / "full.pt", work / "resaved"
-    for p in (src, dst, resaved):
+    copy = work / "copy"
+    for p in (dst, resaved, copy):
         shutil.rmtree(p, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "CKPTQ_DISABLE_PROGRESS_BARS": "1"}
     t0 = time.perf_counter()
-    run_distributed(4, _save_worker, str(src), args.layers, timeout=3600)
+    if not (src / ".metadata").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        run_distributed(4, _save_worker, str(src), args.layers, timeout=3600)
+        print(f"saved with 4 ranks in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     size = _dir_bytes(src)
-    print(f"saved {size / 2**30:.2f} GiB with 4 ranks in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    gb = size / 1e9
 
     rules = sum([["--rule", f"{g}=col"] for g in COL] + [["--rule", f"{g}=row"] for g in ROW], [])
-    ck_runs = []
-    for _ in range(args.repeat):
-        shutil.rmtree(dst, ignore_errors=True)
-        ck_runs.append(_run_measured(["-m", "ckptq", "reshard", str(src), str(dst),
-                                      "--mesh", "dp_shard=2,tp=2", "--plan", "fsdp2-tp", *rules], env))
-    ck_wall = statistics.median(w for w, _ in ck_runs)
-    ck_rss = max(r for _, r in ck_runs)
+    reshard_args = ["reshard", str(src), str(dst), "--mesh", "dp_shard=2,tp=2", "--plan", "fsdp2-tp", *rules]
 
-    base_runs = []
-    for _ in range(args.repeat):
+    def fresh() -> None:
+        for p in (dst, copy):
+            shutil.rmtree(p, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+        # The VM hands freed memory back to its host a few seconds after it is freed (free page
+        # reporting): a command started at once rewrites the warm pages the last output left,
+        # one started later faults fresh ones in. Every command starts after the same pause.
+        time.sleep(args.settle)
+
+    runs: dict[str, list] = {k: [] for k in ("cp", "ckptq", "dist", "before", "convert")}
+    _, base_rss = _run_measured(["-m", "ckptq", *reshard_args, "--dry-run"], env)
+    for i in range(args.repeat):  # interleaved, so that each round sees the same machine
+        fresh()
+        runs["cp"].append(_run_wall(["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]))
+        fresh()
+        runs["ckptq"].append(_run_measured(["-m", "ckptq", *reshard_args], env))
+        if i == 0:
+            largest = max(_largest_chunk(src), _largest_chunk(dst))
+        if args.processes > 1:
+            fresh()
+            runs["dist"].append(_run_wall([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                           f"--nproc-per-node={args.processes}", "-m", "ckptq", *reshard_args], env))
+        if args.before:
+            fresh()
+            before_env = {**env, "PYTHONPATH": str(Path(args.before).absolute())}
+            runs["before"].append(_run_measured(["-m", "ckptq", *reshard_args], before_env, cwd=args.before))
+        if not args.no_convert:
+            fresh()
+            with tempfile.TemporaryFile("w+") as out:
+                w, r = _run_measured(["-m", "ckptq", "convert", str(src), str(dst), "--to", "nvfp4", "--json"], env,
+                                     stdout=out)
+                out.seek(0)
+                report = json.load(out)
+            sec = report["seconds"]
+            runs["convert"].append((w, r, sec["transform"], sec["total"], sec["whole_reads"]))
+    fresh()
+    med = statistics.median
+    cp_wall = med(runs["cp"])
+    ck_wall = med(w for w, _ in runs["ckptq"])
+    ck_rss = max(r for _, r in runs["ckptq"])
+    bound = base_rss + 2 * largest
+
+    plain = None
+    if args.plain_route:
+        base_runs = []
+        for _ in range(args.repeat):
+            pt.unlink(missing_ok=True)
+            shutil.rmtree(resaved, ignore_errors=True)
+            w1, r1 = _run_measured(["-c", "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+                                    f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})"], env)
+            t1 = time.perf_counter()
+            rss_ranks = run_distributed(4, _resave_worker, str(pt), str(resaved), args.layers, timeout=3600)
+            base_runs.append((w1, time.perf_counter() - t1, r1, max(rss_ranks), sum(rss_ranks)))
+        plain = [med(r[0] for r in base_runs), med(r[1] for r in base_runs), max(r[2] for r in base_runs),
+                 max(r[3] for r in base_runs), max(r[4] for r in base_runs)]
         pt.unlink(missing_ok=True)
         shutil.rmtree(resaved, ignore_errors=True)
-        w1, r1 = _run_measured(["-c", "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
-                                f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})"], env)
-        t1 = time.perf_counter()
-        rss_ranks = run_distributed(4, _resave_worker, str(pt), str(resaved), args.layers, timeout=3600)
-        base_runs.append((w1, time.perf_counter() - t1, r1, max(rss_ranks), sum(rss_ranks)))
-    b_conv = statistics.median(r[0] for r in base_runs)
-    b_save = statistics.median(r[1] for r in base_runs)
-    b_rss1 = max(r[2] for r in base_runs)
-    b_rss2 = max(r[3] for r in base_runs)
-    b_rss_sum = max(r[4] for r in base_runs)
-
-    load_dst = statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(dst), args.layers, args.repeat, timeout=3600)))
-    load_src = statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(src), args.layers, args.repeat, timeout=3600)))
+    loads = None
+    if args.load:
+        _run_measured(["-m", "ckptq", *reshard_args], env)
+        loads = [statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(p), args.layers,
+                                                                            args.repeat, timeout=3600)))
+                 for p in (dst, src)]
 
     scale = None
     if not args.skip_scale:
@@ -327,31 +406,65 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
         scale = json.loads(out.stdout.strip().splitlines()[-1])
 
-    gb = size / 1e9
     machine = f"{platform.node()}: {os.cpu_count()} CPU cores, Linux {platform.release()}, Python {platform.python_version()}"
     import torch
 
+    def row(name: str, wall: float, rss: str = "", note: str = "") -> str:
+        return f"| {name} | {wall:.2f} | {gb / wall:.2f} | {cp_wall / wall:.2f} | {rss} | {note} |"
+
     lines = [
-        f"### Offline reshard ({time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__})",
+        f"### Offline reshard vs copy ({time.strftime('%Y-%m-%d %H:%M')} UTC, {machine}, torch {torch.__version__})",
         "",
         f"Synthetic Llama-style checkpoint: {args.layers} layers (hidden 4096, GQA 32/8, intermediate 14336), "
-        f"attention MXFP8 + MLP NVFP4 native, {size / 2**30:.2f} GiB, saved by 4 ranks with FSDP2 Shard(0). "
-        f"Target: dp_shard=2,tp=2 (FSDP2 over TP). Median of {args.repeat} runs.",
+        f"attention MXFP8 + MLP NVFP4 native, {gb:.2f} GB ({size / 2**30:.2f} GiB), saved by 4 ranks with FSDP2 "
+        f"Shard(0). Target: dp_shard=2,tp=2 (FSDP2 over TP). Median of {args.repeat} interleaved rounds (each "
+        f"output removed and `sync`ed, then a {args.settle:.0f} s pause, before the next command). Largest saved chunk {largest / 2**20:.1f} MiB; "
+        f"process baseline (`VmHWM` of the same command with `--dry-run`) {base_rss / 2**20:.0f} MiB, so the "
+        f"memory bound is {bound / 2**20:.0f} MiB.",
         "",
-        "| route | wall (s) | throughput (GB/s) | peak RSS (GiB) |",
-        "|---|---|---|---|",
-        f"| `ckptq reshard` (one process, streaming) | {ck_wall:.1f} | {gb / ck_wall:.2f} | {ck_rss / 2**30:.2f} |",
-        f"| plain: `dcp_to_torch_save` + 4-rank `torch.load(mmap=True)` + `dcp.save` | {b_conv + b_save:.1f} "
-        f"({b_conv:.1f} + {b_save:.1f}) | {gb / (b_conv + b_save):.2f} | {b_rss1 / 2**30:.2f} convert, "
-        f"{b_rss2 / 2**30:.2f} per re-save rank ({b_rss_sum / 2**30:.2f} for the 4) |",
-        f"| ratio | {(b_conv + b_save) / ck_wall:.2f}x faster | | |",
-        "",
-        "| load on dp_shard=2,tp=2 (4 gloo ranks, QuantizedLoadPlanner) | wall (s) |",
-        "|---|---|",
-        f"| from the resharded checkpoint (each rank reads its own file) | {load_dst:.2f} |",
-        f"| from the original FSDP2 x4 checkpoint (DCP load-time resharding) | {load_src:.2f} |",
-        "",
+        "| route | wall (s) | GB/s | ratio to `cp` | peak RSS (MiB) | notes |",
+        "|---|---|---|---|---|---|",
+        row("`cp -r` + `sync` (the copy limit)", cp_wall),
+        row("`ckptq reshard`, 1 process", ck_wall, f"{ck_rss / 2**20:.0f}",
+            f"bound {bound / 2**20:.0f}: {'within' if ck_rss <= bound else 'OVER'} (+{(ck_rss - base_rss) / 2**20:.1f} "
+            f"MiB over the baseline)"),
     ]
+    if runs["dist"]:
+        d = med(runs["dist"])
+        lines.append(row(f"`torchrun --nproc-per-node {args.processes} -m ckptq reshard`", d, "",
+                         f"{d / ck_wall:.2f}x the 1-process time (includes torchrun's own start)"))
+    if runs["before"]:
+        b = med(w for w, _ in runs["before"])
+        lines.append(row("`ckptq reshard` before (torch.save records, whole tensors)", b,
+                         f"{max(r for _, r in runs['before']) / 2**20:.0f}", f"{b / ck_wall:.2f}x the new time"))
+    if runs["convert"]:
+        c = med(r[0] for r in runs["convert"])
+        k = med(r[2] for r in runs["convert"])
+        tot = med(r[3] for r in runs["convert"])
+        rd = med(r[4] for r in runs["convert"])
+        lines.append(row("`ckptq convert --to nvfp4`, 1 process", c, f"{max(r[1] for r in runs['convert']) / 2**20:.0f}",
+                         f"of the {tot:.2f} s call: kernels (requantize MXFP8 -> NVFP4, SQNR) {k:.2f} s, reading "
+                         f"those tensors whole {rd:.2f} s, the rest (NVFP4 byte-range copies, hashing, "
+                         f"writing) {tot - k - rd:.2f} s"))
+    lines.append("")
+    if plain:
+        b_conv, b_save, b_rss1, b_rss2, b_rss_sum = plain
+        lines += [
+            "| plain route | wall (s) | GB/s | peak RSS (GiB) |",
+            "|---|---|---|---|",
+            f"| `dcp_to_torch_save` + 4-rank `torch.load(mmap=True)` + `dcp.save` | {b_conv + b_save:.1f} "
+            f"({b_conv:.1f} + {b_save:.1f}) | {gb / (b_conv + b_save):.2f} | {b_rss1 / 2**30:.2f} convert, "
+            f"{b_rss2 / 2**30:.2f} per re-save rank ({b_rss_sum / 2**30:.2f} for the 4) |",
+            "",
+        ]
+    if loads:
+        lines += [
+            "| load on dp_shard=2,tp=2 (4 gloo ranks, QuantizedLoadPlanner) | wall (s) |",
+            "|---|---|",
+            f"| from the resharded checkpoint (each rank reads its own file) | {loads[0]:.2f} |",
+            f"| from the original FSDP2 x4 checkpoint (DCP load-time resharding) | {loads[1]:.2f} |",
+            "",
+        ]
     if scale:
         lines += [
             f"Planning at scale (metadata only, no tensors): Llama-3-405B layout ({scale['params'] / 1e9:.0f}B params, "
@@ -364,8 +477,8 @@ def main() -> None:
         ]
     text = "\n".join(lines)
     print(text)
-    print(json.dumps({"ckptq": ck_runs, "baseline": base_runs, "load_dst": load_dst, "load_src": load_src,
-                      "scale": scale, "bytes": size}), file=sys.stderr)
+    print(json.dumps({"runs": runs, "bytes": size, "largest_chunk": largest, "baseline_rss": base_rss,
+                      "plain": plain, "loads": loads, "scale": scale}), file=sys.stderr)
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(text + "\n")

@@ -237,7 +237,8 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
         r = _run([*args, "--json"])
         assert r.exit_code == 0, r.stderr
         result = call(tmp_path / f"lib{i}")
-        assert set(result) == {"path", "world_size", "bytes_per_rank", "tensors", "requantized", "plan"}
+        assert set(result) == {"path", "world_size", "bytes_per_rank", "tensors", "requantized", "plan", "processes",
+                               "process_rank", "seconds"}
         assert result["plan"] == json.loads(r.stdout)["plan"]
         assert _tree_bytes(tmp_path / f"lib{i}") == _tree_bytes(args[2]), args
         assert _run(["verify", tmp_path / f"lib{i}", args[2]]).exit_code == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -26,7 +27,16 @@ MisalignedOpt = Annotated[str, typer.Option("--misaligned", help="'error' (write
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")]
 
 
+def _distributed() -> bool:
+    """Started by torchrun with more than one process: split the work over them."""
+    from ..distributed import torchrun_world_size
+
+    return torchrun_world_size() > 1
+
+
 def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
+    if result.get("process_rank", int(os.environ.get("RANK", "0") or 0)) != 0:
+        return  # under torchrun, rank 0 reports for the job
     summary = result["plan"]
     if dry_run:
         if json_output:
@@ -42,7 +52,8 @@ def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
     _print_plan(summary)
     for fqn, s in result["requantized"].items():
         out.log(f"requantized '{fqn}': SQNR {s:.2f} dB vs the source values")
-    out.log(f"wrote {result['path']} for {result['world_size']} ranks")
+    by = f" by {result['processes']} processes" if result.get("processes", 1) > 1 else ""
+    out.log(f"wrote {result['path']} for {result['world_size']} ranks{by}")
 
 
 def _print_plan(summary: dict) -> None:
@@ -76,12 +87,16 @@ def reshard(
     dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor."""
+    """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor.
+
+    Under torchrun (more than one process) the target files are split over the processes.
+    """
     from ..reshard import reshard_checkpoint
 
     result = reshard_checkpoint(src, dst, mesh=mesh, plan=plan, rules=rule or (), mode=mode, dtype=dtype,
                                 grouped=grouped, grouped_glob=grouped_glob, misaligned=misaligned,
-                                overwrite=overwrite, dry_run=dry_run, progress=out.progress_enabled())
+                                overwrite=overwrite, dry_run=dry_run, progress=out.progress_enabled(),
+                                distributed=_distributed() and not dry_run)
     _report(result, dry_run=dry_run, json_output=json_output)
 
 
@@ -103,11 +118,14 @@ def convert(
     dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Write every quantized tensor of a checkpoint natively, in another format, or in high precision (streaming), optionally resharding."""
+    """Write every quantized tensor of a checkpoint natively, in another format, or in high precision (streaming), optionally resharding.
+
+    Under torchrun (more than one process) the target files are split over the processes.
+    """
     from ..reshard import convert_checkpoint
 
     result = convert_checkpoint(src, dst, to=to, block=block, two_d=two_d, columnwise=columnwise,
                                 fp8_dtype=fp8_dtype, pow2=pow2, mesh=mesh, plan=plan, rules=rule or (),
                                 misaligned=misaligned, overwrite=overwrite, dry_run=dry_run,
-                                progress=out.progress_enabled())
+                                progress=out.progress_enabled(), distributed=_distributed() and not dry_run)
     _report(result, dry_run=dry_run, json_output=json_output)

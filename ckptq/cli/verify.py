@@ -25,7 +25,7 @@ def verify(
     """With one checkpoint: read every record and check it against its checksum (exit 1 on any
     failure, with a table of what failed). With two: compare them, any layout and mode (bit-exact,
     max abs error, SQNR; exit 1 on a failure)."""
-    from ..verify import check_integrity, verify_checkpoints
+    from ..verify import verify_checkpoints
 
     if b is None:
         if min_sqnr is not None:

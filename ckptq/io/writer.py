@@ -2,8 +2,8 @@
 
 DCP's ``FileSystemWriter`` writes the files of the ranks of a running process group; ``ckptq reshard``
 and ``ckptq convert`` need one storage file per *target* rank written from one process, so
-:class:`CheckpointDirWriter` writes DCP's own on-disk format directly: one ``torch.save`` record per
-chunk appended to ``__{rank}_0.distcp``, ``_StorageInfo`` locations, and ``.metadata`` (a pickle of
+:class:`CheckpointDirWriter` writes DCP's own on-disk format directly: one ``torch.save``-format record
+per chunk (framed by :mod:`ckptq.io.records`, no pickling per record) appended to ``__{rank}_0.distcp``, ``_StorageInfo`` locations, and ``.metadata`` (a pickle of
 DCP's ``Metadata``, as ``FileSystemWriter.finish`` writes it) last. The output is read by stock
 ``dcp.load``.
 
@@ -45,6 +45,8 @@ from ..errors import CkptqError
 
 __all__ = [
     "CheckpointDirWriter",
+    "EncodedChunk",
+    "encode_chunk",
     "ChecksumFileSystemWriter",
     "AtomicFileSystemWriter",
     "check_dcp_version",
@@ -84,75 +86,237 @@ def check_dcp_version() -> tuple[type, str]:
     return info, version
 
 
+_COPY_BYTES = 64 << 20
+
+
+def _copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int) -> int:
+    """Copy up to ``n`` bytes between files at the given offsets; returns how many were copied."""
+    n = min(n, _COPY_BYTES)
+    try:
+        return os.copy_file_range(src_fd, dst_fd, n, src_off, dst_off)
+    except OSError as e:
+        import errno
+
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    data = os.pread(src_fd, min(n, 8 << 20), src_off)  # no copy_file_range between these files
+    return os.pwrite(dst_fd, data, dst_off) if data else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedChunk:
+    """A chunk ready to append (:func:`encode_chunk`): its record framing, payload bytes (a view
+    of the tensor's memory: keep it unchanged until appended), zip CRC-32 and checksum."""
+
+    dtype: torch.dtype
+    shape: tuple
+    record: Any
+    data: memoryview
+    crc32: int
+    checksum: int
+
+
+def encode_chunk(tensor: torch.Tensor, *, known: Optional[tuple[int, int]] = None) -> EncodedChunk:
+    """Everything :meth:`CheckpointDirWriter.add_encoded` needs to append ``tensor`` as a
+    ``torch.save``-format record: the framing for its dtype and shape
+    (:func:`ckptq.io.records.tensor_record`), its bytes (copied to row-major CPU memory only if
+    not so already), their zip CRC-32 and their checksum (:func:`ckptq.checksums.checksum`).
+    Thread-safe; the hashing releases the GIL.
+
+    Args:
+        known: ``(checksum, crc32)`` of these exact bytes when the caller has them already (a whole
+            saved chunk copied verbatim, its recorded checksum verified on reading:
+            ``CheckpointView.read_box``'s return value); they are not hashed again.
+    """
+    from ..checksums import checksum, payload
+    from .records import payload_crc32, tensor_record
+
+    t = tensor.detach()
+    data = payload(t)
+    sums = known if known is not None else (checksum(data), payload_crc32(data))
+    return EncodedChunk(t.dtype, tuple(t.shape), tensor_record(t.dtype, tuple(t.shape)), data, sums[1], sums[0])
+
+
 class CheckpointDirWriter:
     """Writes a DCP ``FileSystemWriter``-compatible checkpoint into ``path``, streaming.
 
-    Each chunk is one ``torch.save`` record appended to ``__{rank}_0.distcp`` of the rank it is
-    assigned to, so a rank's chunks are contiguous in one file. Every record's checksum
-    (:mod:`ckptq.checksums`) is computed on a background thread while the next is written, and
-    :meth:`finish` stores them in the ckptq record of ``.metadata``, which it writes last.
-    ``path`` should be a new, empty directory.
+    Each chunk is one ``torch.save``-format record appended to ``__{rank}_0.distcp`` of the rank
+    it is assigned to, so a rank's chunks are contiguous in one file. Records are framed by
+    :func:`ckptq.io.records.tensor_record` (``torch.save``'s own framing, made once per dtype and
+    shape) around the chunk's bytes, with no pickling per record; the zip CRC-32 and the checksum
+    (:mod:`ckptq.checksums`) of each chunk are computed by :meth:`add_chunk` itself, so the caller
+    may reuse the tensor's memory as soon as it returns (:func:`encode_chunk` and
+    :meth:`add_encoded` split that work, e.g. hashing on one thread, appending on another). Once ``sync_every`` bytes were appended to
+    a file, its data is flushed to disk (``fdatasync``) on a background thread while writing goes
+    on. :meth:`finish` stores the checksums in the ckptq record of ``.metadata``, which it writes
+    last. ``path`` should be a new, empty directory.
+
+    Several processes may write the files of one checkpoint into one directory (each its own
+    ranks): each calls :meth:`close_local` and sends what it returns to one process, which passes
+    them to :meth:`merge_local` and then calls :meth:`finish`.
+
+    Not thread-safe: call it from one thread at a time.
 
     Raises:
         CkptqError: this torch's DCP version is unknown (:func:`check_dcp_version`).
     """
 
-    def __init__(self, path: PathLike):
+    def __init__(self, path: PathLike, *, sync_every: int = 256 << 20):
         self._storage_info, self._version = check_dcp_version()
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._files: dict[int, Any] = {}
+        self._fds: dict[int, int] = {}
+        self._pos: dict[int, int] = {}
+        self._unsynced: dict[int, int] = {}
+        self._sync_every = sync_every
+        self._syncer: Any = None
+        self._syncs: list = []
         self._md: dict[str, Any] = {}
         self._storage: dict[MetadataIndex, Any] = {}
         self._hasher = Hasher()
+        self._sums: dict[tuple, int] = {}
+        self._closed = False
         self.bytes_per_rank: dict[int, int] = {}
 
-    def _file(self, rank: int):
-        if rank not in self._files:
-            self._files[rank] = open(self.path / f"__{rank}_0.distcp", "wb")
-        return self._files[rank]
+    def _fd(self, rank: int) -> int:
+        if rank not in self._fds:
+            self._fds[rank] = os.open(self.path / f"__{rank}_0.distcp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._pos[rank] = 0
+            self._unsynced[rank] = 0
+        return self._fds[rank]
+
+    def _append(self, rank: int, parts: list) -> tuple[int, int]:
+        """Append ``parts`` (bytes-like) to ``rank``'s file; returns (start, length)."""
+        fd = self._fd(rank)
+        start = self._pos[rank]
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(len(v) for v in views)
+        done = 0
+        while views:
+            n = os.pwritev(fd, views, start + done)
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        self._pos[rank] = start + total
+        self._unsynced[rank] += total
+        if self._unsynced[rank] >= self._sync_every:
+            self._unsynced[rank] = 0
+            if self._syncer is None:
+                import concurrent.futures as cf
+
+                self._syncer = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptq-fdatasync")
+            self._syncs = [f for f in self._syncs if not f.done()] + [self._syncer.submit(os.fdatasync, fd)]
+        return start, total
 
     def add_chunk(self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor) -> None:
-        """Append ``tensor`` as the chunk at ``offsets`` of entry ``key`` (global ``global_size``)."""
+        """Append ``tensor`` (any layout; CPU or not) as the chunk at ``offsets`` of entry ``key``
+        (global ``global_size``), with its checksum. ``tensor`` is not referenced after this returns."""
+        self.add_encoded(rank, key, global_size, offsets, encode_chunk(tensor))
+
+    def add_encoded(self, rank: int, key: str, global_size, offsets, chunk: "EncodedChunk") -> None:
+        """Append a chunk :func:`encode_chunk` prepared (possibly on another thread) as the chunk
+        at ``offsets`` of entry ``key`` (global ``global_size``), with its checksum."""
         md = self._md.get(key)
         if md is None:
-            md = TensorStorageMetadata(TensorProperties(dtype=tensor.dtype), torch.Size(global_size), [])
+            md = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), torch.Size(global_size), [])
             self._md[key] = md
-        assert md.properties.dtype == tensor.dtype and tuple(md.size) == tuple(global_size), key
+        assert md.properties.dtype == chunk.dtype and tuple(md.size) == tuple(global_size), key
         offsets = torch.Size(offsets)
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=tensor.shape))
-        f = self._file(rank)
-        start = f.tell()
-        t = tensor.detach().cpu()
-        if t.untyped_storage().nbytes() != t.nbytes or not t.is_contiguous():
-            t = t.clone()  # torch.save writes whole storages: never a view's parent
-        torch.save(t, f)
-        self._hasher.submit((key, tuple(offsets)), t)
-        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, f.tell() - start)
-        self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + t.nbytes
+        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
+        self._sums[(key, tuple(offsets))] = chunk.checksum
+        start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)])
+        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, length)
+        self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + len(chunk.data)
+
+    def add_copy(self, rank: int, key: str, global_size, offsets, dtype: torch.dtype, shape, src_fd: int,
+                 src_offset: int, checksum: int, crc32: int) -> None:
+        """Append the chunk at ``offsets`` of entry ``key`` (global ``global_size``) whose payload,
+        a contiguous ``dtype`` tensor of ``shape``, is bytes ``src_offset ..`` of the open file
+        ``src_fd``: copied in the kernel (``os.copy_file_range``; a read/write loop where the
+        file systems do not support it), never through this process's memory. ``checksum`` and
+        ``crc32`` are the payload's (the caller hashed it, e.g. ``CheckpointView.hash_chunk``)."""
+        from .records import tensor_record
+
+        md = self._md.get(key)
+        if md is None:
+            md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_size), [])
+            self._md[key] = md
+        assert md.properties.dtype == dtype and tuple(md.size) == tuple(global_size), key
+        offsets = torch.Size(offsets)
+        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
+        record = tensor_record(dtype, tuple(shape))
+        start, _ = self._append(rank, [record.header])
+        fd, pos, done = self._fd(rank), self._pos[rank], 0
+        while done < record.nbytes:
+            n = _copy_range(src_fd, src_offset + done, fd, pos + done, record.nbytes - done)
+            if n <= 0:
+                raise CkptqError(f"{self.path}: copying '{key}' ({record.nbytes} bytes at {src_offset}) stopped "
+                                 f"after {done} bytes: the source file is shorter than its metadata says")
+            done += n
+        self._pos[rank] += done
+        self._unsynced[rank] += done
+        _, tail = self._append(rank, [record.trailer_for(crc32)])
+        self._sums[(key, tuple(offsets))] = checksum
+        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start,
+                                                                        record.length)
+        self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + record.nbytes
 
     def add_bytes(self, rank: int, key: str, record: bytes, transform_descriptors=None) -> None:
         """Append a verbatim non-tensor record (as read by ``CheckpointView.read_raw_bytes``)."""
-        f = self._file(rank)
-        start = f.tell()
-        f.write(record)
+        start, length = self._append(rank, [record])
         if not transform_descriptors:  # else the payload is the un-transformed bytes: not hashed
             self._hasher.submit((key, None), record)
         self._md[key] = BytesStorageMetadata()
-        info = self._storage_info(f"__{rank}_0.distcp", start, len(record))
+        info = self._storage_info(f"__{rank}_0.distcp", start, length)
         if transform_descriptors:
             info.transform_descriptors = transform_descriptors
         self._storage[MetadataIndex(key)] = info
 
+    def close_local(self) -> tuple:
+        """Close this writer's data files (fsync) and return what :meth:`merge_local` of the
+        writer that calls :meth:`finish` needs (picklable): entries, locations, checksums, bytes."""
+        if not self._closed:
+            for f in self._syncs:
+                f.result()
+            if self._syncer is not None:
+                self._syncer.shutdown(wait=True)
+                self._syncer = None
+            for fd in self._fds.values():
+                os.fsync(fd)
+                os.close(fd)
+            self._fds.clear()
+            self._sums.update(self._hasher.results())
+            self._closed = True
+        return self._md, self._storage, self._sums, dict(self.bytes_per_rank)
+
+    def merge_local(self, shard: tuple) -> None:
+        """Add what another process's writer returned from :meth:`close_local` (its files are in
+        this writer's directory, for ranks this one did not write)."""
+        md, storage, sums, per_rank = shard
+        for key, m in md.items():
+            mine = self._md.get(key)
+            if mine is None:
+                self._md[key] = m
+            elif isinstance(m, TensorStorageMetadata):
+                assert isinstance(mine, TensorStorageMetadata) and mine.properties.dtype == m.properties.dtype \
+                    and tuple(mine.size) == tuple(m.size), key
+                mine.chunks.extend(m.chunks)
+        self._storage.update(storage)
+        self._sums.update(sums)
+        for r, b in per_rank.items():
+            self.bytes_per_rank[r] = self.bytes_per_rank.get(r, 0) + b
+
     def finish(self, planner_data: dict) -> Metadata:
         """Close the data files (fsync) and write ``.metadata`` with ``planner_data`` and the
         records' checksums; returns it."""
-        for f in self._files.values():
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-        self._files.clear()
-        planner_data = with_checksums(planner_data, self._hasher.results())
+        self.close_local()
+        planner_data = with_checksums(planner_data, self._sums)
+        for md in self._md.values():
+            if isinstance(md, TensorStorageMetadata):
+                md.chunks.sort(key=lambda c: tuple(c.offsets))
         metadata = Metadata(state_dict_metadata=self._md, planner_data=planner_data,
                             storage_data=self._storage, storage_meta=StorageMeta())
         metadata.version = self._version
@@ -166,9 +330,12 @@ class CheckpointDirWriter:
 
     def abort(self) -> None:
         """Close the data files without writing ``.metadata`` (the directory is then incomplete)."""
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         self._hasher.close()
 
 

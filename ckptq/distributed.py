@@ -1,0 +1,157 @@
+"""Process-group plumbing of the offline tools run under ``torchrun`` (``ckptq reshard|convert``).
+
+The offline tools split their output files over the processes of a ``torch.distributed`` job and
+agree through a handful of gloo object collectives (no GPU needed): rank 0 prepares the output and
+broadcasts where it is, each process writes its share, every process reports success or its error,
+and only when all succeeded does rank 0 write ``.metadata`` and rename the output into place. A
+process that fails makes every process raise (:class:`~ckptq.errors.CkptqError` naming the failed
+ranks and their errors) and leaves no complete-looking output.
+
+:func:`assign` is the work split: target files by byte volume, largest first onto the process with
+the fewest bytes so far (LPT), the same on every process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Optional
+
+from .errors import CkptqError
+
+__all__ = ["Group", "assign", "torchrun_world_size"]
+
+#: How long a collective waits for the slowest process (a share of a multi-TB job takes a while).
+TIMEOUT = datetime.timedelta(hours=12)
+
+
+def torchrun_world_size() -> int:
+    """The number of processes torchrun (or another launcher setting ``WORLD_SIZE``) started; 1
+    when run on its own."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def assign(bytes_per_file: dict[int, int], processes: int) -> list[set[int]]:
+    """Split files (``{file id: bytes}``) over ``processes``: largest file first, each to the
+    process with the fewest bytes so far (ties: the lower rank). Deterministic.
+
+    Returns:
+        ``[set of file ids]`` per process (some may be empty when there are fewer files).
+    """
+    loads = [0] * processes
+    out: list[set[int]] = [set() for _ in range(processes)]
+    for f, b in sorted(bytes_per_file.items(), key=lambda kv: (-kv[1], kv[0])):
+        p = min(range(processes), key=lambda i: (loads[i], i))
+        out[p].add(f)
+        loads[p] += b
+    return out
+
+
+class Group:
+    """A gloo process group over all processes of the default ``torch.distributed`` job, with the
+    few object collectives the offline tools need. Every process must make the same calls in the
+    same order.
+
+    Raises:
+        CkptqError: torch.distributed is unavailable, or the job's environment cannot initialize it.
+    """
+
+    def __init__(self, pg: Any, rank: int, size: int, *, owns_default: bool = False) -> None:
+        self.pg, self.rank, self.size = pg, rank, size
+        self._owns_default = owns_default
+
+    @classmethod
+    def default(cls) -> "Group":
+        """The group of every process of the job: initializes ``torch.distributed`` from the
+        launcher's environment (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``: torchrun sets them) if
+        it is not yet, and makes a gloo group over it (the job's own backend may be NCCL)."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise CkptqError("this torch has no torch.distributed; run without torchrun")
+        owns = not dist.is_initialized()
+        if owns:
+            try:
+                dist.init_process_group("gloo", timeout=TIMEOUT)
+            except Exception as e:
+                raise CkptqError(f"cannot join the torch.distributed job ({type(e).__name__}: {e}); start the "
+                                 f"processes with torchrun, or run without it") from e
+        pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
+        return cls(pg, dist.get_rank(), dist.get_world_size(), owns_default=owns)
+
+    def close(self) -> None:
+        """Tear down what :meth:`default` set up (the job's own process group stays): a gloo group
+        left alive at interpreter exit aborts the process."""
+        import torch.distributed as dist
+
+        try:
+            if self.pg is not None:
+                dist.destroy_process_group(self.pg)
+            elif self._owns_default and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - teardown after the work is done or failed
+            pass
+        self.pg, self._owns_default = None, False
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every process."""
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        self._collective(dist.broadcast_object_list, box, src=0, group=self.pg)
+        return box[0]
+
+    def assign(self, bytes_per_file: dict[int, int]) -> set[int]:
+        """This process's files (:func:`assign`)."""
+        return assign(bytes_per_file, self.size)[self.rank]
+
+    def gather_ok(self, payload: Any = None, *, to_root: bool = False) -> Optional[list[Any]]:
+        """Every process's ``payload``, in rank order: on every process, or with ``to_root`` on
+        rank 0 only (None elsewhere: large payloads are not copied to every process). First every
+        process learns whether all succeeded: if any reported a failure (:meth:`report_failure`)
+        instead, every process raises."""
+        import torch.distributed as dist
+
+        got = self._all_gather(("ok", None if to_root else payload))
+        self._raise_failures(got)
+        if not to_root:
+            return [p for _, p in got]
+        out: Optional[list[Any]] = [None] * self.size if self.rank == 0 else None
+        self._collective(dist.gather_object, payload, out, dst=0, group=self.pg)
+        return out
+
+    def report_failure(self, error: BaseException) -> None:
+        """Take part in the collective the others are in (a :meth:`gather_ok`) with this process's
+        error, so that they raise too. Errors of the collective itself are ignored (the caller
+        raises its own)."""
+        try:
+            self._all_gather(("error", f"{type(error).__name__}: {error}"))
+        except BaseException:  # noqa: BLE001 - a peer is gone: nothing more to tell it
+            pass
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        self._collective(dist.all_gather_object, out, obj, group=self.pg)
+        return out
+
+    def _raise_failures(self, got: list) -> None:
+        failed = [(r, msg) for r, (status, msg) in enumerate(got) if status != "ok"]
+        if failed:
+            err = CkptqError(f"{len(failed)} of {self.size} processes failed, nothing was committed:\n  "
+                             + "\n  ".join(f"rank {r}: {msg}" for r, msg in failed))
+            err.ckptq_reported = True  # type: ignore[attr-defined]
+            raise err
+
+    @staticmethod
+    def _collective(fn: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            fn(*args, **kwargs)
+        except BaseException as e:
+            e.ckptq_reported = True  # type: ignore[attr-defined]  # a peer died: no further collectives
+            raise
+
