@@ -508,9 +508,10 @@ def dcp_failure(exc: BaseException, where: str) -> Exception:
         if isinstance(cause, CkptqError):
             return cause
     # DCP turns a failed metadata read into AssertionError("metadata is None; global metadata read
-    # failed: <message>"): the reader kept the error it raised
+    # failed: <message>") (torch 2.13; torch 2.11 says only "metadata is None"): the reader kept
+    # the error it raised
     last = getattr(_LAST_METADATA_ERROR, "error", None)
-    if last is not None and any(str(last) in str(c) for c in causes):
+    if last is not None and any(str(last) in str(c) or str(c).startswith("metadata is None") for c in causes):
         return last
     cause = causes[0] if causes else exc
     return CheckpointFormatError(
