@@ -9,7 +9,7 @@ NVFP4, plus a bf16 norm per layer) is saved with ``dcp.save`` + ``QuantizedSaveP
 * ``ckptq.io.ChecksumFileSystemWriter`` (crc32c of every chunk, hashed on a second thread),
 
 alternating (ABBA order), ``--repeat`` times each, into fresh directories (each save fsyncs its files, as DCP
-does by default). The same is done for loads (``QuantizedLoadPlanner`` with
+does by default; the previous output is removed and ``--settle`` seconds pass before each save). The same is done for loads (``QuantizedLoadPlanner`` with
 ``SafeFileSystemReader``, ``verify_checksums`` on vs off) and for the hashing alone (``crc32c`` of
 the same bytes on one thread). Reported: median seconds, GB/s, and the overhead ratio against the
 baseline measured in the same process.
@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds to wait after removing the previous output: on this VM a write into pages "
+                         "freed moments ago costs up to 3x more (see the Resharding section of docs/benchmarks.md)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -76,6 +79,8 @@ def main() -> None:
         for kind in (("save_plain", "save_checksums") if r % 2 == 0 else ("save_checksums", "save_plain")):
             path = work / f"{kind}"
             shutil.rmtree(path, ignore_errors=True)
+            os.sync()
+            time.sleep(args.settle)  # let the host take back the freed pages before every save alike
             writer = (ChecksumFileSystemWriter(path) if kind == "save_checksums"
                       else dcp.FileSystemWriter(path))
             t0 = time.perf_counter()
@@ -101,6 +106,7 @@ def main() -> None:
         "bytes": nbytes,
         "repeat": args.repeat,
         "median_s": med,
+        "runs_s": times,
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
         "save_overhead": med["save_checksums"] / med["save_plain"] - 1,
         "load_overhead": med["load_verified"] / med["load_unverified"] - 1,
