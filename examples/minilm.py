@@ -469,7 +469,8 @@ def _rank_main(rank, world_size, store, fn, args, queue) -> None:
 def spawn_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined in a gloo
     process group (a FileStore rendezvous: nothing listens on the network); the results by rank.
-    Raises RuntimeError at the first failed rank (with its traceback), the others being ended."""
+    Raises RuntimeError when a rank fails, with the tracebacks of every rank that failed within 5 s
+    of the first (the others are then ended)."""
     import queue as queue_mod
 
     import torch.multiprocessing as mp
@@ -499,6 +500,16 @@ def spawn_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:
                     results[rank] = payload
                 else:
                     error = f"rank {rank}: {payload}"
+            # the other ranks' errors too (a moment's grace): the first to arrive may be a rank that
+            # only failed because another did
+            grace = time.monotonic() + 5.0
+            while error is not None and len(results) < world_size and time.monotonic() < grace:
+                try:
+                    rank, status, payload = queue.get(timeout=0.5)
+                except queue_mod.Empty:
+                    continue
+                if status != "ok":
+                    error += f"\nrank {rank}: {payload}"
         finally:
             for p in procs:
                 p.join(timeout=30 if error is None else 0)
