@@ -350,29 +350,9 @@ class SafeFileSystemReader(FileSystemReader):
                 value.seek(0)
                 return value
             seekable = file_slice if file_slice.seekable() else io.BytesIO(file_slice.read(-1))
-            try:
-                tensor = torch.load(seekable, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e:
-                if "GLOBAL" not in str(e) and "global" not in str(e):
-                    raise  # a damaged record, not a refused one: reported below
-                raise UnsafeCheckpointError(
-                    f"{where}: the record cannot be read with torch.load(weights_only=True), so "
-                    f"loading it could run code ({str(e).strip().splitlines()[-1]}); nothing from it "
-                    f"was run. Restore the file or re-save the checkpoint"
-                ) from None
+            tensor = load_weights_only(seekable, where, "cpu")
             want = (self._chunk_sizes or {}).get((index.fqn, tuple(index.offset or ())))
-            if type(tensor) is not torch.Tensor:
-                raise CheckpointFormatError(
-                    f"{where}: the record holds a {type(tensor).__name__}, not a tensor; the data file "
-                    f"and the metadata disagree: restore the file or re-save"
-                )
-            if want is not None and (tensor.dtype, tuple(tensor.shape)) != want:
-                raise CheckpointFormatError(
-                    f"{where}: the record holds a {str(tensor.dtype).removeprefix('torch.')} tensor of "
-                    f"shape {list(tensor.shape)}, but the metadata gives this chunk "
-                    f"{str(want[0]).removeprefix('torch.')} {list(want[1])}; the data file and the "
-                    f"metadata disagree: restore them or re-save"
-                )
+            check_chunk_tensor(tensor, want, where)
             if verify:
                 self._check_sum(index, tensor, where)
             return tensor
@@ -550,12 +530,48 @@ class _Window(io.RawIOBase):
         return len(data)
 
 
+def load_weights_only(stream: Any, where: str, map_location: Any) -> Any:
+    """``torch.load(stream, weights_only=True)`` of one record; a pickle it refuses (a global outside
+    the allow-list) becomes :class:`~ckptq.errors.UnsafeCheckpointError` naming ``where``. Other
+    unpickling errors (a damaged record) propagate for the caller to report as corruption."""
+    try:
+        return torch.load(stream, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "GLOBAL" not in str(e) and "global" not in str(e):
+            raise  # a damaged record, not a refused one
+        raise UnsafeCheckpointError(
+            f"{where}: the record cannot be read with torch.load(weights_only=True), so loading it could "
+            f"run code ({str(e).strip().splitlines()[-1]}); nothing from it was run. Restore the file or "
+            f"re-save the checkpoint"
+        ) from None
+
+
+def check_chunk_tensor(t: Any, want: Optional[tuple], where: str) -> None:
+    """What a record holds must be a plain tensor of the chunk's ``(dtype, sizes)`` from the metadata
+    (``want``; None: only that it is a tensor).
+
+    Raises:
+        CheckpointFormatError: it is not (``where`` names the file, byte range and entry).
+    """
+    if type(t) is not torch.Tensor:
+        raise CheckpointFormatError(
+            f"{where}: the record holds a {type(t).__name__}, not a tensor; the data file and the metadata "
+            f"disagree: restore the file or re-save"
+        )
+    if want is not None and (t.dtype, tuple(t.shape)) != (want[0], tuple(want[1])):
+        raise CheckpointFormatError(
+            f"{where}: the record holds a {str(t.dtype).removeprefix('torch.')} tensor of shape "
+            f"{list(t.shape)}, but the metadata gives this chunk {str(want[0]).removeprefix('torch.')} "
+            f"{list(want[1])}; the data file and the metadata disagree: restore them or re-save"
+        )
+
+
 def check_record_header(stream: Any, where: str) -> None:
     """Check the pickle of one ``torch.save`` record (its ``data.pkl`` member) against the CRC-32
     its zip directory stores, before ``torch.load`` (which does not check CRCs) trusts the dtype,
     shape, strides and storage offsets it describes. Reads only the record's directory and that
-    member (hundreds of bytes); the tensor bytes are not checked (issue 9 item 1). ``stream`` is
-    left at the record's start.
+    member (hundreds of bytes); the tensor bytes are checked against the checkpoint's checksums
+    (:mod:`ckptq.checksums`), not here. ``stream`` is left at the record's start.
 
     Raises:
         CheckpointFormatError: the record is not a zip archive, lacks its pickle, or the pickle's

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
+from ..errors import CheckpointFormatError, CkptqError
 
 __all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
 
@@ -230,10 +230,9 @@ def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torc
             layout than the metadata gives (``where`` names the file, byte range and entry).
         UnsafeCheckpointError: the pickle cannot be loaded with ``weights_only=True``.
     """
-    import pickle
     import zipfile
 
-    from .reader import check_record_header
+    from .reader import check_chunk_tensor, check_record_header, load_weights_only
 
     try:
         window = _ends(stream, start, length)
@@ -247,27 +246,13 @@ def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torc
             byteorder = z.read(order[0]).decode() if order else sys.byteorder
             members = [i for i in z.infolist() if i.filename.endswith("/data/0")]
         window.seek(0)
-        try:
-            t = torch.load(window, map_location="meta", weights_only=True)
-        except pickle.UnpicklingError as e:
-            if "GLOBAL" not in str(e) and "global" not in str(e):
-                raise
-            raise UnsafeCheckpointError(
-                f"{where}: the record cannot be read with torch.load(weights_only=True), so loading it "
-                f"could run code ({str(e).strip().splitlines()[-1]}); nothing from it was run. Restore "
-                f"the file or re-save the checkpoint") from None
+        t = load_weights_only(window, where, "meta")
     except CkptqError:
         raise
     except Exception as e:  # zip / EOF / pickle errors of a damaged record
         raise CheckpointFormatError(f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
                                     f"restore the file or re-save the checkpoint") from e
-    if type(t) is not torch.Tensor or t.dtype != dtype or tuple(t.shape) != tuple(sizes):
-        what = f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}" \
-            if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
-        raise CheckpointFormatError(
-            f"{where}: the record holds {what}, but the metadata gives this chunk "
-            f"{str(dtype).removeprefix('torch.')} {list(sizes)}; the data file and the metadata disagree: "
-            f"restore them or re-save")
+    check_chunk_tensor(t, (dtype, sizes), where)
     storage = t.untyped_storage()
     offset = getattr(storage, "_checkpoint_offset", None)
     nbytes = t.numel() * t.element_size()
