@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..checksums import Hasher, checksum_key
+from ..checksums import Hasher, checksum, checksum_key
 from ..contract import with_checksums
 from ..errors import CkptqError
 
@@ -173,7 +173,6 @@ class CheckpointDirWriter:
         self._syncs: list = []
         self._md: dict[str, Any] = {}
         self._storage: dict[MetadataIndex, Any] = {}
-        self._hasher = Hasher()
         self._sums: dict[tuple, int] = {}
         self._closed = False
         self.bytes_per_rank: dict[int, int] = {}
@@ -211,6 +210,18 @@ class CheckpointDirWriter:
             self._syncs = [f for f in self._syncs if not f.done()] + [self._syncer.submit(os.fdatasync, fd)]
         return start, total
 
+    def _add_entry_chunk(self, key: str, global_size, offsets, dtype: torch.dtype, shape) -> torch.Size:
+        """Record a chunk of ``shape`` at ``offsets`` in tensor entry ``key`` (created on first use);
+        returns the offsets as DCP stores them."""
+        md = self._md.get(key)
+        if md is None:
+            md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_size), [])
+            self._md[key] = md
+        assert md.properties.dtype == dtype and tuple(md.size) == tuple(global_size), key
+        offsets = torch.Size(offsets)
+        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
+        return offsets
+
     def add_chunk(self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor) -> None:
         """Append ``tensor`` (any layout; CPU or not) as the chunk at ``offsets`` of entry ``key``
         (global ``global_size``), with its checksum. ``tensor`` is not referenced after this returns."""
@@ -219,13 +230,7 @@ class CheckpointDirWriter:
     def add_encoded(self, rank: int, key: str, global_size, offsets, chunk: "EncodedChunk") -> None:
         """Append a chunk :func:`encode_chunk` prepared (possibly on another thread) as the chunk
         at ``offsets`` of entry ``key`` (global ``global_size``), with its checksum."""
-        md = self._md.get(key)
-        if md is None:
-            md = TensorStorageMetadata(TensorProperties(dtype=chunk.dtype), torch.Size(global_size), [])
-            self._md[key] = md
-        assert md.properties.dtype == chunk.dtype and tuple(md.size) == tuple(global_size), key
-        offsets = torch.Size(offsets)
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk.shape)))
+        offsets = self._add_entry_chunk(key, global_size, offsets, chunk.dtype, chunk.shape)
         self._sums[(key, tuple(offsets))] = chunk.checksum
         start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)])
         self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, length)
@@ -240,13 +245,7 @@ class CheckpointDirWriter:
         ``crc32`` are the payload's (the caller hashed it, e.g. ``CheckpointView.hash_chunk``)."""
         from .records import tensor_record
 
-        md = self._md.get(key)
-        if md is None:
-            md = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(global_size), [])
-            self._md[key] = md
-        assert md.properties.dtype == dtype and tuple(md.size) == tuple(global_size), key
-        offsets = torch.Size(offsets)
-        md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
+        offsets = self._add_entry_chunk(key, global_size, offsets, dtype, shape)
         record = tensor_record(dtype, tuple(shape))
         start, _ = self._append(rank, [record.header])
         fd, pos, done = self._fd(rank), self._pos[rank], 0
@@ -268,7 +267,7 @@ class CheckpointDirWriter:
         """Append a verbatim non-tensor record (as read by ``CheckpointView.read_raw_bytes``)."""
         start, length = self._append(rank, [record])
         if not transform_descriptors:  # else the payload is the un-transformed bytes: not hashed
-            self._hasher.submit((key, None), record)
+            self._sums[(key, None)] = checksum(record)
         self._md[key] = BytesStorageMetadata()
         info = self._storage_info(f"__{rank}_0.distcp", start, length)
         if transform_descriptors:
@@ -288,7 +287,6 @@ class CheckpointDirWriter:
                 os.fsync(fd)
                 os.close(fd)
             self._fds.clear()
-            self._sums.update(self._hasher.results())
             self._closed = True
         return self._md, self._storage, self._sums, dict(self.bytes_per_rank)
 
@@ -336,7 +334,6 @@ class CheckpointDirWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-        self._hasher.close()
 
 
 @dataclasses.dataclass(frozen=True)
