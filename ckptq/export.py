@@ -38,7 +38,7 @@ from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor
-from .io.writer import commit_dir, staging_dir
+from .io.writer import check_destination, commit_dir, staging_dir
 
 __all__ = ["export_checkpoint", "parse_size", "LAYOUT_NAMES"]
 
@@ -292,10 +292,7 @@ def export_checkpoint(
     view = open_checkpoint(src)
     dst = Path(dst).absolute()
     srcp = Path(view.path).absolute()
-    if dst == srcp or srcp in dst.parents or dst in srcp.parents:
-        raise CkptqError(f"destination {dst} overlaps the source {srcp}; choose a separate directory")
-    if dst.exists() and not overwrite:
-        raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+    check_destination(srcp, dst, overwrite)
     items, skipped = _plan(view, lay, fmt, ignore, rules)
     base = _base_config(srcp, config)
     shards = _shards(items, max_bytes)

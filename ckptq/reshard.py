@@ -28,12 +28,12 @@ from . import chunks
 from .checkpoint import CheckpointView, open_checkpoint
 from .contract import (CKPTQ_KEY, Entry, component_fqn, emit_components, high_precision_descriptor, make_record,
                        native_descriptor)
-from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
+from .errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from .formats import FORMATS, format_class, from_components, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db
-from .io.writer import CheckpointDirWriter, commit_dir, encode_chunk, staging_dir
+from .io.writer import CheckpointDirWriter, check_destination, commit_dir, encode_chunk, staging_dir
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "reshard_checkpoint", "convert_checkpoint",
            "HP_DTYPES"]
@@ -467,11 +467,7 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
 
 
 def _prepare_output(view, plan: ReshardPlan, dst: Path, overwrite: bool) -> Path:
-    src = view.path.absolute()
-    if dst == src or src in dst.parents or dst in src.parents:
-        raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
-    if dst.exists() and not overwrite:
-        raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+    check_destination(view.path, dst, overwrite)
     if plan.problems:
         raise ShardingError(
             f"{len(plan.problems)} tensor(s) cannot be laid out natively on mesh {plan.mesh}:\n  "

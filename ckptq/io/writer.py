@@ -51,6 +51,7 @@ __all__ = [
     "AtomicFileSystemWriter",
     "check_dcp_version",
     "KNOWN_DCP_VERSIONS",
+    "check_destination",
     "staging_dir",
     "commit_dir",
 ]
@@ -498,6 +499,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ---------------------------------------------------------------- outputs of the offline tools
+def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """The offline tools' output ``dst`` must not overlap their input ``src`` (either inside the
+    other, or the same) and must not exist unless ``overwrite``.
+
+    Raises:
+        CkptqError: it overlaps the source, or exists without ``overwrite`` (nothing is written).
+    """
+    src, dst = Path(src).absolute(), Path(dst).absolute()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
+    if dst.exists() and not overwrite:
+        raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+
+
 def staging_dir(dst: Path) -> Path:
     """A fresh, empty temporary sibling of output directory ``dst`` (``.DST.ckptq-tmp-PID``) for
     the offline tools (reshard, convert, export) to write into, after removing such folders of
