@@ -1,14 +1,15 @@
 """Process-group plumbing of the offline tools run under ``torchrun`` (``ckptq reshard|convert``).
 
-The offline tools split their output files over the processes of a ``torch.distributed`` job and
-agree through a handful of gloo object collectives (no GPU needed): rank 0 prepares the output and
-broadcasts where it is, each process writes its share, every process reports success or its error,
+The offline tools split their work (the output tensors, whose records are laid out in the target
+files in advance) over the processes of a ``torch.distributed`` job and agree through a handful of
+gloo object collectives (no GPU needed): rank 0 prepares the output and broadcasts where it is, each
+process writes its share, every process reports success or its error,
 and only when all succeeded does rank 0 write ``.metadata`` and rename the output into place. A
 process that fails makes every process raise (:class:`~ckptq.errors.CkptqError` naming the failed
 ranks and their errors) and leaves no complete-looking output.
 
-:func:`assign` is the work split: target files by byte volume, largest first onto the process with
-the fewest bytes so far (LPT), the same on every process.
+:func:`assign` is the work split: items (tensors) by estimated cost, largest first onto the process
+with the least so far (LPT), the same on every process.
 """
 
 from __future__ import annotations
@@ -34,16 +35,16 @@ def torchrun_world_size() -> int:
         return 1
 
 
-def assign(bytes_per_file: dict[int, int], processes: int) -> list[set[int]]:
-    """Split files (``{file id: bytes}``) over ``processes``: largest file first, each to the
-    process with the fewest bytes so far (ties: the lower rank). Deterministic.
+def assign(costs: dict[int, int], processes: int) -> list[set[int]]:
+    """Split items (``{item id: cost}``) over ``processes``: the costliest first, each to the
+    process with the least cost so far (ties: the lower rank). Deterministic.
 
     Returns:
-        ``[set of file ids]`` per process (some may be empty when there are fewer files).
+        ``[set of item ids]`` per process (some may be empty when there are fewer items).
     """
     loads = [0] * processes
     out: list[set[int]] = [set() for _ in range(processes)]
-    for f, b in sorted(bytes_per_file.items(), key=lambda kv: (-kv[1], kv[0])):
+    for f, b in sorted(costs.items(), key=lambda kv: (-kv[1], kv[0])):
         p = min(range(processes), key=lambda i: (loads[i], i))
         out[p].add(f)
         loads[p] += b
@@ -104,9 +105,9 @@ class Group:
         self._collective(dist.broadcast_object_list, box, src=0, group=self.pg)
         return box[0]
 
-    def assign(self, bytes_per_file: dict[int, int]) -> set[int]:
-        """This process's files (:func:`assign`)."""
-        return assign(bytes_per_file, self.size)[self.rank]
+    def assign(self, costs: dict[int, int]) -> set[int]:
+        """This process's items (:func:`assign`)."""
+        return assign(costs, self.size)[self.rank]
 
     def gather_ok(self, payload: Any = None, *, to_root: bool = False) -> Optional[list[Any]]:
         """Every process's ``payload``, in rank order: on every process, or with ``to_root`` on

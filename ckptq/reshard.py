@@ -12,6 +12,7 @@ checkpoint size. Output goes to a temporary sibling directory renamed into place
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -28,7 +29,7 @@ from . import chunks
 from .checkpoint import CheckpointView, open_checkpoint
 from .contract import (CKPTQ_KEY, Entry, component_fqn, emit_components, high_precision_descriptor, make_record,
                        native_descriptor)
-from .errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
+from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
 from .formats import FORMATS, format_class, from_components, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
@@ -355,7 +356,7 @@ def run_reshard(
     dst: Union[str, os.PathLike],
     *,
     overwrite: bool = False,
-    progress: Optional[Callable[[int], None]] = None,
+    progress: Union[bool, Callable[[int], None], None] = None,
     distributed: bool = False,
 ) -> dict:
     """Execute ``plan`` into ``dst`` (a new directory; an existing one needs ``overwrite``).
@@ -372,12 +373,16 @@ def run_reshard(
     bytes change are read whole, transformed and cut into their target chunks.
 
     Args:
-        progress: called with the bytes of each chunk as it is queued for writing.
+        progress: called with the bytes of each chunk as it is queued for writing, or ``True`` for a
+            tqdm bar on stderr (bytes and bytes/s; rank 0's share when distributed).
         distributed: split the work over the processes of the default ``torch.distributed`` process
-            group (initialized from torchrun's environment with gloo if it is not yet): each writes
-            the target files :func:`ckptq.distributed.assign` gives it into one staging directory,
-            rank 0 writes ``.metadata`` and renames it into place once every process reported
-            success. Every process must call this with the same arguments.
+            group (initialized from torchrun's environment with gloo if it is not yet): every
+            record's file and offset is laid out first, the same on every process; each process
+            computes and writes the tensors :func:`ckptq.distributed.assign` gives it (balanced by
+            estimated work, so a requantized tensor is computed once) at their places in the
+            target files of one staging directory; rank 0 writes ``.metadata`` and renames it into
+            place once every process reported success. The output is the same bytes as one
+            process's. Every process must call this with the same arguments.
 
     Returns:
         ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db},
@@ -418,14 +423,15 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
         tmp = group.broadcast(tmp)
         if isinstance(tmp, BaseException):
             raise tmp
-    files = set(range(plan.mesh.world_size))
-    if group is not None:
-        files = group.assign(plan.bytes_per_rank())
     writer = CheckpointDirWriter(tmp)
     state = _RunState()
     try:
         try:
-            _execute(view, plan, writer, files, state, progress)
+            layout = _layout(view, plan)
+            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(view, plan, layout))
+            total = sum(o.nbytes for i in mine for o in layout[i])
+            with _progress(progress, total, show=group is None or group.rank == 0) as update:
+                _execute(view, plan, layout, mine, writer, state, update)
             local = writer.close_local()
         finally:
             if hasattr(view, "close"):
@@ -466,6 +472,19 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
     }
 
 
+@contextlib.contextmanager
+def _progress(progress: Union[bool, Callable[[int], None], None], total: int, *, show: bool):
+    """The progress callback of a run: ``progress`` itself, or for ``True`` a tqdm bar of ``total``
+    bytes on stderr (bytes and bytes/s), shown when ``show``."""
+    if progress is not True:
+        yield progress or None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing", leave=False, disable=not show) as bar:
+        yield bar.update
+
+
 def _prepare_output(view, plan: ReshardPlan, dst: Path, overwrite: bool) -> Path:
     check_destination(view.path, dst, overwrite)
     if plan.problems:
@@ -500,39 +519,46 @@ def _planner_data(plan: ReshardPlan, state: _RunState) -> dict:
     return {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
 
 
+#: Each job's records in a target file start at a multiple of this (DCP records may have gaps
+#: between them): records of different jobs, which different processes may write, never share a page.
+RECORD_ALIGN = 4096
+
+
 @dataclasses.dataclass
-class _Item:
-    """One target chunk copied by byte range: entry ``key`` (global ``size``) at ``box``, from
-    entry ``src_key`` of the source, into target rank ``rank``'s file."""
+class _Out:
+    """One record of the output, laid out before anything is written: chunk ``box`` of entry
+    ``key`` (global ``size``; ``part``: the component of a quantized tensor, else None) in target
+    rank ``rank``'s file at byte ``at``, ``length`` bytes (the ``torch.save`` framing included;
+    a bytes entry, ``dtype`` None: its verbatim record)."""
 
     rank: int
     key: str
+    part: Optional[str]
     size: tuple
     box: chunks.Box
-    src_key: str
-    dtype: torch.dtype
+    dtype: Optional[torch.dtype]
+    at: int = 0
+    length: int = 0
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.box[1]) * _itemsize(self.dtype)
+        """Payload bytes (0 for a bytes entry)."""
+        return 0 if self.dtype is None else math.prod(self.box[1]) * _itemsize(self.dtype)
 
 
-def _copy_items(view, job: TensorJob, files: set) -> Optional[list[_Item]]:
-    """The target chunks of ``job`` in target ``files`` as byte-range copies, or None when its
-    bytes change (or its source cannot be read by byte range)."""
-    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem \
-            or not hasattr(view, "saved_chunks"):
-        return None
-    src = job.sources[0]
-    items: list[_Item] = []
+def _job_records(view, job: TensorJob) -> list[_Out]:
+    """The records ``job`` writes, in the order it writes them (the same dedup and skips as
+    :func:`_write_job`: a component chunk that several ranks hold goes to the first; empty
+    component chunks are not written)."""
+    from .io.records import tensor_record
+
+    if job.out == "bytes":  # small records (step counters, TE extra state): read for their length, not kept
+        record, _ = view.read_raw_bytes(job.sources[0].fqn)
+        return [_Out(0, job.fqn, None, (), ((), ()), None, length=len(record))]
+    outs: list[_Out] = []
     if job.out == "quantized":
-        if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
-            return None
         cls = format_class(job.out_format)
-        recipe = cls._recipe_from_json(job.out_recipe)
-        if cls._recipe_from_json(src.descriptor.get("recipe", {})) != recipe:
-            return None
-        specs = cls.component_specs(job.shape, recipe)
+        specs = cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe))
         seen: set = set()
         for rank, box in job.owners:
             for spec in specs:
@@ -541,18 +567,63 @@ def _copy_items(view, job: TensorJob, files: set) -> Optional[list[_Item]]:
                 if (key, cbox[0]) in seen or math.prod(cbox[1]) == 0:
                     continue
                 seen.add((key, cbox[0]))
-                items.append(_Item(rank, key, spec.shape(job.shape), cbox, src.keys[spec.name], spec.dtype))
-    elif job.out == "tensor":
-        if src.kind != "tensor" or src.dtype != job.out_dtype:
-            return None
-        items = [_Item(rank, job.fqn, job.shape, box, src.fqn, src.dtype) for rank, box in job.owners]
+                outs.append(_Out(rank, key, spec.name, spec.shape(job.shape), cbox, spec.dtype))
     else:
-        return None
-    items = [it for it in items if it.rank in files]
-    for key in {it.src_key for it in items}:
-        if view.saved_chunks(key) is None:
-            return None
-    return items
+        outs = [_Out(rank, job.fqn, None, job.shape, box, job.out_dtype) for rank, box in job.owners]
+    for o in outs:
+        o.length = tensor_record(o.dtype, tuple(o.box[1])).length
+    return outs
+
+
+def _layout(view, plan: ReshardPlan) -> list[list[_Out]]:
+    """Every job's records with their place in the target files: job after job in plan order, a
+    job's records in one file contiguous and starting at a multiple of :data:`RECORD_ALIGN`. The
+    output is the same bytes however the jobs are split over processes (:func:`_job_costs`)."""
+    ends: dict[int, int] = {}
+    out = []
+    for job in plan.jobs:
+        outs = _job_records(view, job) if not job.problem else []
+        started: set = set()
+        for o in outs:
+            pos = ends.get(o.rank, 0)
+            if o.rank not in started:
+                pos = -(-pos // RECORD_ALIGN) * RECORD_ALIGN
+                started.add(o.rank)
+            o.at, ends[o.rank] = pos, pos + o.length
+        out.append(outs)
+    return out
+
+
+def _job_costs(view, plan: ReshardPlan, layout: list[list[_Out]]) -> dict[int, int]:
+    """Estimated work of each job for splitting jobs over processes: its payload bytes, times 4
+    for a job whose bytes are transformed (read whole, re-encoded, SQNR: the convert benchmark in
+    docs/benchmarks.md spends about 4x the copy's time per byte there); bytes entries count 1."""
+    return {i: max(1, sum(o.nbytes for o in outs) * (1 if _copy_source(view, job) else 4))
+            for i, (job, outs) in enumerate(zip(plan.jobs, layout))}
+
+
+def _copy_source(view, job: TensorJob) -> bool:
+    """Whether ``job``'s bytes are the source's unchanged (same format and recipe, or a plain tensor
+    of the same dtype) and readable by byte range, so its chunks are copied, not computed."""
+    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem \
+            or not hasattr(view, "saved_chunks"):
+        return False
+    src = job.sources[0]
+    if job.out == "quantized":
+        if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
+            return False
+        cls = format_class(job.out_format)
+        if cls._recipe_from_json(src.descriptor.get("recipe", {})) != cls._recipe_from_json(job.out_recipe):
+            return False
+    elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
+        return False
+    return all(view.saved_chunks(key) is not None for key in src.keys.values())
+
+
+def _src_key(job: TensorJob, o: _Out) -> str:
+    """The source entry a copied record's bytes come from."""
+    src = job.sources[0]
+    return src.keys[o.part] if o.part is not None else src.fqn
 
 
 def _copy_descriptor(job: TensorJob) -> Optional[dict]:
@@ -566,34 +637,34 @@ def _copy_descriptor(job: TensorJob) -> Optional[dict]:
     return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
 
 
-def _execute(view, plan: ReshardPlan, writer: CheckpointDirWriter, files: set, state: _RunState,
-             progress: Optional[Callable[[int], None]]) -> None:
-    """Write the chunks of ``plan`` that go to target ``files`` (ranks) through ``writer``."""
+def _execute(view, plan: ReshardPlan, layout: list[list[_Out]], mine: set, writer: CheckpointDirWriter,
+             state: _RunState, progress: Optional[Callable[[int], None]]) -> None:
+    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) at their places in ``layout``."""
     work = []
     biggest = 0
-    for job in plan.jobs:
-        items = _copy_items(view, job, files)
-        if items is not None:
-            biggest = max([biggest] + [it.nbytes for it in items if view.whole_chunk(it.src_key, it.box) is None])
-        work.append((job, items))
+    for i in sorted(mine):
+        job, outs = plan.jobs[i], layout[i]
+        copy = _copy_source(view, job)
+        if copy:
+            biggest = max([biggest] + [o.nbytes for o in outs if view.whole_chunk(_src_key(job, o), o.box) is None])
+        work.append((job, outs, copy))
     with _WriterThread(writer, buffers=2, buffer_bytes=biggest) as pipe:
-        for job, items in work:
-            if items is None:
-                if any(r in files for r, _ in job.owners):
-                    _write_job(view, job, pipe, files, state, progress)
+        for job, outs, copy in work:
+            if not copy:
+                _write_job(view, job, outs, pipe, state, progress)
                 continue
-            for it in items:
-                whole = view.whole_chunk(it.src_key, it.box)
+            for o in outs:
+                src_key = _src_key(job, o)
+                whole = view.whole_chunk(src_key, o.box)
                 if whole is not None:  # a saved chunk verbatim: hashed here, copied by the kernel there
                     sums = view.hash_chunk(whole)
-                    pipe.add_copy(it.rank, it.key, it.size, it.box[0], it.dtype, it.box[1], view.data_fd(whole),
-                                  whole.payload, *sums)
+                    pipe.add_copy(o, view.data_fd(whole), whole.payload, *sums)
                 else:
-                    buf = pipe.buffer(it.nbytes).view(it.dtype).view(it.box[1])
-                    known = view.read_box(it.src_key, it.box, buf)
-                    pipe.add_chunk(it.rank, it.key, it.size, it.box[0], buf, reused=True, encode=True, known=known)
+                    buf = pipe.buffer(o.nbytes).view(o.dtype).view(o.box[1])
+                    known = view.read_box(src_key, o.box, buf)
+                    pipe.add_chunk(o, buf, reused=True, encode=True, known=known)
                 if progress:
-                    progress(it.nbytes)
+                    progress(o.nbytes)
             desc = _copy_descriptor(job)
             if desc is not None:
                 state.descriptors[job.fqn] = desc
@@ -663,32 +734,37 @@ class _WriterThread:
         fn.buffer = buffer  # type: ignore[attr-defined]
         self._jobs.put(fn)
 
-    def add_chunk(self, rank: int, key: str, size, offsets, tensor: torch.Tensor, *, reused: bool = False,
-                  encode: bool = False, known: Optional[tuple[int, int]] = None) -> None:
-        """Queue ``tensor`` for appending; ``reused``: it lies in the last :meth:`buffer`, which goes
-        back to the pool once written; ``encode``: hash it on this thread first (balancing the
-        reading and writing threads), else on the writer thread; ``known``: its checksums
-        (:func:`~ckptq.io.writer.encode_chunk`)."""
+    def add_chunk(self, o: _Out, tensor: torch.Tensor, *, reused: bool = False, encode: bool = False,
+                  known: Optional[tuple[int, int]] = None) -> None:
+        """Queue ``tensor`` for writing as record ``o``; ``reused``: it lies in the last
+        :meth:`buffer`, which goes back to the pool once written; ``encode``: hash it on this thread
+        first (balancing the reading and writing threads), else on the writer thread; ``known``:
+        its checksums (:func:`~ckptq.io.writer.encode_chunk`)."""
+        if tuple(tensor.shape) != tuple(o.box[1]) or tensor.dtype != o.dtype:  # the layout predicted it
+            raise CkptqError(f"internal error: '{o.key}' chunk {tuple(o.box[0])} is {tensor.dtype} "
+                             f"{tuple(tensor.shape)}, laid out as {o.dtype} {tuple(o.box[1])}; please report it")
         buf = self._pending if reused else None
         chunk = encode_chunk(tensor, known=known) if encode else None
 
         def run() -> None:
             try:
                 if chunk is not None:
-                    self.writer.add_encoded(rank, key, size, offsets, chunk)
+                    self.writer.add_encoded(o.rank, o.key, o.size, o.box[0], chunk, at=o.at)
                 else:
-                    self.writer.add_chunk(rank, key, size, offsets, tensor)
+                    self.writer.add_chunk(o.rank, o.key, o.size, o.box[0], tensor, at=o.at)
             finally:
                 if buf is not None:
                     self._free.put(buf)
         self._submit(run, buf)
 
-    def add_bytes(self, rank: int, key: str, record: bytes, transforms: Any = None) -> None:
-        self._submit(lambda: self.writer.add_bytes(rank, key, record, transforms))
+    def add_bytes(self, o: _Out, record: bytes, transforms: Any) -> None:
+        """Queue ``record`` (a verbatim non-tensor record, with its transform descriptors) as record ``o``."""
+        self._submit(lambda: self.writer.add_bytes(o.rank, o.key, record, transforms, at=o.at))
 
-    def add_copy(self, *args: Any) -> None:
-        """Queue :meth:`CheckpointDirWriter.add_copy` (a chunk copied file to file)."""
-        self._submit(lambda: self.writer.add_copy(*args))
+    def add_copy(self, o: _Out, src_fd: int, src_offset: int, checksum: int, crc32: int) -> None:
+        """Queue :meth:`CheckpointDirWriter.add_copy` of record ``o`` (a chunk copied file to file)."""
+        self._submit(lambda: self.writer.add_copy(o.rank, o.key, o.size, o.box[0], o.dtype, o.box[1], src_fd,
+                                                  src_offset, checksum, crc32, at=o.at))
 
     def __enter__(self) -> "_WriterThread":
         return self
@@ -700,14 +776,17 @@ class _WriterThread:
             self._check()
 
 
-def _write_job(view, job: TensorJob, writer, files: set, state: _RunState,
+def _write_job(view, job: TensorJob, outs: list[_Out], writer, state: _RunState,
                progress: Optional[Callable[[int], None]]) -> None:
-    """Read, transform and cut one job whose bytes change; its chunks of target ``files`` only."""
+    """Read, transform and cut one job whose bytes change into its records ``outs`` (its part of
+    the layout, in the order produced here)."""
     descriptors, mappings, requantized = state.descriptors, state.mappings, state.requantized
     src = job.sources[0]
     if job.out == "bytes":
         record, transforms = view.read_raw_bytes(src.fqn)
-        writer.add_bytes(0, job.fqn, record, transforms)
+        if len(record) != outs[0].length:
+            raise CheckpointFormatError(f"{view.path}: '{src.fqn}' changed while it was being read; run again")
+        writer.add_bytes(outs[0], record, transforms)
         if view.mapping(src.fqn):
             mappings[job.fqn] = view.mapping(src.fqn)
         return
@@ -718,34 +797,41 @@ def _write_job(view, job: TensorJob, writer, files: set, state: _RunState,
     if sqnr is not None:
         requantized[job.fqn] = sqnr
     base = view.mapping(src.fqn) if len(job.sources) == 1 and job.member is None else None
+    laid = iter(outs)
     if isinstance(out, QuantizedTensor):
         kept = sqnr is None and src.descriptor is not None  # the source's bytes: its producer record stays
         desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.get("producer") if kept else None)
         written: set = set()
-        for rank, box in job.owners:
+        for _, box in job.owners:
             for c in emit_components(slice_box(out, box, fqn=job.fqn), job.fqn, out.shape, box):
                 if (c.key, c.box[0]) in written or math.prod(c.box[1]) == 0:
                     continue
                 written.add((c.key, c.box[0]))
-                if rank in files:
-                    writer.add_chunk(rank, c.key, c.size, c.box[0], c.tensor)
-                    if progress:
-                        progress(c.tensor.nbytes)
+                _write_laid(writer, next(laid, None), c.key, c.box[0], c.tensor, progress)
         if base is not None:
             for name, comp in desc["components"].items():
                 mappings[comp["fqn"]] = (*base[:-1], f"{base[-1]}.{name}")
         descriptors[job.fqn] = desc
-        return
-    for rank, box in job.owners:
-        if rank in files:
-            piece = chunks.narrow_box(out, box)
-            writer.add_chunk(rank, job.fqn, out.shape, box[0], piece)
-            if progress:
-                progress(piece.nbytes)
-    if src.descriptor is not None:  # a high-precision entry of a quantized tensor keeps its record
-        descriptors[job.fqn] = high_precision_descriptor(src.descriptor, out.dtype, out.shape)
-    if base is not None:
-        mappings[job.fqn] = base
+    else:
+        for _, box in job.owners:
+            _write_laid(writer, next(laid, None), job.fqn, box[0], chunks.narrow_box(out, box), progress)
+        if src.descriptor is not None:  # a high-precision entry of a quantized tensor keeps its record
+            descriptors[job.fqn] = high_precision_descriptor(src.descriptor, out.dtype, out.shape)
+        if base is not None:
+            mappings[job.fqn] = base
+    if next(laid, None) is not None:
+        raise CkptqError(f"internal error: '{job.fqn}' wrote fewer records than laid out; please report it")
+
+
+def _write_laid(writer, o: Optional[_Out], key: str, offsets, tensor: torch.Tensor,
+                progress: Optional[Callable[[int], None]]) -> None:
+    """Write chunk ``tensor`` (entry ``key`` at ``offsets``) as the next laid-out record ``o``."""
+    if o is None or o.key != key or tuple(o.box[0]) != tuple(offsets):
+        raise CkptqError(f"internal error: '{key}' chunk {tuple(offsets)} was not laid out "
+                         f"(expected {o.key if o else None}); please report it")
+    writer.add_chunk(o, tensor)
+    if progress:
+        progress(tensor.nbytes)
 
 
 # --------------------------------------------------------------------------------------- one call per command
@@ -830,8 +916,7 @@ def convert_checkpoint(
         block, two_d, columnwise, fp8_dtype, pow2: recipe options of ``to`` (``None``: its default);
             ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``.
         mesh, plan, rules, misaligned, overwrite, dry_run, progress, distributed: as
-            :func:`reshard_checkpoint` (distributed: tensors that are requantized are computed by
-            every process that writes one of their chunks).
+            :func:`reshard_checkpoint` (distributed: each requantized tensor is computed by one process).
 
     Returns:
         As :func:`reshard_checkpoint`.
@@ -862,32 +947,6 @@ def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, d
     summary = rplan.summary()
     if dry_run:
         return {"plan": summary}
-    if progress is True:
-        from tqdm import tqdm
-
-        files = set(range(mesh.world_size))
-        if distributed:
-            from .distributed import assign
-
-            files = assign(rplan.bytes_per_rank(), max(1, _process_count()))[_process_rank()]
-        total = sum(r["bytes"] for r in summary["ranks"] if r["rank"] in files)
-        with tqdm(total=total, unit="B", unit_scale=True, desc="writing", leave=False,  # shows B/s
-                  disable=distributed and _process_rank() != 0) as bar:
-            report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=bar.update, distributed=distributed)
-    else:
-        report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress or None, distributed=distributed)
+    report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress, distributed=distributed)
     return {**report, "plan": summary}
 
-
-def _process_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-
-
-def _process_count() -> int:
-    import torch.distributed as dist
-
-    from .distributed import torchrun_world_size
-
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else torchrun_world_size()

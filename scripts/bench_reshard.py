@@ -11,7 +11,8 @@ One command: ``python scripts/bench_reshard.py [--layers 16] [--workdir DIR] [--
    against the bound: the process baseline -- ``VmHWM`` of the same command with ``--dry-run`` --
    plus 2x the largest saved chunk); the same under ``torchrun --nproc-per-node N``
    (``--processes``); ``ckptq convert --to nvfp4`` (the MXFP8 attention weights requantized, the
-   NVFP4 ones copied; kernel seconds reported by ``--json`` apart from the rest); and, with
+   NVFP4 ones copied; kernel seconds reported by ``--json`` apart from the rest), one process and
+   under ``torchrun`` (the call's own seconds, from ``--json``, beside the wall); and, with
    ``--before DIR``, the ``ckptq`` package found in DIR (an older checkout) doing the same reshard.
 3. With ``--plain-route``: the route a user has with plain tools (``dcp_to_torch_save``, then 4
    ranks each ``torch.load(mmap=True)`` the file and ``dcp.save`` their DTensor shards). With
@@ -138,11 +139,11 @@ def _run_measured(args: list[str], env=None, cwd=None, stdout=None) -> tuple[flo
             return wall, int(f.read()) * 1024
 
 
-def _run_wall(cmd: list[str], env=None, cwd=None) -> float:
-    """Wall seconds of a command (its output discarded; a failure raises with its stderr)."""
+def _run_wall(cmd: list[str], env=None, cwd=None, stdout=None) -> float:
+    """Wall seconds of a command (its output discarded unless ``stdout``; a failure raises with its stderr)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env or os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          cwd=cwd, text=True)
+    proc = subprocess.run(cmd, env=env or os.environ.copy(), stdout=stdout or subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, cwd=cwd, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:6]} failed:\n{proc.stderr[-3000:]}")
@@ -345,19 +346,30 @@ def main() -> None:
         # one started later faults fresh ones in. Every command starts after the same pause.
         time.sleep(args.settle)
 
-    runs: dict[str, list] = {k: [] for k in ("cp", "ckptq", "dist", "before", "convert")}
+    runs: dict[str, list] = {k: [] for k in ("cp", "ckptq", "dist", "before", "convert", "dist_convert")}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}"]
+    # torchrun gives each process OMP_NUM_THREADS=1 unless set: give each its share of the cores that
+    # the one process uses, so the two rows use the same cores.
+    dist_env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
+                                                         str(max(1, len(os.sched_getaffinity(0)) // max(1, args.processes))))}
+    convert_args = ["convert", str(src), str(dst), "--to", "nvfp4", "--json"]
     _, base_rss = _run_measured(["-m", "ckptq", *reshard_args, "--dry-run"], env)
     for i in range(args.repeat):  # interleaved, so that each round sees the same machine
         fresh()
         runs["cp"].append(_run_wall(["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]))
         fresh()
-        runs["ckptq"].append(_run_measured(["-m", "ckptq", *reshard_args], env))
+        with tempfile.TemporaryFile("w+") as out:
+            w, r = _run_measured(["-m", "ckptq", *reshard_args, "--json"], env, stdout=out)
+            out.seek(0)
+            runs["ckptq"].append((w, r, json.load(out)["seconds"]["total"]))
         if i == 0:
             largest = max(_largest_chunk(src), _largest_chunk(dst))
         if args.processes > 1:
             fresh()
-            runs["dist"].append(_run_wall([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                           f"--nproc-per-node={args.processes}", "-m", "ckptq", *reshard_args], env))
+            with tempfile.TemporaryFile("w+") as out:
+                w = _run_wall([*torchrun, "-m", "ckptq", *reshard_args, "--json"], dist_env, stdout=out)
+                out.seek(0)
+                runs["dist"].append((w, json.load(out)["seconds"]["total"]))
         if args.before:
             fresh()
             before_env = {**env, "PYTHONPATH": str(Path(args.before).absolute())}
@@ -365,17 +377,24 @@ def main() -> None:
         if not args.no_convert:
             fresh()
             with tempfile.TemporaryFile("w+") as out:
-                w, r = _run_measured(["-m", "ckptq", "convert", str(src), str(dst), "--to", "nvfp4", "--json"], env,
-                                     stdout=out)
+                w, r = _run_measured(["-m", "ckptq", *convert_args], env, stdout=out)
                 out.seek(0)
                 report = json.load(out)
             sec = report["seconds"]
             runs["convert"].append((w, r, sec["transform"], sec["total"], sec["whole_reads"]))
+            if args.processes > 1:
+                fresh()
+                with tempfile.TemporaryFile("w+") as out:
+                    w = _run_wall([*torchrun, "-m", "ckptq", *convert_args], dist_env, stdout=out)
+                    out.seek(0)
+                    sec = json.load(out)["seconds"]  # rank 0's report: the call until the job committed
+                runs["dist_convert"].append((w, sec["total"], sec["transform"]))
     fresh()
     med = statistics.median
     cp_wall = med(runs["cp"])
-    ck_wall = med(w for w, _ in runs["ckptq"])
-    ck_rss = max(r for _, r in runs["ckptq"])
+    ck_wall = med(r[0] for r in runs["ckptq"])
+    ck_call = med(r[2] for r in runs["ckptq"])
+    ck_rss = max(r[1] for r in runs["ckptq"])
     bound = base_rss + 2 * largest
 
     plain = None
@@ -427,12 +446,13 @@ def main() -> None:
         row("`cp -r` + `sync` (the copy limit)", cp_wall),
         row("`ckptq reshard`, 1 process", ck_wall, f"{ck_rss / 2**20:.0f}",
             f"bound {bound / 2**20:.0f}: {'within' if ck_rss <= bound else 'OVER'} (+{(ck_rss - base_rss) / 2**20:.1f} "
-            f"MiB over the baseline)"),
+            f"MiB over the baseline); the call {ck_call:.2f} s"),
     ]
     if runs["dist"]:
-        d = med(runs["dist"])
+        d, d_call = (med(r[i] for r in runs["dist"]) for i in range(2))
         lines.append(row(f"`torchrun --nproc-per-node {args.processes} -m ckptq reshard`", d, "",
-                         f"{d / ck_wall:.2f}x the 1-process time (includes torchrun's own start)"))
+                         f"{d / ck_wall:.2f}x the 1-process time (includes torchrun's own start); the call "
+                         f"{d_call:.2f} s ({d_call / ck_call:.2f}x)"))
     if runs["before"]:
         b = med(w for w, _ in runs["before"])
         lines.append(row("`ckptq reshard` before (torch.save records, whole tensors)", b,
@@ -446,6 +466,12 @@ def main() -> None:
                          f"of the {tot:.2f} s call: kernels (requantize MXFP8 -> NVFP4, SQNR) {k:.2f} s, reading "
                          f"those tensors whole {rd:.2f} s, the rest (NVFP4 byte-range copies, hashing, "
                          f"writing) {tot - k - rd:.2f} s"))
+    if runs["dist_convert"]:
+        dc, dtot, dk = (med(r[i] for r in runs["dist_convert"]) for i in range(3))
+        c, tot = med(r[0] for r in runs["convert"]), med(r[3] for r in runs["convert"])
+        lines.append(row(f"`torchrun --nproc-per-node {args.processes} -m ckptq convert --to nvfp4`", dc, "",
+                         f"{dc / c:.2f}x the 1-process time; the call {dtot:.2f} s ({dtot / tot:.2f}x), kernels "
+                         f"{dk:.2f} s summed over the processes (each tensor computed once)"))
     lines.append("")
     if plain:
         b_conv, b_save, b_rss1, b_rss2, b_rss_sum = plain

@@ -54,26 +54,72 @@ def _worker(rank, world_size, command, src, dst, options, fail_rank):
             raise OSError("No space left on device (injected)")
         writer.CheckpointDirWriter.add_encoded = broken
         writer.CheckpointDirWriter.add_chunk = broken
+    counts = _count_work(r, writer)
     fn = r.reshard_checkpoint if command == "reshard" else r.convert_checkpoint
     try:
         out = fn(src, dst, distributed=True, **options)
     except Exception as e:  # noqa: BLE001 - reported to the test
         return ("error", type(e).__name__, str(e))
-    return ("ok", out["processes"], out["process_rank"], out["bytes_per_rank"], sorted(out["requantized"]))
+    return ("ok", out["processes"], out["process_rank"], out["bytes_per_rank"], sorted(out["requantized"]), counts)
+
+
+def _count_work(reshard_module, writer_module) -> dict:
+    """Count, in this process, the tensors computed (``_materialize``) and the tensor records written."""
+    counts = {"computed": 0, "records": 0}
+    materialize, add_entry = reshard_module._materialize, writer_module.CheckpointDirWriter._add_entry_chunk
+
+    def counted_materialize(*args, **kwargs):
+        counts["computed"] += 1
+        return materialize(*args, **kwargs)
+
+    def counted_add_entry(self, *args, **kwargs):
+        counts["records"] += 1
+        return add_entry(self, *args, **kwargs)
+
+    reshard_module._materialize = counted_materialize
+    writer_module.CheckpointDirWriter._add_entry_chunk = counted_add_entry
+    return counts
+
+
+def _one_process_work(fn, src, dst, options) -> dict:
+    import ckptq.reshard as r
+    from ckptq.io import writer
+
+    saved = r._materialize, writer.CheckpointDirWriter._add_entry_chunk
+    try:
+        counts = _count_work(r, writer)
+        return {"report": fn(src, dst, **options), **counts}
+    finally:
+        r._materialize, writer.CheckpointDirWriter._add_entry_chunk = saved
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command,options", [
     ("reshard", dict(mesh="dp_shard=2,tp=2", plan="fsdp2-tp", rules=RULES)),
+    ("reshard", dict(mesh="1", plan="replicate")),  # consolidation: both processes write the one file
     ("convert", dict(to="nvfp4", mesh="3", plan="fsdp2")),
+    ("convert", dict(to="bfloat16", mesh="2", plan="fsdp2")),
 ])
 def test_two_processes_write_the_one_process_checkpoint(src, tmp_path, command, options):
     one, two = tmp_path / "one", tmp_path / "two"
     fn = reshard_checkpoint if command == "reshard" else convert_checkpoint
-    ref = fn(src, one, **options)
+    single = _one_process_work(fn, src, one, options)
+    ref = single["report"]
     results = run_distributed(2, _worker, command, str(src), str(two), options, -1)
     assert [r[:3] for r in results] == [("ok", 2, 0), ("ok", 2, 1)], results
     assert all(r[3] == ref["bytes_per_rank"] and r[4] == sorted(ref["requantized"]) for r in results)
+    # The work is split, not repeated: each tensor computed and each record written by one process.
+    work = [r[5] for r in results]
+    assert sum(w["computed"] for w in work) == single["computed"]
+    assert sum(w["records"] for w in work) == single["records"]
+    assert all(w["records"] > 0 for w in work), work
+    if command == "convert":
+        assert single["computed"] > 0 and all(w["computed"] > 0 for w in work), work
+    # The same files, byte for byte (records are laid out before anything is written).
+    data_files = sorted(f for f in os.listdir(one) if f.endswith(".distcp"))
+    assert data_files == sorted(f for f in os.listdir(two) if f.endswith(".distcp"))
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in data_files)
+    _check_record_places(read_metadata(two))
     summary = verify_checkpoints(one, two)["summary"]
     assert summary["ok"] and summary["bit_exact"] == summary["compared"]  # the same bytes
     integrity = check_integrity(two)["summary"]
@@ -115,3 +161,19 @@ def test_torchrun_cli_splits_the_work(src, tmp_path):
     assert proc.stderr.count("wrote ") == 1 and "by 2 processes" in proc.stderr
     summary = verify_checkpoints(one, two)["summary"]
     assert summary["ok"] and summary["bit_exact"] == summary["compared"]
+
+
+def _check_record_places(md) -> None:
+    """Records of one file do not overlap, and each run of adjacent records (one tensor's, which
+    one process writes) starts at a multiple of RECORD_ALIGN: processes never write one page."""
+    from ckptq.reshard import RECORD_ALIGN
+
+    by_file: dict = {}
+    for info in md.storage_data.values():
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+    for spans in by_file.values():
+        end = 0
+        for start, stop in sorted(spans):
+            assert start >= end, (start, end)
+            assert start == end or start % RECORD_ALIGN == 0, (start, end)
+            end = stop

@@ -89,7 +89,7 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor.
 
-    Under torchrun (more than one process) the target files are split over the processes.
+    Under torchrun (more than one process) the tensors are split over the processes.
     """
     from ..reshard import reshard_checkpoint
 
@@ -120,7 +120,7 @@ def convert(
 ) -> None:
     """Write every quantized tensor of a checkpoint natively, in another format, or in high precision (streaming), optionally resharding.
 
-    Under torchrun (more than one process) the target files are split over the processes.
+    Under torchrun (more than one process) the tensors are split over the processes.
     """
     from ..reshard import convert_checkpoint
 

@@ -152,9 +152,10 @@ class CheckpointDirWriter:
     on. :meth:`finish` stores the checksums in the ckptq record of ``.metadata``, which it writes
     last. ``path`` should be a new, empty directory.
 
-    Several processes may write the files of one checkpoint into one directory (each its own
-    ranks): each calls :meth:`close_local` and sends what it returns to one process, which passes
-    them to :meth:`merge_local` and then calls :meth:`finish`.
+    Several processes may write the files of one checkpoint into one directory: each its own
+    ranks' files, or records of any file at byte positions laid out in advance (the ``at`` of the
+    ``add_*`` methods; ranges that do not overlap). Each calls :meth:`close_local` and sends what
+    it returns to one process, which passes them to :meth:`merge_local` and then calls :meth:`finish`.
 
     Not thread-safe: call it from one thread at a time.
 
@@ -180,15 +181,17 @@ class CheckpointDirWriter:
 
     def _fd(self, rank: int) -> int:
         if rank not in self._fds:
-            self._fds[rank] = os.open(self.path / f"__{rank}_0.distcp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            # no O_TRUNC: with positions (``at``), several processes write one file
+            self._fds[rank] = os.open(self.path / f"__{rank}_0.distcp", os.O_WRONLY | os.O_CREAT, 0o644)
             self._pos[rank] = 0
             self._unsynced[rank] = 0
         return self._fds[rank]
 
-    def _append(self, rank: int, parts: list) -> tuple[int, int]:
-        """Append ``parts`` (bytes-like) to ``rank``'s file; returns (start, length)."""
+    def _append(self, rank: int, parts: list, at: Optional[int] = None) -> tuple[int, int]:
+        """Write ``parts`` (bytes-like) into ``rank``'s file at byte ``at`` (None: after the last
+        write); returns (start, length)."""
         fd = self._fd(rank)
-        start = self._pos[rank]
+        start = self._pos[rank] if at is None else at
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(len(v) for v in views)
         done = 0
@@ -223,50 +226,57 @@ class CheckpointDirWriter:
         md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
         return offsets
 
-    def add_chunk(self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor) -> None:
+    def add_chunk(self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor, *,
+                  at: Optional[int] = None) -> None:
         """Append ``tensor`` (any layout; CPU or not) as the chunk at ``offsets`` of entry ``key``
-        (global ``global_size``), with its checksum. ``tensor`` is not referenced after this returns."""
-        self.add_encoded(rank, key, global_size, offsets, encode_chunk(tensor))
+        (global ``global_size``), with its checksum; with ``at``, write its record at that byte of
+        the file instead (records laid out in advance). ``tensor`` is not referenced after this returns."""
+        self.add_encoded(rank, key, global_size, offsets, encode_chunk(tensor), at=at)
 
-    def add_encoded(self, rank: int, key: str, global_size, offsets, chunk: "EncodedChunk") -> None:
+    def add_encoded(self, rank: int, key: str, global_size, offsets, chunk: "EncodedChunk", *,
+                    at: Optional[int] = None) -> None:
         """Append a chunk :func:`encode_chunk` prepared (possibly on another thread) as the chunk
-        at ``offsets`` of entry ``key`` (global ``global_size``), with its checksum."""
+        at ``offsets`` of entry ``key`` (global ``global_size``), with its checksum (``at``: as
+        :meth:`add_chunk`)."""
         offsets = self._add_entry_chunk(key, global_size, offsets, chunk.dtype, chunk.shape)
         self._sums[(key, tuple(offsets))] = chunk.checksum
-        start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)])
+        start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)],
+                                     at)
         self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + len(chunk.data)
 
     def add_copy(self, rank: int, key: str, global_size, offsets, dtype: torch.dtype, shape, src_fd: int,
-                 src_offset: int, checksum: int, crc32: int) -> None:
+                 src_offset: int, checksum: int, crc32: int, *, at: Optional[int] = None) -> None:
         """Append the chunk at ``offsets`` of entry ``key`` (global ``global_size``) whose payload,
         a contiguous ``dtype`` tensor of ``shape``, is bytes ``src_offset ..`` of the open file
         ``src_fd``: copied in the kernel (``os.copy_file_range``; a read/write loop where the
         file systems do not support it), never through this process's memory. ``checksum`` and
-        ``crc32`` are the payload's (the caller hashed it, e.g. ``CheckpointView.hash_chunk``)."""
+        ``crc32`` are the payload's (the caller hashed it, e.g. ``CheckpointView.hash_chunk``);
+        ``at``: as :meth:`add_chunk`."""
         from .records import tensor_record
 
         offsets = self._add_entry_chunk(key, global_size, offsets, dtype, shape)
         record = tensor_record(dtype, tuple(shape))
-        start, _ = self._append(rank, [record.header])
-        fd, pos, done = self._fd(rank), self._pos[rank], 0
+        start, head = self._append(rank, [record.header], at)
+        fd, pos, done = self._fd(rank), start + head, 0
         while done < record.nbytes:
             n = _copy_range(src_fd, src_offset + done, fd, pos + done, record.nbytes - done)
             if n <= 0:
                 raise CkptqError(f"{self.path}: copying '{key}' ({record.nbytes} bytes at {src_offset}) stopped "
                                  f"after {done} bytes: the source file is shorter than its metadata says")
             done += n
-        self._pos[rank] += done
         self._unsynced[rank] += done
-        _, tail = self._append(rank, [record.trailer_for(crc32)])
+        self._append(rank, [record.trailer_for(crc32)], pos + done)
         self._sums[(key, tuple(offsets))] = checksum
         self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start,
                                                                         record.length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + record.nbytes
 
-    def add_bytes(self, rank: int, key: str, record: bytes, transform_descriptors=None) -> None:
-        """Append a verbatim non-tensor record (as read by ``CheckpointView.read_raw_bytes``)."""
-        start, length = self._append(rank, [record])
+    def add_bytes(self, rank: int, key: str, record: bytes, transform_descriptors=None, *,
+                  at: Optional[int] = None) -> None:
+        """Append a verbatim non-tensor record (as read by ``CheckpointView.read_raw_bytes``;
+        ``at``: as :meth:`add_chunk`)."""
+        start, length = self._append(rank, [record], at)
         if not transform_descriptors:  # else the payload is the un-transformed bytes: not hashed
             self._sums[(key, None)] = checksum(record)
         self._md[key] = BytesStorageMetadata()
