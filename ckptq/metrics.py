@@ -9,25 +9,37 @@ import torch
 __all__ = ["sqnr_db", "max_abs_error", "bit_exact"]
 
 
+#: Elements per step of :func:`sqnr_db`: its fp64 temporaries (2 MiB each) stay in cache instead of
+#: three full-size fp64 copies of the inputs (measured here on a 4096x4096 pair: 136 ms before).
+_SQNR_STEP = 1 << 18
+
+
 def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio ``20 * log10(||ref|| / ||ref - approx||)`` in dB, in fp64.
+    """Signal-to-quantization-noise ratio ``20 * log10(||ref|| / ||ref - approx||)`` in dB, the sums
+    of squares accumulated in fp64 (a slice at a time).
 
     Returns ``inf`` when ``approx`` equals ``ref`` exactly, ``nan`` if either holds NaN. Same
     definition as torchao's ``compute_error``.
+
+    Raises:
+        ValueError: the shapes differ.
     """
-    r = ref.detach().to(torch.float64)
-    a = approx.detach().to(torch.float64)
-    if r.shape != a.shape:
-        raise ValueError(f"sqnr_db: shapes differ, {tuple(r.shape)} vs {tuple(a.shape)}")
-    noise = torch.linalg.vector_norm(r - a).item()
-    signal = torch.linalg.vector_norm(r).item()
+    if ref.shape != approx.shape:
+        raise ValueError(f"sqnr_db: shapes differ, {tuple(ref.shape)} vs {tuple(approx.shape)}")
+    r, a = ref.detach().reshape(-1), approx.detach().reshape(-1)
+    signal = noise = 0.0
+    for i in range(0, r.numel(), _SQNR_STEP):
+        rs = r[i:i + _SQNR_STEP].to(torch.float64)
+        d = rs - a[i:i + _SQNR_STEP].to(torch.float64)
+        signal += torch.dot(rs, rs).item()
+        noise += torch.dot(d, d).item()
     if math.isnan(noise) or math.isnan(signal):
         return float("nan")
     if noise == 0.0:
         return float("inf")
     if signal == 0.0:
         return float("-inf")
-    return 20.0 * math.log10(signal / noise)
+    return 10.0 * math.log10(signal / noise)
 
 
 def max_abs_error(ref: torch.Tensor, approx: torch.Tensor) -> float:
