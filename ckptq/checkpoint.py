@@ -99,12 +99,25 @@ class CheckpointView(EntryTable):
     def read(self, fqn: str) -> Union[QuantizedTensor, torch.Tensor]:
         """The whole logical tensor: a QuantizedTensor for native entries, else a plain tensor.
 
-        Memory: the tensor plus one saved chunk at a time (DCP reads chunk by chunk).
+        Entries whose saved chunks can be read by byte range (:meth:`saved_chunks`; each chunk's
+        checksum checked, :meth:`read_box`) are read straight into the result; others (records
+        another library wrote, stream transforms) through DCP's reader, chunk by chunk.
+
+        Memory: the tensor plus at most one saved chunk (or a 1 MiB buffer).
         """
         e = self.entry(fqn)
         if e.kind == "bytes":
             raise CheckpointFormatError(f"{self.path}: '{fqn}' is a non-tensor entry")
-        data = load_entries(self.reader, self.metadata, list(e.keys.values()))
+        keys = list(e.keys.values())
+        if all(self.saved_chunks(k) is not None for k in keys):  # 4x faster than DCP's load per tensor
+            data = {}
+            for k in keys:
+                md = self.metadata.state_dict_metadata[k]
+                size = tuple(md.size)
+                data[k] = torch.empty(size, dtype=md.properties.dtype)
+                self.read_box(k, ((0,) * len(size), size), data[k])
+        else:
+            data = load_entries(self.reader, self.metadata, keys)
         if e.kind == "tensor":
             return data[fqn]
         return from_components(e.descriptor, {name: data[key] for name, key in e.keys.items()})
