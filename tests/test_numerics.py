@@ -1169,3 +1169,21 @@ def test_sqnr_floor(gaussian, fmt, recipe, floor, p, src, backend):
     # dequantizing to bf16 / fp16 costs next to nothing (>= 50 dB extra rounding)
     for dt in (torch.bfloat16, torch.float16):
         assert sqnr_db(ref, qt.dequantize(dt).float()) >= got - 0.1
+
+
+@pytest.mark.parametrize("n", [1, 1000, (1 << 18) + 7, 3 * (1 << 18)])
+def test_sqnr_db_in_slices_is_the_one_shot_formula(n):
+    """``sqnr_db`` sums a slice at a time; the value is the fp64 formula over the whole tensor
+    (to 1e-12 relative: only the summation order differs), and its special cases stay."""
+    import math
+
+    g = torch.Generator().manual_seed(n)
+    ref = torch.randn(n, generator=g)
+    approx = ref + 1e-2 * torch.randn(n, generator=g)
+    r, a = ref.double(), approx.double()
+    want = 20 * math.log10(torch.linalg.vector_norm(r).item() / torch.linalg.vector_norm(r - a).item())
+    assert sqnr_db(ref, approx) == pytest.approx(want, rel=1e-12)
+    assert sqnr_db(ref, ref.clone()) == float("inf")
+    bad = approx.clone()
+    bad[n // 2] = float("nan")
+    assert math.isnan(sqnr_db(ref, bad))

@@ -134,6 +134,32 @@ def test_read_box_is_the_slice(tmp_path, dtype, monkeypatch):
     view.close()
 
 
+def test_read_by_byte_range_is_dcps_load(tmp_path):
+    """``CheckpointView.read`` of byte-range-readable entries (quantized components in uneven
+    chunks, a plain tensor, a 0-d amax) gives the bytes DCP's own load assembles."""
+    from ckptq.io.reader import load_entries
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"w": ckptq.quantize(torch.randn(96, 64, generator=g), "nvfp4"),
+          "m": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp8", columnwise=True),
+          "b": torch.randn(40, generator=g)}
+    path = tmp_path / "c"
+    dcp.save(sd, checkpoint_id=str(path), planner=ckptq.QuantizedSavePlanner())
+    view = CheckpointView(path)
+    for fqn in ("w", "m", "b"):
+        entry = view.entry(fqn)
+        assert all(view.saved_chunks(k) is not None for k in entry.keys.values())
+        got = view.read(fqn)
+        ref = load_entries(view.reader, view.metadata, list(entry.keys.values()))
+        if entry.kind == "tensor":
+            assert_same_bytes(got, ref[fqn], fqn)
+        else:
+            assert set(got._components) == set(entry.keys)
+            for name, key in entry.keys.items():
+                assert_same_bytes(got._components[name], ref[key], key)
+    view.close()
+
+
 def _flip_payload(path, key: str, offsets, at: float = 0.5) -> str:
     """Flip one bit of the payload of ``key``'s chunk at ``offsets``; returns the record's byte range text."""
     md = read_metadata(path)
