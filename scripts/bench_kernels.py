@@ -474,15 +474,19 @@ def markdown_table_cpu(res: dict) -> str:
             f"| {row['pair']} | {'x'.join(map(str, row['shape']))} | {mib:.0f} | {row['t_ckptq_s'] * 1e3:.3g} ms | "
             f"{row['gbps']:.2f} | {row['gbps'] / c1:.2f} | {row['gbps'] / ct:.2f} | {peer_gbps(row, 'compile')} | "
             f"{peer_gbps(row, 'torchao')} | {peer_gbps(row, 'torchao_compile')} | {peer_gbps(row, 'eager')} | {ratio} |")
-    notes = sorted({f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}" for r in res["rows"]
-                    for k, v in r.get("peers_s", {}).items() if isinstance(v, str)})
     lines += ["", "GB/s: bytes of the source components read once + target components written once, per second. "
               "'fastest peer / ckptq': the fastest peer's time over ckptq's (>= 1: ckptq is at least as fast), "
-              "eager reference excluded. "
-              + ("torchao functions: " + ", ".join(sorted({r['torchao_fn'] for r in res['rows'] if 'torchao_fn' in r}))
-                 + ". " if any("torchao_fn" in r for r in res["rows"]) else "")
-              + ("Not measured: " + "; ".join(notes) + "." if notes else ""), ""]
+              "eager reference excluded. " + _footnotes(res), ""]
     return "\n".join(lines)
+
+
+def _footnotes(res: dict) -> str:
+    """The torchao functions used and the peers that could not be measured, for a table's legend."""
+    notes = sorted({f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}" for r in res["rows"]
+                    for k, v in r.get("peers_s", {}).items() if isinstance(v, str)})
+    fns = sorted({r["torchao_fn"] for r in res["rows"] if "torchao_fn" in r})
+    return (("torchao functions: " + ", ".join(fns) + ". " if fns else "")
+            + ("Not measured: " + "; ".join(notes) + "." if notes else ""))
 
 
 def markdown_table(res: dict) -> str:
@@ -509,16 +513,11 @@ def markdown_table(res: dict) -> str:
             f"{row['gbps']:.0f} | {row['copy_gbps']:.0f} | {row['ratio']:.2f} | "
             f"{row['traffic_ratio']:.2f} | {fmt_peer(row, 'eager')} | {fmt_peer(row, 'compile')} | "
             f"{fmt_peer(row, 'torchao')} | {fmt_peer(row, 'torchao_compile')} |")
-    notes = sorted({f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}" for r in res["rows"]
-                    for k, v in r.get("peers_s", {}).items() if isinstance(v, str)})
     lines += ["", "Peer columns: time per call and (in parentheses) how many times slower than ckptq (below 1.0x: "
               "the peer is faster). 'ratio to copy' counts each source byte read once; 'with amax pass' also "
               "counts the second read of the source that per-tensor targets (nvfp4 without amax=, fp8_tensor) "
               "need (it can exceed 1 where that second read partly hits L2). [amax]: amax= given (one pass); "
-              "[cw]: mxfp8 with the columnwise copy; [2d]: nvfp4 16x16 blocks. "
-              + ("torchao functions: " + ", ".join(sorted({r['torchao_fn'] for r in res['rows'] if 'torchao_fn' in r}))
-                 + ". " if any("torchao_fn" in r for r in res["rows"]) else "")
-              + ("Not measured: " + "; ".join(notes) + "." if notes else ""), ""]
+              "[cw]: mxfp8 with the columnwise copy; [2d]: nvfp4 16x16 blocks. " + _footnotes(res), ""]
     return "\n".join(lines)
 
 

@@ -41,15 +41,9 @@ import ckptq  # noqa: E402
 from ckptq import ops  # noqa: E402
 from ckptq import numerics as N  # noqa: E402
 
+from bench_kernels import nbytes  # noqa: E402  (this folder is on sys.path when run as a script)
+
 ENV = "CKPTQ_NVFP4_ENCODE"
-
-
-def nbytes(t) -> int:
-    if isinstance(t, dict):
-        return sum(v.numel() * v.element_size() for v in t.values())
-    if isinstance(t, ckptq.QuantizedTensor):
-        return nbytes(t.components())
-    return t.numel() * t.element_size()
 
 
 class Case:

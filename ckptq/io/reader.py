@@ -500,33 +500,42 @@ def dcp_failure(exc: BaseException, where: str) -> Exception:
     )
 
 
-class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a seekable binary file, as a file (for ``zipfile``)."""
+class ReadView(io.RawIOBase):
+    """A read-only, seekable file of ``size`` bytes; subclasses read from ``pos`` in ``readinto``
+    (and advance it). Seeks are clamped to ``[0, size]``."""
 
-    def __init__(self, base: Any, start: int, length: int) -> None:
+    def __init__(self, size: int) -> None:
         super().__init__()
-        self._base, self._start, self._len, self._pos = base, start, length, 0
-
-    def seekable(self) -> bool:
-        return True
+        self.size, self.pos = size, 0
 
     def readable(self) -> bool:
         return True
 
+    def seekable(self) -> bool:
+        return True
+
     def tell(self) -> int:
-        return self._pos
+        return self.pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = min(max(base + offset, 0), self._len)
-        return self._pos
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = min(max(base + offset, 0), self.size)
+        return self.pos
+
+
+class _Window(ReadView):
+    """Bytes ``[start, start + length)`` of a seekable binary file, as a file (for ``zipfile``)."""
+
+    def __init__(self, base: Any, start: int, length: int) -> None:
+        super().__init__(length)
+        self._base, self._start = base, start
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        self._base.seek(self._start + self._pos)
+        n = max(0, min(len(b), self.size - self.pos))
+        self._base.seek(self._start + self.pos)
         data = self._base.read(n)
         b[:len(data)] = data
-        self._pos += len(data)
+        self.pos += len(data)
         return len(data)
 
 

@@ -36,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import CheckpointFormatError, CkptqError
+from .reader import ReadView
 
 __all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
 
@@ -146,27 +147,12 @@ class _Sink(io.RawIOBase):
         return self.pos
 
 
-class _Sparse(io.RawIOBase):
+class _Sparse(ReadView):
     """``head``, ``gap`` zero bytes, ``tail`` as one readable file (the gap is never materialized)."""
 
     def __init__(self, head: bytes, gap: int, tail: bytes) -> None:
-        super().__init__()
-        self.head, self.gap, self.tail, self.pos = head, gap, tail, 0
-        self.size = len(head) + gap + len(tail)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
-        self.pos = min(max(base + offset, 0), self.size)
-        return self.pos
+        super().__init__(len(head) + gap + len(tail))
+        self.head, self.gap, self.tail = head, gap, tail
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self.size - self.pos))
