@@ -1,4 +1,5 @@
-"""Run a function on N CPU processes with a gloo process group (spawned, FileStore rendezvous).
+"""Run a function on N processes with a process group (spawned, FileStore rendezvous): gloo on CPU,
+or ``backend="cpu:gloo,cuda:nccl"`` with rank r on GPU r.
 
 Failures in any rank are re-raised in the parent with the rank's traceback text. Results are the
 per-rank return values (picklable), in rank order.
@@ -10,15 +11,24 @@ import os
 import tempfile
 import traceback
 
+import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+NCCL = "cpu:gloo,cuda:nccl"  # DCP's object collectives on gloo, tensors on NCCL (as FSDP2 jobs run)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
 
-def _worker(rank, world_size, store_path, fn, args, queue):
+
+def _worker(rank, world_size, store_path, backend, fn, args, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        kw = {}
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(
-            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size
+            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size, **kw
         )
         try:
             out = fn(rank, world_size, *args)
@@ -30,14 +40,14 @@ def _worker(rank, world_size, store_path, fn, args, queue):
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_distributed(world_size: int, fn, *args, timeout: float = 240.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+def run_distributed(world_size: int, fn, *args, timeout: float = 240.0, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend``; return results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, store, fn, args, queue), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, store, backend, fn, args, queue), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

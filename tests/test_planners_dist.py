@@ -1,4 +1,5 @@
-"""Multi-process DCP tests (gloo on CPU): quantized DTensors saved on N ranks, loaded on M ranks.
+"""Multi-process DCP tests (gloo on CPU; NCCL where there are 2 GPUs): quantized DTensors saved on N
+ranks, loaded on M ranks.
 
 Every saved shard is the block-aligned narrow of one global quantized tensor, so the expected bytes
 of any target shard are the same narrow of that global tensor: loads are checked bit for bit.
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from _bounds import REENCODE_E4M3
-from _dist import run_distributed
+from _dist import NCCL, run_distributed, two_gpus
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def _wrap(local, dim, ws):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(local.device.type, (ws,))
     return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(SHAPE),
                               stride=(SHAPE[1], 1))
 
@@ -163,30 +164,45 @@ def test_per_tensor_values_must_agree(tmp_path):
         assert msgs == ["saved", "saved"]
 
 
-def _async_worker(rank, ws, root):
+def _async_worker(rank, ws, root, device_type="cpu"):
+    """Per case: Shard(0) shards (on GPU ``rank`` for "cuda") saved with ``dcp.async_save``, loaded
+    into the same placement and into Shard(1) targets; [same layout bit-exact, Shard(1) bit-exact]."""
     import torch.distributed.checkpoint as dcp
 
     import ckptq
     from ckptq.metrics import bit_exact
 
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     ok = []
     for i in range(len(CASES)):
-        box = _box(rank, ws, 0)
-        ref = _local(_global(i), box)
+        ref = _local(_global(i), _box(rank, ws, 0)).to(device)
         path = os.path.join(root, f"async{i}")
         fut = dcp.async_save({"w": _wrap(ref, 0, ws)}, checkpoint_id=path,
                              planner=ckptq.QuantizedSavePlanner())
         fut.result()
-        tgt = {"w": _wrap(torch.empty_like(ref), 0, ws)}
-        dcp.load(tgt, checkpoint_id=path, planner=ckptq.QuantizedLoadPlanner())
-        got = tgt["w"].to_local()
-        ok.append(all(bit_exact(v, got.components()[k]) for k, v in ref.components().items()))
+        got = []
+        for dim in (0, 1):
+            want = _local(_global(i), _box(rank, ws, dim)).to(device)
+            tgt = {"w": _wrap(torch.empty_like(want), dim, ws)}
+            dcp.load(tgt, checkpoint_id=path, planner=ckptq.QuantizedLoadPlanner())
+            local = tgt["w"].to_local()
+            got.append(local.device == device
+                       and all(bit_exact(v, local.components()[k]) for k, v in want.components().items()))
+        ok.append(got)
     return ok
 
 
 def test_async_save_two_ranks_bit_exact(tmp_path):
     for ok in run_distributed(2, _async_worker, str(tmp_path)):
-        assert ok == [True] * len(CASES)
+        assert ok == [[True, True]] * len(CASES)
+
+
+@pytest.mark.cuda
+@two_gpus
+def test_async_save_two_gpus_bit_exact(tmp_path):
+    """CUDA-resident quantized shards on 2 GPUs (NCCL): async_save, reload in both placements."""
+    for ok in run_distributed(2, _async_worker, str(tmp_path), "cuda", backend=NCCL):
+        assert ok == [[True, True]] * len(CASES)
 
 
 # ------------------------------------------------------------------ grouped views under sharding

@@ -1,6 +1,7 @@
 """Quantize on save: plain bf16/fp32 shards quantized by ``QuantizedSavePlanner(quantize=...)`` (or
 ``ckptq.quantize_state_dict`` before ``dcp.async_save``) give, byte for byte, ``ckptq.quantize`` of
-the whole tensor on one process; 1 process and 2 gloo ranks (FSDP2 ``Shard(0)``, TP ``Shard(1)``)."""
+the whole tensor on one process; 1 process, 2 gloo ranks (FSDP2 ``Shard(0)``, TP ``Shard(1)``) and,
+where there are 2 GPUs, 2 NCCL ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.metrics import bit_exact
 
-from _dist import run_distributed
+from _dist import NCCL, run_distributed, two_gpus
 
 # fqn -> (shape, placement dim, format, recipe)
 TENSORS = {
@@ -65,26 +66,26 @@ def test_bad_rules_are_refused_at_construction():
         ckptq.QuantizedSavePlanner(quantize={"*": {"block": (1, 128)}})
 
 
-def _save_sharded(rank, ws, root, use_async, rows_override=None):
+def _save_sharded(rank, ws, root, use_async, device_type="cpu"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     import ckptq
 
-    mesh = init_device_mesh("cpu", (ws,))
+    mesh = init_device_mesh(device_type, (ws,))
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     sd = {}
     for fqn, (shape, dim, _, _) in TENSORS.items():
         full = _full(fqn)
-        if rows_override:
-            full = torch.randn(rows_override, shape[1]).to(torch.bfloat16)
-        local = full.chunk(ws, dim=dim)[rank].contiguous()
+        local = full.chunk(ws, dim=dim)[rank].contiguous().to(device)
         sd[fqn] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
                                      stride=full.stride())
     sd["layers.0.bias"] = torch.arange(8.0)
     if use_async:
         staged = ckptq.quantize_state_dict(sd, RULES)  # quantized before staging: compact bytes staged
         assert all(isinstance(staged[f]._local_tensor, ckptq.QuantizedTensor) for f in TENSORS)
+        assert all(staged[f]._local_tensor.device == device for f in TENSORS)  # quantized on its device
         dcp.async_save(staged, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner()).result()
     else:
         dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(quantize=RULES))
@@ -94,6 +95,17 @@ def _save_sharded(rank, ws, root, use_async, rows_override=None):
 @pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
 def test_quantize_on_save_two_ranks_equals_whole_tensor(tmp_path, use_async):
     run_distributed(2, _save_sharded, str(tmp_path / "ck"), use_async)
+    _check(tmp_path / "ck")
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@two_gpus
+@pytest.mark.parametrize("use_async", [False, True], ids=["save", "async_save"])
+def test_quantize_on_save_two_gpus_equals_whole_tensor(tmp_path, use_async):
+    """The same on 2 GPUs (NCCL): shards quantized by the CUDA kernels on their own GPU, the
+    per-tensor amax all-reduced over NCCL; the bytes equal the CPU quantization of the whole tensor."""
+    run_distributed(2, _save_sharded, str(tmp_path / "ck"), use_async, "cuda", backend=NCCL)
     _check(tmp_path / "ck")
 
 
