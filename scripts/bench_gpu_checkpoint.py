@@ -1,7 +1,9 @@
 """Save / load throughput of DCP checkpoints on GPUs: the default planner on bf16 vs ckptq.
 
 One command (a machine with 2 CUDA GPUs, or 1; NCCL + gloo): ``python scripts/bench_gpu_checkpoint.py
-[--layers 38] [--dir /tmp/ckptq-bench] [--out results.json]``.
+[--layers 38] [--dir /tmp/ckptq-bench] [--out results.json]``. ``--device cpu --divide 8 --layers 1
+--probe-gib 0.01 --keep-caches`` runs the same on 2 CPU processes (gloo) at 1/64 of the size, in
+seconds: a check of the script, not a measurement (``tests/test_bench_scripts.py`` runs it).
 
 A Llama-style model (hidden 4096, GQA 32/8 heads, intermediate 14336; random weights), FSDP2-style
 ``Shard(0)`` DTensors over the GPUs (``--layers 38``: 8.3 GB of bf16 per GPU on 2 GPUs). Measured in
@@ -13,13 +15,18 @@ one run, each save into a fresh directory (``FileSystemWriter``, files fsynced),
 and the same three with ``dcp.async_save``: the time the caller is blocked (staging) and the total
 (for (c), ``ckptq.quantize_state_dict`` before ``async_save``, so staging copies the compact bytes);
 loads of (a) and (b) into targets of the same layout, of (b) on 2 GPUs into ``Shard(1)`` targets
-(another placement), and of (b) on 1 GPU (rank 0 alone, ``no_dist``).
+(another placement), and of (b) on 1 GPU (rank 0 alone, ``no_dist``); and a load with the default
+planner of the first bf16 tensors that add up to (b)'s stored bytes, so that (b)'s load GB/s is
+compared at the same size (each load has fixed costs: the metadata, planning, per-file opens). Both
+of these loads also run with ``ckptq.io.SafeFileSystemReader`` (the saves have no checksums, so
+it checks the records but hashes nothing).
 
 Reference bandwidths measured in the same run: device-to-device copy of 2 GiB on each GPU, and the
 disk's write bandwidth (4 GiB written and fsynced by each rank at once). Page cache: loads read what
 the saves just wrote; the script tries ``echo 3 > /proc/sys/vm/drop_caches`` before each load and
 reports whether that worked. GB/s = stored bytes of the rank's checkpoint files / seconds (median of
-``--repeat``).
+``--repeat`` rounds; the saves and the loads each run every case once per round, so that a disk whose
+speed drifts during the run favours no case).
 """
 
 from __future__ import annotations
@@ -39,16 +46,17 @@ HIDDEN, KV, INTER = 4096, 1024, 14336
 RULES = {"*.self_attn.*": "mxfp8", "*.mlp.*": "nvfp4"}
 
 
-def _shapes(layers: int):
+def _shapes(layers: int, divide: int = 1):
+    hidden, kv, inter = HIDDEN // divide, KV // divide, INTER // divide
     for i in range(layers):
         p = f"model.layers.{i}"
-        yield f"{p}.self_attn.q_proj.weight", (HIDDEN, HIDDEN)
-        yield f"{p}.self_attn.k_proj.weight", (KV, HIDDEN)
-        yield f"{p}.self_attn.v_proj.weight", (KV, HIDDEN)
-        yield f"{p}.self_attn.o_proj.weight", (HIDDEN, HIDDEN)
-        yield f"{p}.mlp.gate_proj.weight", (INTER, HIDDEN)
-        yield f"{p}.mlp.up_proj.weight", (INTER, HIDDEN)
-        yield f"{p}.mlp.down_proj.weight", (HIDDEN, INTER)
+        yield f"{p}.self_attn.q_proj.weight", (hidden, hidden)
+        yield f"{p}.self_attn.k_proj.weight", (kv, hidden)
+        yield f"{p}.self_attn.v_proj.weight", (kv, hidden)
+        yield f"{p}.self_attn.o_proj.weight", (hidden, hidden)
+        yield f"{p}.mlp.gate_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.up_proj.weight", (inter, hidden)
+        yield f"{p}.mlp.down_proj.weight", (hidden, inter)
 
 
 def _drop_caches() -> bool:
@@ -73,27 +81,33 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import ckptq
+    from ckptq.io import SafeFileSystemReader
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=ws, device_id=torch.device("cuda", rank))
-    mesh = init_device_mesh("cuda", (ws,))
-    dev = torch.device("cuda", rank)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=ws, device_id=dev)
+        sync = torch.cuda.synchronize
+    else:  # a quick run of the script itself on CPU processes
+        dev, sync = torch.device("cpu"), (lambda: None)
+        dist.init_process_group("gloo", rank=rank, world_size=ws)
+    mesh = init_device_mesh(dev.type, (ws,))
     res: dict = {"rank": rank}
 
     # reference bandwidths
-    x = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev)
+    x = torch.empty(int(args.probe_gib * 2**29), dtype=torch.bfloat16, device=dev)  # probe_gib GiB
     y = torch.empty_like(x)
-    torch.cuda.synchronize()
+    sync()
     t = []
     for _ in range(5):
         t0 = time.perf_counter()
         y.copy_(x)
-        torch.cuda.synchronize()
+        sync()
         t.append(time.perf_counter() - t0)
     res["copy_GBps"] = 2 * x.nbytes / statistics.median(t) / 1e9  # read + write
     del x, y
-    blob = torch.empty(1 << 30, dtype=torch.uint8).numpy().tobytes()
+    blob = torch.empty(int(args.probe_gib * 2**29), dtype=torch.uint8).numpy().tobytes()  # 4 x: 2 probe_gib GiB
     dist.barrier()
     t0 = time.perf_counter()
     with open(Path(args.dir) / f"disk_probe_{rank}", "wb") as f:
@@ -111,90 +125,97 @@ def _worker(rank: int, ws: int, args, queue) -> None:
 
     g = torch.Generator(device=dev).manual_seed(rank)
     bf16 = {}
-    for fqn, shape in _shapes(args.layers):
+    for fqn, shape in _shapes(args.layers, args.divide):
         local = torch.randn((shape[0] // ws, shape[1]), generator=g, device=dev, dtype=torch.bfloat16)
         bf16[fqn] = dtensor(local, shape)
     res["bf16_GB_per_rank"] = sum(v._local_tensor.nbytes for v in bf16.values()) / 1e9
     native = ckptq.quantize_state_dict(bf16, RULES)
-    torch.cuda.synchronize()
+    sync()
 
-    def timed(fn, path: Path) -> float:
-        times = []
+    def rounds(cases: dict, prepare, call, wait: bool = False) -> dict:
+        """Every case once per round, ``--repeat`` rounds, so that a disk whose speed drifts during the
+        run favours no case: ``prepare(name, case)`` on rank 0 (untimed), then ``call(name, case)`` on
+        every rank (``wait``: it returns a future, e.g. ``dcp.async_save``'s, then waited for).
+        Returns name -> [(seconds until ``call`` returned, seconds until all ranks finished)]."""
+        out = {name: [] for name in cases}
         for _ in range(args.repeat):
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(path)
-            torch.cuda.synchronize()
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+            for name, case in cases.items():
+                if rank == 0:
+                    prepare(name, case)
+                dist.barrier()
+                sync()
+                t0 = time.perf_counter()
+                result = call(name, case)
+                sync()
+                t1 = time.perf_counter()
+                if wait:
+                    result.result()
+                dist.barrier()
+                out[name].append((t1 - t0, time.perf_counter() - t0))
+        return out
 
     root = Path(args.dir)
-    cases = {
-        "a_default_bf16": (lambda p: dcp.save(bf16, checkpoint_id=p), None),
-        "b_ckptq_native": (lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner()), None),
-        "c_quantize_on_save": (lambda p: dcp.save(bf16, checkpoint_id=p,
-                                                  planner=ckptq.QuantizedSavePlanner(quantize=RULES)), None),
+    saves = {  # name: save function
+        "a_default_bf16": lambda p: dcp.save(bf16, checkpoint_id=p),
+        "b_ckptq_native": lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner()),
+        "c_quantize_on_save": lambda p: dcp.save(bf16, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner(quantize=RULES)),
     }
-    for name, (fn, _) in cases.items():
-        t = timed(fn, root / name)
-        nbytes = _dir_bytes(root / name, rank)
-        res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9}
+    times = rounds(saves, lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
+                   lambda name, save: save(root / name))
+    for name in saves:
+        all_s = [t for _, t in times[name]]
+        t, nbytes = statistics.median(all_s), _dir_bytes(root / name, rank)
+        res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9, "all_s": all_s}
 
-    def async_case(name, make_sd, planner_fn):
-        block, total = [], []
-        for _ in range(args.repeat):
-            path = root / f"async_{name}"
-            if rank == 0:
-                shutil.rmtree(path, ignore_errors=True)
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fut = dcp.async_save(make_sd(), checkpoint_id=path, planner=planner_fn())
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            fut.result()
-            t2 = time.perf_counter()
-            dist.barrier()
-            block.append(t1 - t0)
-            total.append(t2 - t0)
-        res[f"async_{name}"] = {"blocked_s": statistics.median(block), "total_s": statistics.median(total)}
-
-    async_case("a_default_bf16", lambda: bf16, lambda: None)
-    async_case("b_ckptq_native", lambda: native, ckptq.QuantizedSavePlanner)
-    async_case("c_quantize_then_async", lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner)
+    async_saves = {  # name: (state_dict maker, planner maker)
+        "a_default_bf16": (lambda: bf16, lambda: None),
+        "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner),
+        "c_quantize_then_async": (lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner),
+    }
+    times = rounds(async_saves, lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
+                   lambda name, c: dcp.async_save(c[0](), checkpoint_id=root / f"async_{name}", planner=c[1]()),
+                   wait=True)
+    for name in async_saves:
+        res[f"async_{name}"] = {"blocked_s": statistics.median(b for b, _ in times[name]),
+                                "total_s": statistics.median(t for _, t in times[name])}
 
     # loads
-    def load_case(name, src, target, planner):
-        times, dropped = [], True
-        for _ in range(args.repeat):
-            if rank == 0:
-                dropped = _drop_caches() and dropped
-            dist.barrier()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dcp.load(target, checkpoint_id=root / src, planner=planner)
-            torch.cuda.synchronize()
-            dist.barrier()
-            times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        nbytes = sum(_dir_bytes(root / src, r) for r in range(ws)) / ws
-        res[f"load_{name}"] = {"s": t, "GBps": nbytes / t / 1e9, "caches_dropped": dropped}
-
-    load_case("a_default_bf16", "a_default_bf16", {k: torch.empty_like(v) for k, v in bf16.items()}, None)
+    # the default planner on as many bf16 bytes as (b) stores: per-load fixed costs weigh the same
+    same, nbytes = {}, 0
+    for k, v in bf16.items():
+        if nbytes >= res["save_b_ckptq_native"]["GB"] * 1e9:
+            break
+        same[k], nbytes = v, nbytes + v._local_tensor.nbytes
+    dcp.save(same, checkpoint_id=root / "a_same_bytes")
+    same_targets = {k: torch.empty_like(v) for k, v in same.items()}
     targets = {k: torch.empty_like(v) for k, v in native.items()}
-    load_case("b_ckptq_native", "b_ckptq_native", targets, ckptq.QuantizedLoadPlanner())
     # another placement: Shard(1) (TP row-parallel) targets of the same quantized layouts
     shard1 = {}
-    for fqn, shape in _shapes(args.layers):
+    for fqn, shape in _shapes(args.layers, args.divide):
         fmt = "mxfp8" if "self_attn" in fqn else "nvfp4"
         local = ckptq.quantize(torch.zeros((shape[0], shape[1] // ws), device=dev, dtype=torch.bfloat16), fmt)
         shard1[fqn] = dtensor(local, shape, Shard(1))
-    load_case("b_native_into_shard1", "b_ckptq_native", shard1, ckptq.QuantizedLoadPlanner())
-    del shard1, targets
+    native_planner = ckptq.QuantizedLoadPlanner()
+    loads = {  # name: (checkpoint, targets, planner, storage reader class)
+        "a_default_bf16": ("a_default_bf16", {k: torch.empty_like(v) for k, v in bf16.items()}, None, None),
+        "a_default_bf16_same_bytes_as_b": ("a_same_bytes", same_targets, None, None),
+        "a_same_bytes_safe_reader": ("a_same_bytes", same_targets, None, SafeFileSystemReader),
+        "b_ckptq_native": ("b_ckptq_native", targets, native_planner, None),
+        "b_native_safe_reader": ("b_ckptq_native", targets, native_planner, SafeFileSystemReader),
+        "b_native_into_shard1": ("b_ckptq_native", shard1, native_planner, None),
+    }
+    dropped = []
+    times = rounds(loads, lambda *_: dropped.append(not args.keep_caches and _drop_caches()),
+                   lambda _, c: dcp.load(c[1], checkpoint_id=root / c[0], planner=c[2],
+                                         storage_reader=c[3](root / c[0]) if c[3] else None))
+    for name, (src, *_) in loads.items():
+        all_s = [t for _, t in times[name]]
+        t = statistics.median(all_s)
+        nbytes = sum(_dir_bytes(root / src, r) for r in range(ws)) / ws
+        res[f"load_{name}"] = {"s": t, "GBps": nbytes / t / 1e9, "caches_dropped": all(dropped), "all_s": all_s}
+    del loads, shard1, targets, same_targets
+    if rank == 0:
+        shutil.rmtree(root / "a_same_bytes", ignore_errors=True)
     queue.put(res)
     dist.barrier()
     dist.destroy_process_group()
@@ -206,24 +227,42 @@ def _one_gpu_load(args, queue) -> None:
 
     import ckptq
 
-    torch.cuda.set_device(0)
-    dev = torch.device("cuda", 0)
+    dev = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     targets = {}
-    for fqn, shape in _shapes(args.layers):
+    for fqn, shape in _shapes(args.layers, args.divide):
         fmt = "mxfp8" if "self_attn" in fqn else "nvfp4"
         targets[fqn] = ckptq.quantize(torch.zeros(shape, device=dev, dtype=torch.bfloat16), fmt)
     root = Path(args.dir) / "b_ckptq_native"
     times = []
     for _ in range(args.repeat):
-        dropped = _drop_caches()
-        torch.cuda.synchronize()
+        dropped = not args.keep_caches and _drop_caches()
+        sync()
         t0 = time.perf_counter()
         dcp.load(targets, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner(), no_dist=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     nbytes = sum(f.stat().st_size for f in root.glob("*.distcp"))
     t = statistics.median(times)
     queue.put({"load_b_native_on_1_gpu": {"s": t, "GBps": nbytes / t / 1e9, "caches_dropped": dropped}})
+
+
+def _collect(queue, procs, n: int) -> list:
+    """``n`` results from ``queue``; exits if a process died first (its traceback is on stderr)."""
+    import queue as q
+
+    out = []
+    while len(out) < n:
+        try:
+            out.append(queue.get(timeout=5))
+        except q.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit("a benchmark process failed (see its traceback above)")
+    for p in procs:
+        p.join()
+    return out
 
 
 def main() -> None:
@@ -233,6 +272,12 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ckptq-bench-gpu")
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: 2 gloo processes on the CPU (to try the script itself, with small sizes)")
+    ap.add_argument("--divide", type=int, default=1, help="divide the model's dims by this (e.g. 8 for a quick run)")
+    ap.add_argument("--keep-caches", action="store_true", help="do not try to drop the page cache before loads")
+    ap.add_argument("--probe-gib", type=float, default=2.0,
+                    help="GiB copied by the copy probe; the disk probe writes twice as much per rank")
     args = ap.parse_args()
 
     import json
@@ -240,8 +285,9 @@ def main() -> None:
     import torch
     import torch.multiprocessing as mp
 
-    ws = min(2, torch.cuda.device_count())
-    assert ws >= 1, "needs a CUDA GPU"
+    ws = min(2, torch.cuda.device_count()) if args.device == "cuda" else 2
+    if ws < 1:
+        sys.exit("needs a CUDA GPU (or --device cpu)")
     if ws == 1:
         print("only 1 GPU: world size 1 (the 'other placement' load is then Shard(1) over 1 rank)", file=sys.stderr)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
@@ -250,15 +296,13 @@ def main() -> None:
     procs = [ctx.Process(target=_worker, args=(r, ws, args, queue)) for r in range(ws)]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=3000) for _ in range(ws)]
-    for p in procs:
-        p.join()
+    results = _collect(queue, procs, ws)
     p = ctx.Process(target=_one_gpu_load, args=(args, queue))
     p.start()
-    one = queue.get(timeout=3000)
-    p.join()
+    (one,) = _collect(queue, [p], 1)
     results.sort(key=lambda r: r["rank"])
-    report = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "world_size": ws,
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    report = {"gpu": device, "torch": torch.__version__, "world_size": ws,
               "layers": args.layers, "repeat": args.repeat, "ranks": results, **one}
     text = json.dumps(report, indent=1)
     print(text)
