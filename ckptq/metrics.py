@@ -27,12 +27,13 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     if ref.shape != approx.shape:
         raise ValueError(f"sqnr_db: shapes differ, {tuple(ref.shape)} vs {tuple(approx.shape)}")
     r, a = ref.detach().reshape(-1), approx.detach().reshape(-1)
-    signal = noise = 0.0
+    sums = torch.zeros(2, dtype=torch.float64, device=r.device)  # signal, noise: on the tensors' device
     for i in range(0, r.numel(), _SQNR_STEP):
         rs = r[i:i + _SQNR_STEP].to(torch.float64)
         d = rs - a[i:i + _SQNR_STEP].to(torch.float64)
-        signal += torch.dot(rs, rs).item()
-        noise += torch.dot(d, d).item()
+        sums[0] += torch.dot(rs, rs)
+        sums[1] += torch.dot(d, d)
+    signal, noise = sums.tolist()  # one host sync (a CUDA tensor is not synced per slice)
     if math.isnan(noise) or math.isnan(signal):
         return float("nan")
     if noise == 0.0:

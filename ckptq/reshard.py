@@ -428,10 +428,11 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
     try:
         try:
             layout = _layout(view, plan)
-            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(view, plan, layout))
+            copies = [_copy_source(view, job) for job in plan.jobs]
+            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(layout, copies))
             total = sum(o.nbytes for i in mine for o in layout[i])
             with _progress(progress, total, show=group is None or group.rank == 0) as update:
-                _execute(view, plan, layout, mine, writer, state, update)
+                _execute(view, plan, layout, copies, mine, writer, state, update)
             local = writer.close_local()
         finally:
             if hasattr(view, "close"):
@@ -594,12 +595,13 @@ def _layout(view, plan: ReshardPlan) -> list[list[_Out]]:
     return out
 
 
-def _job_costs(view, plan: ReshardPlan, layout: list[list[_Out]]) -> dict[int, int]:
+def _job_costs(layout: list[list[_Out]], copies: list[bool]) -> dict[int, int]:
     """Estimated work of each job for splitting jobs over processes: its payload bytes, times 4
-    for a job whose bytes are transformed (read whole, re-encoded, SQNR: the convert benchmark in
-    docs/benchmarks.md spends about 4x the copy's time per byte there); bytes entries count 1."""
-    return {i: max(1, sum(o.nbytes for o in outs) * (1 if _copy_source(view, job) else 4))
-            for i, (job, outs) in enumerate(zip(plan.jobs, layout))}
+    for a job whose bytes are transformed (``copies[i]`` False: read whole, re-encoded, SQNR: the
+    convert benchmark in docs/benchmarks.md spends about 4x the copy's time per byte there); bytes
+    entries count 1."""
+    return {i: max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
+            for i, (outs, copy) in enumerate(zip(layout, copies))}
 
 
 def _copy_source(view, job: TensorJob) -> bool:
@@ -637,14 +639,14 @@ def _copy_descriptor(job: TensorJob) -> Optional[dict]:
     return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
 
 
-def _execute(view, plan: ReshardPlan, layout: list[list[_Out]], mine: set, writer: CheckpointDirWriter,
-             state: _RunState, progress: Optional[Callable[[int], None]]) -> None:
-    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) at their places in ``layout``."""
+def _execute(view, plan: ReshardPlan, layout: list[list[_Out]], copies: list[bool], mine: set,
+             writer: CheckpointDirWriter, state: _RunState, progress: Optional[Callable[[int], None]]) -> None:
+    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) at their places in ``layout``;
+    ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`)."""
     work = []
     biggest = 0
     for i in sorted(mine):
-        job, outs = plan.jobs[i], layout[i]
-        copy = _copy_source(view, job)
+        job, outs, copy = plan.jobs[i], layout[i], copies[i]
         if copy:
             biggest = max([biggest] + [o.nbytes for o in outs if view.whole_chunk(_src_key(job, o), o.box) is None])
         work.append((job, outs, copy))

@@ -139,6 +139,15 @@ def _run_measured(args: list[str], env=None, cwd=None, stdout=None) -> tuple[flo
             return wall, int(f.read()) * 1024
 
 
+def _with_json(run, cmd: list[str], env) -> tuple:
+    """``run(cmd, env, stdout=...)`` (:func:`_run_measured` or :func:`_run_wall`) of a command given
+    ``--json``: what ``run`` returns, and the JSON report the command printed."""
+    with tempfile.TemporaryFile("w+") as out:
+        res = run(cmd, env, stdout=out)
+        out.seek(0)
+        return res, json.load(out)
+
+
 def _run_wall(cmd: list[str], env=None, cwd=None, stdout=None) -> float:
     """Wall seconds of a command (its output discarded unless ``stdout``; a failure raises with its stderr)."""
     t0 = time.perf_counter()
@@ -358,36 +367,27 @@ def main() -> None:
         fresh()
         runs["cp"].append(_run_wall(["sh", "-c", f"cp -r '{src}' '{copy}' && sync"]))
         fresh()
-        with tempfile.TemporaryFile("w+") as out:
-            w, r = _run_measured(["-m", "ckptq", *reshard_args, "--json"], env, stdout=out)
-            out.seek(0)
-            runs["ckptq"].append((w, r, json.load(out)["seconds"]["total"]))
+        (w, r), report = _with_json(_run_measured, ["-m", "ckptq", *reshard_args, "--json"], env)
+        runs["ckptq"].append((w, r, report["seconds"]["total"]))
         if i == 0:
             largest = max(_largest_chunk(src), _largest_chunk(dst))
         if args.processes > 1:
             fresh()
-            with tempfile.TemporaryFile("w+") as out:
-                w = _run_wall([*torchrun, "-m", "ckptq", *reshard_args, "--json"], dist_env, stdout=out)
-                out.seek(0)
-                runs["dist"].append((w, json.load(out)["seconds"]["total"]))
+            w, report = _with_json(_run_wall, [*torchrun, "-m", "ckptq", *reshard_args, "--json"], dist_env)
+            runs["dist"].append((w, report["seconds"]["total"]))
         if args.before:
             fresh()
             before_env = {**env, "PYTHONPATH": str(Path(args.before).absolute())}
             runs["before"].append(_run_measured(["-m", "ckptq", *reshard_args], before_env, cwd=args.before))
         if not args.no_convert:
             fresh()
-            with tempfile.TemporaryFile("w+") as out:
-                w, r = _run_measured(["-m", "ckptq", *convert_args], env, stdout=out)
-                out.seek(0)
-                report = json.load(out)
+            (w, r), report = _with_json(_run_measured, ["-m", "ckptq", *convert_args], env)
             sec = report["seconds"]
             runs["convert"].append((w, r, sec["transform"], sec["total"], sec["whole_reads"]))
             if args.processes > 1:
                 fresh()
-                with tempfile.TemporaryFile("w+") as out:
-                    w = _run_wall([*torchrun, "-m", "ckptq", *convert_args], dist_env, stdout=out)
-                    out.seek(0)
-                    sec = json.load(out)["seconds"]  # rank 0's report: the call until the job committed
+                w, report = _with_json(_run_wall, [*torchrun, "-m", "ckptq", *convert_args], dist_env)
+                sec = report["seconds"]  # rank 0's report: the call until the job committed
                 runs["dist_convert"].append((w, sec["total"], sec["transform"]))
     fresh()
     med = statistics.median

@@ -135,8 +135,9 @@ def test_read_box_is_the_slice(tmp_path, dtype, monkeypatch):
 
 
 def test_read_by_byte_range_is_dcps_load(tmp_path):
-    """``CheckpointView.read`` of byte-range-readable entries (quantized components in uneven
-    chunks, a plain tensor, a 0-d amax) gives the bytes DCP's own load assembles."""
+    """``CheckpointView.read`` of byte-range-readable entries (the components of NVFP4, a 0-d amax
+    among them, and of MXFP8 with its columnwise copy; a plain tensor) gives the bytes DCP's own
+    load assembles."""
     from ckptq.io.reader import load_entries
 
     g = torch.Generator().manual_seed(3)
