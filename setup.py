@@ -39,8 +39,10 @@ def _extensions():
         import torch
         from torch.utils import cpp_extension as ce
     except ImportError:
-        print("ckptq: torch is not importable at build time (use --no-build-isolation); "
-              "building no extension", file=sys.stderr)
+        print(
+            "ckptq: torch is not importable at build time (use --no-build-isolation); building no extension",
+            file=sys.stderr,
+        )
         return [], {}
 
     debug = _flag("DEBUG")
@@ -48,8 +50,7 @@ def _extensions():
     opt = ["-O0", "-g"] if debug else ["-O3", "-g0"]
     # -fno-trapping-math (as torch's own build) lets GCC if-convert the selects so the element loops
     # vectorize; it changes no value (no reassociation, no contraction).
-    cxx = opt + ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math",
-                 "-Wno-unused-function"]
+    cxx = opt + ["-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function"]
     # -fopenmp: at::parallel_for is a header template whose OpenMP backend is a `#pragma omp parallel`
     # in ATen/ParallelOpenMP.h, so without it the CPU kernels run on one thread whatever
     # torch.get_num_threads() says. Linking with -fopenmp records libgomp.so.1, which resolves to the
@@ -75,11 +76,15 @@ def _extensions():
         print("ckptq: no CUDA toolkit found (set CUDA_HOME), skipping the CUDA kernels", file=sys.stderr)
     else:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0+PTX")
-        nvcc = (["-O0", "-g"] if debug else ["-O3"]) + [
-            "--fmad=false",  # the reference does separate multiplies and adds
-            "-Xptxas=-v" if _flag("CKPTQ_PTXAS_VERBOSE") else "-lineinfo",
-            "--expt-relaxed-constexpr",
-        ] + os.environ.get("CKPTQ_NVCC_FLAGS", "").split()  # tuning experiments, e.g. -DCKPTQ_OCC_POLICY=2
+        nvcc = (
+            (["-O0", "-g"] if debug else ["-O3"])
+            + [
+                "--fmad=false",  # the reference does separate multiplies and adds
+                "-Xptxas=-v" if _flag("CKPTQ_PTXAS_VERBOSE") else "-lineinfo",
+                "--expt-relaxed-constexpr",
+            ]
+            + os.environ.get("CKPTQ_NVCC_FLAGS", "").split()
+        )  # tuning experiments, e.g. -DCKPTQ_OCC_POLICY=2
         exts.append(
             ce.CUDAExtension(
                 "ckptq._C_cuda",

@@ -17,14 +17,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from . import chunks
-from .checksums import check as check_checksum, checksum
+from .checksums import check as check_checksum
+from .checksums import checksum
 from .contract import Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
 from .errors import CheckpointFormatError
 from .formats import from_components
@@ -58,10 +60,11 @@ class SavedChunk:
     start: int
     length: int
     payload: int
-    checksum: Optional[int]
+    checksum: int | None
     where: str
-    crc32: Optional[int] = None
+    crc32: int | None = None
     verified: bool = False
+
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -80,23 +83,23 @@ class CheckpointView(EntryTable):
         CheckpointFormatError / UnsafeCheckpointError: from :func:`ckptq.io.read_metadata`.
     """
 
-    def __init__(self, path: PathLike, *, metadata: Optional[Metadata] = None):
+    def __init__(self, path: PathLike, *, metadata: Metadata | None = None):
         self.path = Path(path)
         self.metadata: Metadata = read_metadata(self.path) if metadata is None else metadata
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._entries = fold_entries(self.metadata, where=str(self.path))
-        self._saved: dict[str, Optional[list[SavedChunk]]] = {}
+        self._saved: dict[str, list[SavedChunk] | None] = {}
         self._fds: dict[str, int] = {}
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
 
     @property
-    def world_size(self) -> Optional[int]:
+    def world_size(self) -> int | None:
         """Ranks that saved it (:func:`ckptq.contract.saved_world_size`)."""
         return saved_world_size(self.metadata)[0]
 
-    def read(self, fqn: str) -> Union[QuantizedTensor, torch.Tensor]:
+    def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
         """The whole logical tensor: a QuantizedTensor for native entries, else a plain tensor.
 
         Entries whose saved chunks can be read by byte range (:meth:`saved_chunks`; each chunk's
@@ -133,14 +136,17 @@ class CheckpointView(EntryTable):
             blob = f.read(info.length)
         descriptors = getattr(info, "transform_descriptors", None)
         if not descriptors:
-            where = f"{self.path}: '{fqn}', record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+            where = (
+                f"{self.path}: '{fqn}', record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+            )
             _check_archive(blob, where)
-            check_checksum(blob, (read_checksums(self.metadata.planner_data, where=str(self.path)) or {}).get((fqn, None)),
-                           where)
+            check_checksum(
+                blob, (read_checksums(self.metadata.planner_data, where=str(self.path)) or {}).get((fqn, None)), where
+            )
         return blob, descriptors
 
     # ------------------------------------------------------------------ byte ranges
-    def saved_chunks(self, key: str) -> Optional[list[SavedChunk]]:
+    def saved_chunks(self, key: str) -> list[SavedChunk] | None:
         """The saved chunks of tensor entry ``key`` (a DCP key: a component key such as
         ``"w.data"`` or a plain tensor's FQN) as byte ranges of the data files, or None when
         some chunk cannot be read by byte range (a record another library wrote, one stored with
@@ -164,7 +170,7 @@ class CheckpointView(EntryTable):
             raise CheckpointFormatError(f"{self.path}: '{key}' is not a tensor entry of the checkpoint")
         if self._checksums is False:
             self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
-        out: Optional[list[SavedChunk]] = []
+        out: list[SavedChunk] | None = []
         for c in md.chunks:
             index = MetadataIndex(key, c.offsets)
             info = (self.metadata.storage_data or {}).get(index)
@@ -173,24 +179,37 @@ class CheckpointView(EntryTable):
                 out = None
                 break
             start, length = int(info.offset), int(info.length)
-            where = (f"{self.path}: '{key}' (chunk at offsets {list(c.offsets)}), record '{rel}' bytes "
-                     f"{start}..{start + length}")
+            where = (
+                f"{self.path}: '{key}' (chunk at offsets {list(c.offsets)}), record '{rel}' bytes "
+                f"{start}..{start + length}"
+            )
             try:
                 with open(self.path / rel, "rb") as f:
                     at = locate_payload(f, start, length, where, md.properties.dtype, tuple(c.sizes))
             except OSError as e:
-                raise CheckpointFormatError(f"{where}: the data file cannot be read ({e}); copy the whole "
-                                            f"checkpoint directory") from e
+                raise CheckpointFormatError(
+                    f"{where}: the data file cannot be read ({e}); copy the whole checkpoint directory"
+                ) from e
             if at is None:
                 out = None
                 break
-            out.append(SavedChunk((tuple(c.offsets), tuple(c.sizes)), md.properties.dtype, str(rel), start, length,
-                                  start + at[0], self._checksums.get((key, tuple(int(o) for o in c.offsets))), where,
-                                  at[1]))
+            out.append(
+                SavedChunk(
+                    (tuple(c.offsets), tuple(c.sizes)),
+                    md.properties.dtype,
+                    str(rel),
+                    start,
+                    length,
+                    start + at[0],
+                    self._checksums.get((key, tuple(int(o) for o in c.offsets))),
+                    where,
+                    at[1],
+                )
+            )
         self._saved[key] = out
         return out
 
-    def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> Optional[tuple[int, int]]:
+    def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> tuple[int, int] | None:
         """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
         with the elements of tensor entry ``key`` at ``box``, copied from the byte ranges of the
         saved chunks it overlaps (no whole tensor is assembled). Reads go straight into ``out``
@@ -226,11 +245,13 @@ class CheckpointView(EntryTable):
             if c.box == tuple(box) and c.verified and c.crc32 is not None:
                 known = (c.checksum, c.crc32)
         if covered != math.prod(box[1]):  # check_storage made chunks disjoint and complete
-            raise CheckpointFormatError(f"{self.path}: the saved chunks of '{key}' cover {covered} of the "
-                                        f"{math.prod(box[1])} elements of box {box}")
+            raise CheckpointFormatError(
+                f"{self.path}: the saved chunks of '{key}' cover {covered} of the "
+                f"{math.prod(box[1])} elements of box {box}"
+            )
         return known
 
-    def whole_chunk(self, key: str, box: chunks.Box) -> Optional[SavedChunk]:
+    def whole_chunk(self, key: str, box: chunks.Box) -> SavedChunk | None:
         """The saved chunk of tensor entry ``key`` whose box is exactly ``box``, if one is (and
         the entry can be read by byte range: :meth:`saved_chunks`)."""
         for c in self.saved_chunks(key) or ():
@@ -254,7 +275,7 @@ class CheckpointView(EntryTable):
         stage = self._stage(STAGING_BYTES)
         running, crc = 0, 0
         for at in range(0, nbytes, STAGING_BYTES):
-            buf = memoryview(stage[:min(STAGING_BYTES, nbytes - at)])
+            buf = memoryview(stage[: min(STAGING_BYTES, nbytes - at)])
             self._pread(c, buf, at)
             running = checksum(buf, running)
             if c.crc32 is None:
@@ -288,8 +309,9 @@ class CheckpointView(EntryTable):
             while done < n:
                 got = os.preadv(fd, [into[done:]], pos + done)
                 if got <= 0:
-                    raise CheckpointFormatError(f"{c.where}: the data file ends inside the record; it is "
-                                                f"truncated: restore it or re-save")
+                    raise CheckpointFormatError(
+                        f"{c.where}: the data file ends inside the record; it is truncated: restore it or re-save"
+                    )
                 done += got
         except OSError as e:
             raise CheckpointFormatError(f"{c.where}: the data file cannot be read ({e})") from e
@@ -315,8 +337,8 @@ class CheckpointView(EntryTable):
                 self._verify(c, checksum(dst))
             return
         out_b = _u8(out)  # (..., last * itemsize) bytes
-        rel_dst = tuple(o - b for o, b in zip(ov[0], box[0]))
-        rel_src = tuple(o - s for o, s in zip(ov[0], c.box[0]))
+        rel_dst = tuple(o - b for o, b in zip(ov[0], box[0], strict=False))
+        rel_src = tuple(o - s for o, s in zip(ov[0], c.box[0], strict=False))
         dst = out_b[_slices(rel_dst, ov[1], item)]
         row = math.prod(c.box[1][1:]) * item  # bytes of one dim-0 slice of the chunk
         r0, nrows = rel_src[0], ov[1][0]
@@ -332,12 +354,12 @@ class CheckpointView(EntryTable):
             running = 0
             for b0 in range(0, nrows, band):
                 nb = min(band, nrows - b0)
-                buf = stage[:nb * row]
+                buf = stage[: nb * row]
                 self._pread(c, memoryview(buf), (r0 + b0) * row)
                 if check and whole:
                     running = checksum(memoryview(buf), running)
                 rows = buf.reshape((nb,) + tuple(c.box[1][1:-1]) + (c.box[1][-1] * item,))
-                dst[b0:b0 + nb] = rows[inner]
+                dst[b0 : b0 + nb] = rows[inner]
             if check and whole:
                 self._verify(c, running)
         if check and not whole:  # read the chunk once, in order, to check it
@@ -345,7 +367,7 @@ class CheckpointView(EntryTable):
             stage = self._stage(step)
             running = 0
             for at in range(0, nbytes, step):
-                buf = memoryview(stage[:min(step, nbytes - at)])
+                buf = memoryview(stage[: min(step, nbytes - at)])
                 self._pread(c, buf, at)
                 running = checksum(buf, running)
             self._verify(c, running)
@@ -355,7 +377,7 @@ class CheckpointView(EntryTable):
         check_checksum(None, c.checksum, c.where, got=got)
         c.verified = True
 
-    def mapping(self, key: str) -> Optional[tuple]:
+    def mapping(self, key: str) -> tuple | None:
         """DCP's flatten mapping (path tuple) of an entry, if the checkpoint has one."""
         pd = self.metadata.planner_data
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
@@ -377,7 +399,7 @@ def _u8(t: torch.Tensor) -> Any:
 
 def _slices(offsets: tuple, sizes: tuple, item: int) -> tuple:
     """Index of a box in an array from :func:`_u8` (the last dim counted in bytes)."""
-    out = [slice(o, o + n) for o, n in zip(offsets, sizes)]
+    out = [slice(o, o + n) for o, n in zip(offsets, sizes, strict=False)]
     if out:
         out[-1] = slice(offsets[-1] * item, (offsets[-1] + sizes[-1]) * item)
     return tuple(out)
@@ -393,11 +415,15 @@ def _check_archive(blob: bytes, where: str) -> None:
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             bad = z.testzip()
     except Exception as e:  # not a zip, truncated, damaged directory
-        raise CheckpointFormatError(f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
-                                    f"restore the file or re-save the checkpoint") from None
+        raise CheckpointFormatError(
+            f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
+            f"restore the file or re-save the checkpoint"
+        ) from None
     if bad is not None:
-        raise CheckpointFormatError(f"{where}: member '{bad}' of the record fails its CRC-32 check; the file "
-                                    f"is corrupt: restore it or re-save the checkpoint")
+        raise CheckpointFormatError(
+            f"{where}: member '{bad}' of the record fails its CRC-32 check; the file "
+            f"is corrupt: restore it or re-save the checkpoint"
+        )
 
 
 #: ``(name, detect, open)`` of the non-DCP sources, tried in order (see :func:`register_source`).

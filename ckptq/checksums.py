@@ -20,12 +20,22 @@ on a second thread while the writer writes (see docs/benchmarks.md, "Checksums",
 from __future__ import annotations
 
 import concurrent.futures as cf
-from typing import Any, Hashable, Optional, Union
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
-__all__ = ["ALGORITHM", "SAFETENSORS_KEY", "checksum", "check", "checksum_key", "payload", "Hasher",
-           "safetensors_table", "read_safetensors_table"]
+__all__ = [
+    "ALGORITHM",
+    "SAFETENSORS_KEY",
+    "checksum",
+    "check",
+    "checksum_key",
+    "payload",
+    "Hasher",
+    "safetensors_table",
+    "read_safetensors_table",
+]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
 ALGORITHM = "crc32c"
@@ -36,7 +46,7 @@ ALGORITHM = "crc32c"
 SAFETENSORS_KEY = "ckptq.crc32c"
 
 
-def payload(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> memoryview:
+def payload(data: torch.Tensor | bytes | bytearray | memoryview) -> memoryview:
     """The bytes a checksum covers: a tensor's elements, row-major, as the little-endian bytes of
     its dtype (a CPU tensor; a non-contiguous one is copied to row-major first), or a bytes-like
     object as is. Returns a 1-D ``memoryview`` of unsigned bytes."""
@@ -51,7 +61,7 @@ def payload(data: Union[torch.Tensor, bytes, bytearray, memoryview]) -> memoryvi
     return memoryview(data).cast("B")
 
 
-def checksum(data: Union[torch.Tensor, bytes, bytearray, memoryview], value: int = 0) -> int:
+def checksum(data: torch.Tensor | bytes | bytearray | memoryview, value: int = 0) -> int:
     """``crc32c`` of :func:`payload` ``(data)``: an unsigned 32-bit int; with ``value``, the
     checksum continued from ``value`` (the checksum of the bytes before ``data``), so a chunk read
     in parts hashes to the checksum of the whole.
@@ -67,7 +77,7 @@ def checksum(data: Union[torch.Tensor, bytes, bytearray, memoryview], value: int
     return crc32c.crc32c(view, value, gil_release_mode=1 if len(view) >= 1 << 16 else 0)
 
 
-def check(data: Any, expected: Optional[int], where: str, *, got: Optional[int] = None) -> None:
+def check(data: Any, expected: int | None, where: str, *, got: int | None = None) -> None:
     """Compare the checksum of ``data`` (or ``got``, one computed already, e.g. over parts) with
     ``expected`` (nothing to do when it is None).
 
@@ -103,7 +113,7 @@ class Hasher:
     """
 
     def __init__(self) -> None:
-        self._pool: Optional[cf.ThreadPoolExecutor] = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptq-checksum")
+        self._pool: cf.ThreadPoolExecutor | None = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptq-checksum")
         self._futures: dict[Hashable, cf.Future] = {}
 
     def submit(self, key: Hashable, data: Any) -> None:
@@ -132,7 +142,7 @@ def safetensors_table(values: dict) -> str:
     return json.dumps({k: f"{int(v):08x}" for k, v in sorted(values.items())}, separators=(",", ":"))
 
 
-def read_safetensors_table(metadata: Optional[dict]) -> Optional[dict]:
+def read_safetensors_table(metadata: dict | None) -> dict | None:
     """``{tensor name: checksum}`` from a safetensors file's ``__metadata__``, or ``None`` when it
     has no (readable) table: a file another tool wrote, or a damaged header (whose tensors are then
     reported unverified)."""

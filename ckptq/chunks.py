@@ -15,8 +15,8 @@ A *box* is ``(offsets, sizes)``, two tuples of ints of the tensor's rank, in ele
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -109,7 +109,7 @@ def _describe(fqn: str | None) -> str:
 def is_aligned(align: Sequence[int], logical_shape: Sequence[int], box: Box) -> bool:
     """True when every cut of ``box`` is a multiple of ``align`` (per dim) or the dim's end; empty
     boxes are aligned. ``align`` comes from :func:`alignment`."""
-    for off, size, a, full in zip(box[0], box[1], align, logical_shape):
+    for off, size, a, full in zip(box[0], box[1], align, logical_shape, strict=False):
         if size and a > 1 and (off % a or ((off + size) % a and off + size != full)):
             return False
     return True
@@ -130,7 +130,7 @@ def check_aligned(
     """
     offsets, sizes = box
     align = alignment(specs, len(logical_shape))
-    for dim, (off, size, a) in enumerate(zip(offsets, sizes, align)):
+    for dim, (off, size, a) in enumerate(zip(offsets, sizes, align, strict=False)):
         if size == 0 or a == 1:
             continue
         end = off + size
@@ -180,7 +180,7 @@ def expand_to_aligned(align: Sequence[int], logical_shape: Sequence[int], box: B
     """Smallest box containing ``box`` whose cuts are multiples of ``align`` (or the dim ends)."""
     offsets, sizes = box
     out_off, out_size = [], []
-    for off, size, a, full in zip(offsets, sizes, align, logical_shape):
+    for off, size, a, full in zip(offsets, sizes, align, logical_shape, strict=False):
         start = (off // a) * a
         end = min(cdiv(off + size, a) * a, full)
         out_off.append(start)
@@ -191,8 +191,8 @@ def expand_to_aligned(align: Sequence[int], logical_shape: Sequence[int], box: B
 def box_within(inner: Box, outer: Box) -> Box:
     """``inner`` expressed relative to ``outer``'s origin (``inner`` must lie inside ``outer``)."""
     (io, isz), (oo, osz) = inner, outer
-    rel = tuple(i - o for i, o in zip(io, oo))
-    assert all(r >= 0 and r + s <= os_ for r, s, os_ in zip(rel, isz, osz)), (inner, outer)
+    rel = tuple(i - o for i, o in zip(io, oo, strict=False))
+    assert all(r >= 0 and r + s <= os_ for r, s, os_ in zip(rel, isz, osz, strict=False)), (inner, outer)
     return rel, tuple(isz)
 
 
@@ -200,7 +200,7 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The box where boxes ``a`` and ``b`` (same rank, absolute offsets) overlap, or None when
     they share no element (a 0-d box overlaps a 0-d box)."""
     off, size = [], []
-    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1]):
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=False):
         lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
         if hi <= lo:
             return None
@@ -211,7 +211,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 def narrow_box(t: torch.Tensor, box: Box) -> torch.Tensor:
     """The view of ``t`` at ``box`` (offsets relative to ``t``'s origin)."""
-    for d, (o, n) in enumerate(zip(*box)):
+    for d, (o, n) in enumerate(zip(*box, strict=False)):
         t = t.narrow(d, o, n)
     return t
 

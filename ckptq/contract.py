@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import chunks
 from .errors import CheckpointFormatError, UnsupportedFormatError
-from .formats import DESCRIPTOR_VERSION as _DESCRIPTOR_VERSION, FORMATS
+from .formats import DESCRIPTOR_VERSION as _DESCRIPTOR_VERSION
+from .formats import FORMATS
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 
 __all__ = [
@@ -113,8 +114,9 @@ def read_record(planner_data: Any) -> dict:
         )
     bad = [k for k in rec["tensors"] if not isinstance(k, str)]
     if bad:
-        raise CheckpointFormatError(f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: tensor name "
-                                    f"{_short(bad[0])} is not a string")
+        raise CheckpointFormatError(
+            f"malformed '{CKPTQ_KEY}' record in checkpoint metadata: tensor name {_short(bad[0])} is not a string"
+        )
     return dict(rec)
 
 
@@ -154,7 +156,7 @@ def with_checksums(planner_data: Any, checksums: Mapping[tuple, int]) -> dict:
     return data
 
 
-def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> Optional[dict[tuple, int]]:
+def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> dict[tuple, int] | None:
     """The checksum table of a checkpoint, ``{(fqn, offsets or None): checksum}``, or ``None`` when
     it has none (saved by an older ckptq, by another tool, or without ckptq's storage writer) or
     one of an algorithm this ckptq does not know (nothing can be verified then).
@@ -182,16 +184,18 @@ def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> Optional[
         if not isinstance(fqn, str) or not isinstance(per_chunk, Mapping):
             raise bad
         for offsets, value in per_chunk.items():
-            if not (offsets is None or (isinstance(offsets, tuple) and all(_is_int(o) for o in offsets))) \
-                    or not _is_int(value) or not 0 <= value < 2**32:
+            if (
+                not (offsets is None or (isinstance(offsets, tuple) and all(_is_int(o) for o in offsets)))
+                or not _is_int(value)
+                or not 0 <= value < 2**32
+            ):
                 raise bad
             out[(fqn, offsets)] = value
     return out
 
 
 # ------------------------------------------------------------------------------ descriptors
-def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int],
-                      producer: Optional[dict] = None) -> dict:
+def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int], producer: dict | None = None) -> dict:
     """Descriptor of ``fqn`` saved natively: ``qt``'s format and recipe at ``global_shape``, each
     component with its DCP key (:func:`component_fqn`), and the ``producer`` if given."""
     desc = qt.descriptor(global_shape)
@@ -203,7 +207,7 @@ def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int]
     return desc
 
 
-def high_precision_descriptor(desc: Mapping, stored_dtype: torch.dtype, shape: Optional[Sequence[int]] = None) -> dict:
+def high_precision_descriptor(desc: Mapping, stored_dtype: torch.dtype, shape: Sequence[int] | None = None) -> dict:
     """A quantized tensor's descriptor (native or high precision) turned into that of its
     high-precision entry stored as ``stored_dtype`` (of logical ``shape``, default the descriptor's)."""
     out = {k: v for k, v in desc.items() if k != "components"}
@@ -235,8 +239,9 @@ class ComponentChunk:
     per_tensor: bool
 
 
-def emit_components(piece: QuantizedTensor, fqn: str, global_shape: Sequence[int],
-                    box: chunks.Box) -> Iterator[ComponentChunk]:
+def emit_components(
+    piece: QuantizedTensor, fqn: str, global_shape: Sequence[int], box: chunks.Box
+) -> Iterator[ComponentChunk]:
     """The DCP chunks of ``piece``, the part of tensor ``fqn`` (logical ``global_shape``) at the
     logical ``box``, one per component, in canonical order.
 
@@ -257,8 +262,15 @@ def emit_components(piece: QuantizedTensor, fqn: str, global_shape: Sequence[int
                 f"{tuple(tensor.shape)}, but {piece.FORMAT} of global shape {global_shape} needs "
                 f"{tuple(cbox[1])}; the local tensor and its placement disagree"
             )
-        yield ComponentChunk(spec.name, component_fqn(fqn, spec.name), spec.dtype, spec.shape(global_shape),
-                             cbox, tensor, not (spec.follows(m) or spec.follows(k)))
+        yield ComponentChunk(
+            spec.name,
+            component_fqn(fqn, spec.name),
+            spec.dtype,
+            spec.shape(global_shape),
+            cbox,
+            tensor,
+            not (spec.follows(m) or spec.follows(k)),
+        )
 
 
 # ------------------------------------------------------------------------------ folding
@@ -279,16 +291,16 @@ class Entry:
     fqn: str
     kind: str
     shape: tuple[int, ...]
-    dtype: Optional[torch.dtype]
-    descriptor: Optional[dict]
+    dtype: torch.dtype | None
+    descriptor: dict | None
     keys: dict
 
     @property
-    def format(self) -> Optional[str]:
+    def format(self) -> str | None:
         return self.descriptor["format"] if self.descriptor else None
 
     @property
-    def mode(self) -> Optional[str]:
+    def mode(self) -> str | None:
         return self.descriptor["mode"] if self.descriptor else None
 
 
@@ -299,14 +311,14 @@ class EntryTable:
     path: Any
     _entries: dict
 
-    def entries(self) -> list["Entry"]:
+    def entries(self) -> list[Entry]:
         """Logical entries in a stable order (sorted by FQN)."""
         return [self._entries[k] for k in sorted(self._entries)]
 
     def __contains__(self, fqn: str) -> bool:
         return fqn in self._entries
 
-    def entry(self, fqn: str) -> "Entry":
+    def entry(self, fqn: str) -> Entry:
         """The entry ``fqn``; CheckpointFormatError naming the checkpoint if there is none."""
         try:
             return self._entries[fqn]
@@ -339,8 +351,9 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
         comps = desc["components"] if mode == NATIVE else {}
         if not isinstance(comps, Mapping):
             raise TypeError(f"components {_short(comps)} is not a dict")
-        expected = {_text(name): (_text(c["fqn"]), _text(c["dtype"]), list(_dims(c["shape"])))
-                    for name, c in comps.items()}
+        expected = {
+            _text(name): (_text(c["fqn"]), _text(c["dtype"]), list(_dims(c["shape"]))) for name, c in comps.items()
+        }
         stored = desc.get("stored_dtype") if mode == HIGH_PRECISION else None
         stored = None if stored is None else str_to_dtype(_text(stored))
     except (KeyError, TypeError, ValueError, AttributeError, CheckpointFormatError) as e:
@@ -396,8 +409,10 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
             specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
             layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
         except Exception as e:  # an invalid recipe or a shape the format cannot have
-            raise CheckpointFormatError(f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
-                                        f"restore the metadata or re-save the checkpoint") from e
+            raise CheckpointFormatError(
+                f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
+                f"restore the metadata or re-save the checkpoint"
+            ) from e
         if layout != {n: (d, s) for n, (_, d, s) in expected.items()}:
             raise CheckpointFormatError(
                 f"{where}: the descriptor's components {_components_text(expected)} do not match the "
@@ -415,12 +430,16 @@ def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:
     try:
         canonical = cls._recipe_to_json(cls._recipe_from_json(recipe))
     except Exception as e:  # an invalid option value
-        raise CheckpointFormatError(f"{where} ({fmt}): invalid recipe {_short(recipe)} ({type(e).__name__}: "
-                                    f"{e}); restore the metadata or re-save the checkpoint") from e
+        raise CheckpointFormatError(
+            f"{where} ({fmt}): invalid recipe {_short(recipe)} ({type(e).__name__}: "
+            f"{e}); restore the metadata or re-save the checkpoint"
+        ) from e
     unknown = sorted(str(k) for k in recipe if k not in canonical)
     if unknown:
-        raise CheckpointFormatError(f"{where} ({fmt}): recipe options {unknown} are unknown to this ckptq "
-                                    f"(known: {sorted(canonical)}); upgrade ckptq, or restore the metadata")
+        raise CheckpointFormatError(
+            f"{where} ({fmt}): recipe options {unknown} are unknown to this ckptq "
+            f"(known: {sorted(canonical)}); upgrade ckptq, or restore the metadata"
+        )
     odd = [k for k, v in recipe.items() if (type(v), v) != (type(canonical[k]), canonical[k])]
     if odd:
         raise CheckpointFormatError(
@@ -487,8 +506,9 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
             continue
         desc = record["tensors"].get(fqn)
         if desc is not None and desc["mode"] == NATIVE:
-            out[fqn] = Entry(fqn, "quantized", tuple(int(s) for s in desc["shape"]), str_to_dtype(desc["dtype"]),
-                             desc, keys[fqn])
+            out[fqn] = Entry(
+                fqn, "quantized", tuple(int(s) for s in desc["shape"]), str_to_dtype(desc["dtype"]), desc, keys[fqn]
+            )
         elif isinstance(md, TensorStorageMetadata):
             out[fqn] = Entry(fqn, "tensor", tuple(md.size), md.properties.dtype, desc, {fqn: fqn})
         else:
@@ -496,7 +516,7 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
     return out
 
 
-def saved_world_size(metadata: Metadata) -> tuple[Optional[int], Optional[str]]:
+def saved_world_size(metadata: Metadata) -> tuple[int | None, str | None]:
     """Ranks that saved a checkpoint and where that number comes from: the ckptq record's
     ``world_size`` (``"ckptq"``), else one more than the largest rank of the ``__<rank>_<n>.distcp``
     data files (``"files"``), else ``(None, None)``."""
@@ -510,4 +530,3 @@ def saved_world_size(metadata: Metadata) -> tuple[Optional[int], Optional[str]]:
         if m:
             ranks.append(int(m.group(1)))
     return (max(ranks) + 1, "files") if ranks else (None, None)
-

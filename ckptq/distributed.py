@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Optional
+from typing import Any
 
 from .errors import CkptqError
 
@@ -65,7 +65,7 @@ class Group:
         self._owns_default = owns_default
 
     @classmethod
-    def default(cls) -> "Group":
+    def default(cls) -> Group:
         """The group of every process of the job: initializes ``torch.distributed`` from the
         launcher's environment (``MASTER_ADDR``, ``RANK``, ``WORLD_SIZE``: torchrun sets them) if
         it is not yet, and makes a gloo group over it (the job's own backend may be NCCL)."""
@@ -78,8 +78,10 @@ class Group:
             try:
                 dist.init_process_group("gloo", timeout=TIMEOUT)
             except Exception as e:
-                raise CkptqError(f"cannot join the torch.distributed job ({type(e).__name__}: {e}); start the "
-                                 f"processes with torchrun, or run without it") from e
+                raise CkptqError(
+                    f"cannot join the torch.distributed job ({type(e).__name__}: {e}); start the "
+                    f"processes with torchrun, or run without it"
+                ) from e
         pg = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo", timeout=TIMEOUT)
         return cls(pg, dist.get_rank(), dist.get_world_size(), owns_default=owns)
 
@@ -109,7 +111,7 @@ class Group:
         """This process's items (:func:`assign`)."""
         return assign(costs, self.size)[self.rank]
 
-    def gather_ok(self, payload: Any = None, *, to_root: bool = False) -> Optional[list[Any]]:
+    def gather_ok(self, payload: Any = None, *, to_root: bool = False) -> list[Any] | None:
         """Every process's ``payload``, in rank order: on every process, or with ``to_root`` on
         rank 0 only (None elsewhere: large payloads are not copied to every process). First every
         process learns whether all succeeded: if any reported a failure (:meth:`report_failure`)
@@ -120,7 +122,7 @@ class Group:
         self._raise_failures(got)
         if not to_root:
             return [p for _, p in got]
-        out: Optional[list[Any]] = [None] * self.size if self.rank == 0 else None
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         self._collective(dist.gather_object, payload, out, dst=0, group=self.pg)
         return out
 
@@ -143,8 +145,10 @@ class Group:
     def _raise_failures(self, got: list) -> None:
         failed = [(r, msg) for r, (status, msg) in enumerate(got) if status != "ok"]
         if failed:
-            err = CkptqError(f"{len(failed)} of {self.size} processes failed, nothing was committed:\n  "
-                             + "\n  ".join(f"rank {r}: {msg}" for r, msg in failed))
+            err = CkptqError(
+                f"{len(failed)} of {self.size} processes failed, nothing was committed:\n  "
+                + "\n  ".join(f"rank {r}: {msg}" for r, msg in failed)
+            )
             err.ckptq_reported = True  # type: ignore[attr-defined]
             raise err
 
@@ -155,4 +159,3 @@ class Group:
         except BaseException as e:
             e.ckptq_reported = True  # type: ignore[attr-defined]  # a peer died: no further collectives
             raise
-

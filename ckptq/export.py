@@ -27,8 +27,9 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ LAYOUT_NAMES = tuple(hf.LAYOUTS)
 _ST_NAME = {v: k for k, v in hf.ST_DTYPES.items()}
 
 
-def parse_size(text: Union[str, int], flag: str = "--max-shard-size") -> int:
+def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"``, ``"1000000"`` or an int -> bytes; UsageError otherwise."""
     if isinstance(text, int) and text > 0:
         return text
@@ -66,7 +67,7 @@ def _parse_layout(layout: str) -> hf.HFLayout:
     return hf.LAYOUTS[layout]
 
 
-def _parse_format(lay: hf.HFLayout, fmt: Optional[str]) -> Optional[str]:
+def _parse_format(lay: hf.HFLayout, fmt: str | None) -> str | None:
     if fmt is None:
         return None
     fmt = fmt.replace("-", "_")
@@ -111,9 +112,17 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
             skipped.append(e.fqn)
             continue
         ignored = hf.glob_matches(e.fqn, ignore) or hf.glob_matches(name, ignore)
-        quantize_plain = (fmt is not None and e.kind == "tensor" and not ignored and e.fqn.endswith(".weight")
-                          and len(e.shape) >= 2 and e.dtype is not None and e.dtype.is_floating_point
-                          and e.dtype.itemsize >= 2 and not e.fqn.rsplit(".", 1)[-1] in hf.AUX_SUFFIXES)
+        quantize_plain = (
+            fmt is not None
+            and e.kind == "tensor"
+            and not ignored
+            and e.fqn.endswith(".weight")
+            and len(e.shape) >= 2
+            and e.dtype is not None
+            and e.dtype.is_floating_point
+            and e.dtype.itemsize >= 2
+            and e.fqn.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
+        )
         if (e.kind == "quantized" and not ignored) or quantize_plain:
             module = name[: -len(".weight")] if name.endswith(".weight") else name
             target = fmt or e.format
@@ -143,14 +152,17 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
             items.append(_Item(e.fqn, "tensor", [(new, torch.float32, shape)], fm=fn))
         else:
             dtype = e.dtype
-            if e.kind == "quantized" or (dtype is not None and dtype.is_floating_point
-                                         and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES):
+            if e.kind == "quantized" or (
+                dtype is not None and dtype.is_floating_point and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
+            ):
                 dtype = torch.bfloat16
             items.append(_Item(e.fqn, "tensor", [(name, dtype, tuple(e.shape))]))
         for n, _, _ in items[-1].out_names:
             if n in seen:
-                raise CkptqError(f"output tensor '{n}' would come from both '{seen[n]}' and '{e.fqn}'; fix the "
-                                 f"rename rules (names=/--rename)")
+                raise CkptqError(
+                    f"output tensor '{n}' would come from both '{seen[n]}' and '{e.fqn}'; fix the "
+                    f"rename rules (names=/--rename)"
+                )
             seen[n] = e.fqn
     return items, skipped
 
@@ -238,17 +250,17 @@ def _base_config(src: Path, config: Any) -> dict:
 
 
 def export_checkpoint(
-    src: Union[str, os.PathLike],
-    dst: Union[str, os.PathLike],
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
     *,
     layout: str,
-    format: Optional[str] = None,
+    format: str | None = None,
     ignore: Sequence[str] = hf.DEFAULT_IGNORE,
-    max_shard_size: Union[str, int] = "5GB",
+    max_shard_size: str | int = "5GB",
     names: Any = None,
     config: Any = None,
     overwrite: bool = False,
-    progress: Union[bool, Callable[[int], None], None] = None,
+    progress: bool | Callable[[int], None] | None = None,
 ) -> dict:
     """Write checkpoint ``src`` as a Hugging Face safetensors folder ``dst`` in ``layout``.
 
@@ -317,11 +329,18 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             files.append(fname)
             entries = [o for it in shard for o in it.out_names]
-            meta_keys = {hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(s[:-1]) if t.codec == "gs" else s))
-                         for it in shard if it.kind == "quantized"
-                         for t, (name, _, s) in zip(it.fm.tensors, it.out_names) if t.codec in ("ws2", "gs")}
-            metadata = {"format": "pt", **meta_keys,
-                        SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
+            meta_keys = {
+                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(s[:-1]) if t.codec == "gs" else s))
+                for it in shard
+                if it.kind == "quantized"
+                for t, (name, _, s) in zip(it.fm.tensors, it.out_names, strict=False)
+                if t.codec in ("ws2", "gs")
+            }
+            metadata = {
+                "format": "pt",
+                **meta_keys,
+                SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries}),
+            }
             header = _header(entries, metadata)
             hasher = Hasher()
             with open(tmp / fname, "wb", buffering=0) as f:
@@ -331,7 +350,9 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
                     for name, dtype, shape in it.out_names:
                         t = tensors[name]
                         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                            raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+                            raise CkptqError(
+                                f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}"
+                            )
                         written += _write_tensor(f, t)
                         hasher.submit(name, t)
                         weight_map[name] = fname
@@ -348,10 +369,19 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
                 f.seek(0)
                 f.write(final)
         with open(tmp / "model.safetensors.index.json", "w") as f:
-            json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
+            )
         used = {it.module: it.fm for it in items if it.kind == "quantized"}
-        ignored_modules = sorted({name[: -len(".weight")] for it in items if it.kind == "tensor"
-                                  for name, _, shape in it.out_names if name.endswith(".weight")})
+        ignored_modules = sorted(
+            {
+                name[: -len(".weight")]
+                for it in items
+                if it.kind == "tensor"
+                for name, _, shape in it.out_names
+                if name.endswith(".weight")
+            }
+        )
         cfg_files = lay.write_config(used, ignored_modules)
         out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
         out_cfg.setdefault("torch_dtype", "bfloat16")

@@ -10,9 +10,9 @@ and never loads non-tensor entries.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -152,7 +152,7 @@ def _view_stored(entries: Mapping[str, Entry]) -> Stored:
     return table.__getitem__
 
 
-def _row_of(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
+def _row_of(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
     row = _stored_row(e, stored, metadata)
     desc = e.descriptor or {}
     producer = desc.get("producer")
@@ -164,7 +164,7 @@ def _row_of(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
     return row
 
 
-def _stored_row(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
+def _stored_row(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
     if e.kind == "bytes":
         storage = metadata.storage_data if metadata is not None and isinstance(metadata.storage_data, Mapping) else {}
         infos = [info for index, info in storage.items() if getattr(index, "fqn", None) == e.fqn]
@@ -178,16 +178,32 @@ def _stored_row(e: Entry, stored: Stored, metadata: Optional[Metadata]) -> dict:
     shape, fmt, recipe = list(desc["shape"]), desc["format"], dict(desc.get("recipe", {}))
     if e.kind == "tensor":  # high precision
         dtype, size, nchunks = stored(e.fqn)
-        return _row(e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(dtype), _nbytes(dtype, size),
-                    nchunks, recipe)
+        return _row(
+            e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(dtype), _nbytes(dtype, size), nchunks, recipe
+        )
     components = {}
     for name, key in e.keys.items():
         dtype, size, nchunks = stored(key)
-        components[name] = {"fqn": key, "dtype": dtype_to_str(dtype), "shape": size,
-                            "bytes": _nbytes(dtype, size), "chunks": nchunks}
+        components[name] = {
+            "fqn": key,
+            "dtype": dtype_to_str(dtype),
+            "shape": size,
+            "bytes": _nbytes(dtype, size),
+            "chunks": nchunks,
+        }
     data = components.get("data") or next(iter(components.values()))
-    return _row(e.fqn, fmt, NATIVE, shape, desc["dtype"], None, sum(c["bytes"] for c in components.values()),
-                data["chunks"], recipe, components)
+    return _row(
+        e.fqn,
+        fmt,
+        NATIVE,
+        shape,
+        desc["dtype"],
+        None,
+        sum(c["bytes"] for c in components.values()),
+        data["chunks"],
+        recipe,
+        components,
+    )
 
 
 def _view_summary(view: Any, rows: list[dict]) -> dict:
@@ -197,7 +213,7 @@ def _view_summary(view: Any, rows: list[dict]) -> dict:
     return out
 
 
-def _summary(metadata: Optional[Metadata], rows: list[dict]) -> dict:
+def _summary(metadata: Metadata | None, rows: list[dict]) -> dict:
     tensor_rows = [r for r in rows if r["mode"] != BYTES]
     total = sum(r["bytes"] for r in tensor_rows)
     bf16 = sum(2 * _numel(r["shape"]) for r in tensor_rows)
@@ -220,14 +236,17 @@ def _summary(metadata: Optional[Metadata], rows: list[dict]) -> dict:
         "world_size_source": source,
         "files": len(files),
         "dcp_version": getattr(metadata, "version", None),
-        "ckptq_version": (read_record(metadata.planner_data)["version"]
-                          if metadata is not None and has_record(metadata.planner_data) else None),
+        "ckptq_version": (
+            read_record(metadata.planner_data)["version"]
+            if metadata is not None and has_record(metadata.planner_data)
+            else None
+        ),
         "checksums": _checksum_count(metadata),
         "source": "dcp" if metadata is not None else None,
     }
 
 
-def _checksum_count(metadata: Any) -> Optional[list]:
+def _checksum_count(metadata: Any) -> list | None:
     """``[records with a checksum, records]`` of a DCP checkpoint (None for other sources)."""
     if metadata is None or not isinstance(metadata.storage_data, Mapping):
         return None

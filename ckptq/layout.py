@@ -9,7 +9,8 @@ semantics: ceil-sized chunks, trailing ones short or empty) and ``_StridedShard(
 ``Shard(0)``, row-parallel ``Shard(1)``; a grouped (N, out, in) weight shifts those to d + 1.
 
 :func:`owned_ranges` computes, per tensor dim, the global index runs a mesh coordinate holds
-(range arithmetic, no tensors: planning 2048 ranks stays cheap); :func:`shard_box` turns them into the one contiguous box DCP stores, and raises
+(range arithmetic, no tensors: planning 2048 ranks stays cheap); :func:`shard_box` turns them into
+the one contiguous box DCP stores, and raises
 :class:`ckptq.ShardingError` when they are not contiguous (e.g. ``(Shard(0), _StridedShard(0, 2))``,
 which DCP saves as overlapping chunks and silently loads wrong). Parsing of user strings (meshes,
 placements, plan files) lives in :mod:`ckptq.parse`.
@@ -20,8 +21,9 @@ from __future__ import annotations
 import fnmatch
 import functools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -45,11 +47,11 @@ __all__ = [
 PRESETS = ("replicate", "fsdp2", "fsdp2-tp")
 
 
-def _strided_factor(p: Placement) -> Optional[int]:
+def _strided_factor(p: Placement) -> int | None:
     return int(p.split_factor) if isinstance(p, _StridedShard) else None
 
 
-def _shard_dim(p: Placement) -> Optional[int]:
+def _shard_dim(p: Placement) -> int | None:
     """Tensor dim a Shard-like placement splits (``_StridedShard`` is not a ``Shard`` in 2.13)."""
     if isinstance(p, _StridedShard) or isinstance(p, Shard):
         return int(p.dim)
@@ -65,7 +67,7 @@ class MeshSpec:
     sizes: tuple[int, ...]
 
     @classmethod
-    def parse(cls, text: str) -> "MeshSpec":
+    def parse(cls, text: str) -> MeshSpec:
         """:func:`ckptq.parse.parse_mesh` (``"dp_shard=4,tp=2"`` or ``"4"``); raises UsageError."""
         from .parse import parse_mesh
 
@@ -89,7 +91,7 @@ class MeshSpec:
         return tuple(reversed(coord))
 
     def __str__(self) -> str:
-        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+        return ",".join(f"{n}={s}" for n, s in zip(self.names, self.sizes, strict=False))
 
 
 Ranges = list[tuple[int, int]]
@@ -125,7 +127,7 @@ def owned_ranges(
     """Global indices along ``tensor_dim`` held at mesh coordinate ``coord``, as increasing-order
     runs ``[(start, stop), ...]`` in local storage order. Placements apply left to right."""
     ranges: Ranges = [(0, dim_size)] if dim_size else []
-    for n, c, p in zip(mesh_sizes, coord, placements):
+    for n, c, p in zip(mesh_sizes, coord, placements, strict=False):
         if _shard_dim(p) != tensor_dim:
             continue
         sf = _strided_factor(p)
@@ -159,19 +161,15 @@ def shard_box(
     coord: Sequence[int],
     placements: Sequence[Placement],
     *,
-    fqn: Optional[str] = None,
+    fqn: str | None = None,
 ) -> Box:
     """The logical box held at ``coord``: ``(offsets, sizes)``; empty dims get offset = dim size
     (DCP's convention). Raises ShardingError if the held indices are not one increasing run."""
     if len(placements) != len(mesh_sizes):
-        raise ShardingError(
-            f"tensor '{fqn}': {len(placements)} placements for a {len(mesh_sizes)}-D mesh"
-        )
+        raise ShardingError(f"tensor '{fqn}': {len(placements)} placements for a {len(mesh_sizes)}-D mesh")
     for p in placements:
         if not (isinstance(p, Replicate) or _shard_dim(p) is not None):
-            raise ShardingError(
-                f"tensor '{fqn}': placement {p} cannot be checkpointed (Partial must be reduced first)"
-            )
+            raise ShardingError(f"tensor '{fqn}': placement {p} cannot be checkpointed (Partial must be reduced first)")
         d = _shard_dim(p)
         if d is not None and d >= len(global_shape):
             raise ShardingError(f"tensor '{fqn}' of shape {tuple(global_shape)}: {p} names dim {d}")
@@ -196,7 +194,7 @@ def shard_box(
     return tuple(offsets), tuple(sizes)
 
 
-def dtensor_box(obj: Any, *, fqn: Optional[str] = None) -> Box:
+def dtensor_box(obj: Any, *, fqn: str | None = None) -> Box:
     """:func:`shard_box` of this process's shard of a DTensor (its mesh coordinate)."""
     mesh = obj.device_mesh
     return shard_box(obj.shape, tuple(mesh.shape), mesh.get_coordinate(), obj.placements, fqn=fqn)
@@ -207,7 +205,7 @@ def _dim_table(n: int, d: int, mesh_sizes: Sequence[int], placements: Sequence[P
     shard it (left to right, as :func:`owned_ranges`), built level by level so that each piece is
     cut once per coordinate prefix: {coords of those mesh dims: runs}."""
     table: dict[tuple, Ranges] = {(): [(0, n)] if n else []}
-    for m, p in zip(mesh_sizes, placements):
+    for m, p in zip(mesh_sizes, placements, strict=False):
         if _shard_dim(p) != d:
             continue
         sf = _strided_factor(p)
@@ -221,7 +219,7 @@ def _dim_table(n: int, d: int, mesh_sizes: Sequence[int], placements: Sequence[P
 
 
 def rank_boxes(
-    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: Optional[str] = None
+    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: str | None = None
 ) -> list[Box]:
     """:func:`shard_box` for every rank of ``mesh`` (rank order), from per-dim tables of
     :func:`_dim_table` (no work repeated across ranks that share coordinates)."""
@@ -234,7 +232,7 @@ def rank_boxes(
             merged = _merge_runs(runs)
             if len(merged) > 1:
                 coord = [0] * len(mesh.sizes)
-                for i, c in zip(relevant[d], key):
+                for i, c in zip(relevant[d], key, strict=False):
                     coord[i] = c
                 shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)  # raises, with details
             table[key] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
@@ -278,7 +276,7 @@ class LayoutPlan:
             row, or a file rule whose placement count differs from the mesh's dims.
     """
 
-    def __init__(self, mesh: MeshSpec, preset: str = "fsdp2", rules: Optional[Mapping[str, Any]] = None):
+    def __init__(self, mesh: MeshSpec, preset: str = "fsdp2", rules: Mapping[str, Any] | None = None):
         self.mesh = mesh
         self.preset = preset
         self.rules = dict(rules or {})
@@ -289,14 +287,16 @@ class LayoutPlan:
         if preset == "file":
             for k, v in self.rules.items():
                 if len(v) != len(mesh.sizes) or not all(isinstance(p, Placement) for p in v):
-                    raise UsageError(f"--plan rule '{k}': {list(v)} is not {len(mesh.sizes)} placements, one per dim of mesh {mesh}")
+                    raise UsageError(
+                        f"--plan rule '{k}': {list(v)} is not {len(mesh.sizes)} placements, one per dim of mesh {mesh}"
+                    )
         elif preset == "fsdp2-tp":
             for k, v in self.rules.items():
                 if v not in ("col", "row"):
                     raise UsageError(f"--rule {k}={v}: expected col or row")
 
     @classmethod
-    def from_arg(cls, mesh: MeshSpec, plan: str, rules: Sequence[str] = ()) -> "LayoutPlan":
+    def from_arg(cls, mesh: MeshSpec, plan: str, rules: Sequence[str] = ()) -> LayoutPlan:
         """:func:`ckptq.parse.parse_plan`: a preset or JSON/YAML file, ``rules`` ``glob=col|row``."""
         from .parse import parse_plan
 

@@ -29,8 +29,8 @@ def sqnr_db(ref: torch.Tensor, approx: torch.Tensor) -> float:
     r, a = ref.detach().reshape(-1), approx.detach().reshape(-1)
     sums = torch.zeros(2, dtype=torch.float64, device=r.device)  # signal, noise: on the tensors' device
     for i in range(0, r.numel(), _SQNR_STEP):
-        rs = r[i:i + _SQNR_STEP].to(torch.float64)
-        d = rs - a[i:i + _SQNR_STEP].to(torch.float64)
+        rs = r[i : i + _SQNR_STEP].to(torch.float64)
+        d = rs - a[i : i + _SQNR_STEP].to(torch.float64)
         sums[0] += torch.dot(rs, rs)
         sums[1] += torch.dot(d, d)
     signal, noise = sums.tolist()  # one host sync (a CUDA tensor is not synced per slice)

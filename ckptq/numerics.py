@@ -21,8 +21,6 @@ shape (``()`` for a 2-D tensor).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .chunks import blocked_view, unblock
@@ -92,9 +90,7 @@ def cast_fp8(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return _canonical_nan(_f32(x)).clamp(-m, m).to(fp8_dtype)
 
 
-def fp8_scale_from_amax(
-    amax: torch.Tensor, fp8_max: float, *, pow2: bool, eps: float = 0.0
-) -> torch.Tensor:
+def fp8_scale_from_amax(amax: torch.Tensor, fp8_max: float, *, pow2: bool, eps: float = 0.0) -> torch.Tensor:
     """FP8 encode scale from amax (TE ``compute_scale_from_amax``), elementwise over ``amax``.
 
     Order: ``amax = max(amax, eps)``; amax 0, inf or NaN -> scale 1; else ``scale = fp8_max / amax``
@@ -159,15 +155,9 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     1.75->2, 2.5->2, 3.5->4, 5->4; -0.1 and -0.0 give 0x8; NaN gives 0x7 (+6).
     """
     a = v.abs()
-    idx = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    ).to(torch.uint8)
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5) + (a > 5.0)).to(
+        torch.uint8
+    )
     code = idx | (torch.signbit(v).to(torch.uint8) << 3)
     return torch.where(torch.isnan(v), torch.full_like(code, 7), code)
 
@@ -202,8 +192,8 @@ def quantize_fp8_tensor(
     *,
     pow2: bool = False,
     eps: float = 0.0,
-    amax: Optional[torch.Tensor] = None,
-    scale: Optional[torch.Tensor] = None,
+    amax: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-tensor FP8 (current scaling). x (..., M, K) -> data fp8 (..., M, K), scale_inv fp32 (...).
 
@@ -221,9 +211,7 @@ def quantize_fp8_tensor(
     return {"data": data, "scale_inv": torch.reciprocal(scale)}
 
 
-def dequantize_fp8_tensor(
-    data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = _F32
-) -> torch.Tensor:
+def dequantize_fp8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = _F32) -> torch.Tensor:
     """``x = float(data) * scale_inv`` in fp32 (NaN canonical), then cast to ``dtype``."""
     return _canonical_nan(data.to(_F32) * scale_inv[..., None, None]).to(dtype)
 
@@ -309,7 +297,7 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, *, two_d: bool = False, amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, *, two_d: bool = False, amax: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
     """NVFP4. x (..., M, K), K even -> data uint8 (..., M, K/2), scale e4m3 (..., M, ceil(K/16)) or
     (..., ceil(M/16), ceil(K/16)) with ``two_d``, amax fp32 (...).
@@ -328,9 +316,7 @@ def quantize_nvfp4(
     xb = blocked_view(x, block)
     amax_b = _amax(xb, (-3, -1))
     s = cast_fp8(amax_b * (s_enc * INV_6)[..., None, None], torch.float8_e4m3fn)
-    enc = torch.fmin(
-        torch.reciprocal(s.to(_F32) * s_dec[..., None, None]), torch.tensor(FLT_MAX, dtype=_F32)
-    )
+    enc = torch.fmin(torch.reciprocal(s.to(_F32) * s_dec[..., None, None]), torch.tensor(FLT_MAX, dtype=_F32))
     v = (xb * enc[..., :, None, :, None]).clamp(-6.0, 6.0)
     codes = unblock(e2m1_encode(v), x.shape)
     return {"data": pack_fp4(codes), "scale": s, "amax": a}

@@ -10,8 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -35,12 +36,18 @@ __all__ = [
     "parse_recipe",
 ]
 
-HP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HP_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-def parse_mesh(text: Union[str, MeshSpec]) -> MeshSpec:
+def parse_mesh(text: str | MeshSpec) -> MeshSpec:
     """``"dp_shard=4,tp=2"`` (or ``"4"`` for a 1-D mesh named ``dp_shard``) as a :class:`MeshSpec`."""
     if isinstance(text, MeshSpec):
         return text
@@ -64,7 +71,7 @@ _PLACEMENT_RE = re.compile(
 )
 
 
-def parse_placement(text: Union[str, Placement]) -> Placement:
+def parse_placement(text: str | Placement) -> Placement:
     """``"R"``/``"Replicate()"``, ``"S(1)"``/``"Shard(1)"``, ``"SS(0,2)"``/``"_StridedShard(0, 2)"``."""
     if isinstance(text, Placement):
         return text
@@ -78,7 +85,7 @@ def parse_placement(text: Union[str, Placement]) -> Placement:
     return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
 
 
-def parse_plan(mesh: MeshSpec, plan: Union[str, LayoutPlan], rules: Union[Sequence[str], Mapping[str, str]] = ()) -> LayoutPlan:
+def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Mapping[str, str] = ()) -> LayoutPlan:
     """A :class:`LayoutPlan` from ``--plan`` (a preset name or a JSON/YAML file of FQN glob ->
     placement strings) and ``--rule`` values ``GLOB=col|row`` (or a ``{glob: "col"|"row"}`` mapping)."""
     if isinstance(plan, LayoutPlan):
@@ -114,7 +121,7 @@ def parse_plan(mesh: MeshSpec, plan: Union[str, LayoutPlan], rules: Union[Sequen
     return LayoutPlan(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
 
 
-def parse_choice(flag: str, value: Optional[str], choices: Sequence[str]) -> Optional[str]:
+def parse_choice(flag: str, value: str | None, choices: Sequence[str]) -> str | None:
     """``value`` (``None`` passes) if it is one of ``choices`` (``-`` and ``_`` are the same), in
     the library's spelling (``high-precision`` -> ``high_precision``)."""
     if value is None:
@@ -125,7 +132,7 @@ def parse_choice(flag: str, value: Optional[str], choices: Sequence[str]) -> Opt
     return norm
 
 
-def parse_hp_dtype(value: Union[str, torch.dtype], flag: str = "--dtype") -> torch.dtype:
+def parse_hp_dtype(value: str | torch.dtype, flag: str = "--dtype") -> torch.dtype:
     """A high-precision storage dtype: a name of :data:`HP_DTYPES` or one of their ``torch.dtype``."""
     if isinstance(value, torch.dtype) and value in HP_DTYPES.values():
         return value
@@ -145,7 +152,7 @@ def parse_target(to: str) -> str:
     return to
 
 
-def parse_block(text: Union[str, Sequence[int], None]) -> Optional[tuple[int, int]]:
+def parse_block(text: str | Sequence[int] | None) -> tuple[int, int] | None:
     """``--block`` ``"1x128"`` (or ``"1,128"``, or a pair of ints) as ``(1, 128)``; ``None`` passes."""
     if text is None or isinstance(text, (tuple, list)):
         return None if text is None else tuple(text)
@@ -155,7 +162,7 @@ def parse_block(text: Union[str, Sequence[int], None]) -> Optional[tuple[int, in
     return (int(parts[0]), int(parts[1]))
 
 
-def parse_fp8_dtype(text: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+def parse_fp8_dtype(text: str | torch.dtype | None) -> torch.dtype | None:
     """``--fp8-dtype`` ``e4m3`` or ``e5m2`` (or one of their ``torch.dtype``); ``None`` passes."""
     if text is None or (isinstance(text, torch.dtype) and text in FP8_DTYPES.values()):
         return text
@@ -168,8 +175,11 @@ def parse_recipe(to: str, **options: Any) -> dict:
     """The recipe options of ``--to`` (``block``, ``two_d``, ``columnwise``, ``fp8_dtype``,
     ``pow2``; ``None`` = the format's default) as a recipe dict; options the target does not
     take are usage errors."""
-    recipe = {**options, "block": parse_block(options.get("block")),
-              "fp8_dtype": parse_fp8_dtype(options.get("fp8_dtype"))}
+    recipe = {
+        **options,
+        "block": parse_block(options.get("block")),
+        "fp8_dtype": parse_fp8_dtype(options.get("fp8_dtype")),
+    }
     recipe = {k: v for k, v in recipe.items() if v is not None}
     if to in FORMATS:
         extra = sorted(set(recipe) - {f.name for f in dataclasses.fields(FORMATS[to].Recipe)})

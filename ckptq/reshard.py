@@ -20,24 +20,39 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 
 from . import chunks
 from .checkpoint import CheckpointView, open_checkpoint
-from .contract import (CKPTQ_KEY, Entry, component_fqn, emit_components, high_precision_descriptor, make_record,
-                       native_descriptor)
+from .contract import (
+    CKPTQ_KEY,
+    Entry,
+    component_fqn,
+    emit_components,
+    high_precision_descriptor,
+    make_record,
+    native_descriptor,
+)
 from .errors import CheckpointFormatError, CkptqError, ShardingError, UnsupportedFormatError
 from .formats import FORMATS, format_class, from_components, requantize
 from .formats.base import QuantizedTensor, dtype_to_str, slice_box, str_to_dtype
+from .io.writer import CheckpointDirWriter, check_destination, commit_dir, encode_chunk, staging_dir
 from .layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from .metrics import sqnr_db
-from .io.writer import CheckpointDirWriter, check_destination, commit_dir, encode_chunk, staging_dir
 
-__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "run_reshard", "reshard_checkpoint", "convert_checkpoint",
-           "HP_DTYPES"]
+__all__ = [
+    "TensorJob",
+    "ReshardPlan",
+    "plan_reshard",
+    "run_reshard",
+    "reshard_checkpoint",
+    "convert_checkpoint",
+    "HP_DTYPES",
+]
 
 from .parse import HP_DTYPES  # noqa: E402  (user-facing names live with the parsing; re-exported)
 
@@ -48,17 +63,17 @@ class TensorJob:
 
     fqn: str  # output logical name
     sources: list[Entry]  # one, or the members of a grouped stack
-    member: Optional[int]  # grouped split: index into the source's leading dim
+    member: int | None  # grouped split: index into the source's leading dim
     out: str  # "quantized", "tensor" or "bytes"
-    out_format: Optional[str]
-    out_recipe: Optional[dict]
-    out_dtype: Optional[torch.dtype]  # stored dtype of a tensor entry / logical dtype of quantized
+    out_format: str | None
+    out_recipe: dict | None
+    out_dtype: torch.dtype | None  # stored dtype of a tensor entry / logical dtype of quantized
     shape: tuple[int, ...]
     placements: tuple
     owners: list[tuple[int, chunks.Box]]  # (rank, box), first rank of each distinct box
     bytes_per_rank: dict[int, int]
-    problem: Optional[str] = None
-    note: Optional[str] = None
+    problem: str | None = None
+    note: str | None = None
 
 
 @dataclasses.dataclass
@@ -88,14 +103,24 @@ class ReshardPlan:
             "mesh": str(self.mesh),
             "world_size": self.mesh.world_size,
             "ranks": [
-                {"rank": r, "file": f"__{r}_0.distcp", "bytes": b,
-                 "chunks": sum(1 for j in self.jobs for rr, _ in j.owners if rr == r)}
+                {
+                    "rank": r,
+                    "file": f"__{r}_0.distcp",
+                    "bytes": b,
+                    "chunks": sum(1 for j in self.jobs for rr, _ in j.owners if rr == r),
+                }
                 for r, b in per_rank.items()
             ],
             "tensors": [
-                {"fqn": j.fqn, "out": j.out, "format": j.out_format or (dtype_to_str(j.out_dtype) if j.out_dtype else "bytes"),
-                 "shape": list(j.shape), "placements": format_placements(j.placements) if j.placements else "",
-                 "problem": j.problem, "note": j.note}
+                {
+                    "fqn": j.fqn,
+                    "out": j.out,
+                    "format": j.out_format or (dtype_to_str(j.out_dtype) if j.out_dtype else "bytes"),
+                    "shape": list(j.shape),
+                    "placements": format_placements(j.placements) if j.placements else "",
+                    "problem": j.problem,
+                    "note": j.note,
+                }
                 for j in self.jobs
             ],
             "problems": self.problems,
@@ -124,8 +149,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
         first = ms[0]
         for e in ms[1:]:
             if (e.kind, e.shape, e.dtype) != (first.kind, first.shape, first.dtype) or (
-                (e.descriptor or {}).get("recipe") != (first.descriptor or {}).get("recipe")
-                or e.format != first.format
+                (e.descriptor or {}).get("recipe") != (first.descriptor or {}).get("recipe") or e.format != first.format
             ):
                 raise CheckpointFormatError(
                     f"grouped stack '{stem}': member '{e.fqn}' ({e.format or e.dtype}, {e.shape}) differs "
@@ -141,11 +165,11 @@ def plan_reshard(
     mesh: MeshSpec,
     layout: LayoutPlan,
     *,
-    mode: Optional[str] = None,
+    mode: str | None = None,
     hp_dtype: torch.dtype = torch.bfloat16,
-    to: Optional[str] = None,
-    to_recipe: Optional[dict] = None,
-    grouped: Optional[str] = None,
+    to: str | None = None,
+    to_recipe: dict | None = None,
+    grouped: str | None = None,
     grouped_glob: str = "*weight",
     misaligned: str = "error",
 ) -> ReshardPlan:
@@ -177,7 +201,7 @@ def plan_reshard(
     if to in FORMATS:
         format_class(to).Recipe(**(to_recipe or {}))  # validate early
 
-    units: list[tuple[str, list[Entry], Optional[int]]] = []
+    units: list[tuple[str, list[Entry], int | None]] = []
     stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
     in_group = {e.fqn for ms in stacked.values() for e in ms}
     import fnmatch
@@ -277,18 +301,18 @@ def _box_bytes(job: TensorJob, box: chunks.Box, recipe_key: str) -> int:
     return total
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def json_key(recipe: Optional[dict]) -> str:
+def json_key(recipe: dict | None) -> str:
     import json
 
     return json.dumps(recipe, sort_keys=True, default=dtype_to_str)  # fp8_dtype may be a torch.dtype
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spec_dims(fmt: str, recipe_json: str, ndim: int) -> tuple:
     """Per component of a rank-``ndim`` tensor: (itemsize, ((logical dim, divisor), ...)) -- only
     components that follow a matrix dim; sizes along any shape follow from these."""
@@ -311,7 +335,7 @@ def _component_extent(off: int, size: int, div: int, full: int) -> int:
 
 
 # --------------------------------------------------------------------------------------- running
-def _materialize(view: CheckpointView, job: TensorJob, timing: Optional[dict] = None) -> tuple[Any, Optional[float]]:
+def _materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None) -> tuple[Any, float | None]:
     """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
     values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
     the seconds spent reading the sources."""
@@ -353,10 +377,10 @@ def _materialize(view: CheckpointView, job: TensorJob, timing: Optional[dict] = 
 def run_reshard(
     view: CheckpointView,
     plan: ReshardPlan,
-    dst: Union[str, os.PathLike],
+    dst: str | os.PathLike,
     *,
     overwrite: bool = False,
-    progress: Union[bool, Callable[[int], None], None] = None,
+    progress: bool | Callable[[int], None] | None = None,
     distributed: bool = False,
 ) -> dict:
     """Execute ``plan`` into ``dst`` (a new directory; an existing one needs ``overwrite``).
@@ -448,8 +472,11 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
                 writer.finish(_planner_data(plan, state))
                 commit_dir(tmp, dst)
             group.gather_ok("committed" if group.rank == 0 else "ok")
-            results_state = group.broadcast((writer.bytes_per_rank, state.requantized, state.transform_s,
-                                             state.whole_read_s) if group.rank == 0 else None)
+            results_state = group.broadcast(
+                (writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s)
+                if group.rank == 0
+                else None
+            )
             writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s = results_state
     except BaseException as e:
         writer.abort()
@@ -468,13 +495,16 @@ def _run(view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group, t
         "requantized": state.requantized,
         "processes": 1 if group is None else group.size,
         "process_rank": 0 if group is None else group.rank,
-        "seconds": {"total": time.perf_counter() - t_start, "transform": state.transform_s,
-                    "whole_reads": state.whole_read_s},
+        "seconds": {
+            "total": time.perf_counter() - t_start,
+            "transform": state.transform_s,
+            "whole_reads": state.whole_read_s,
+        },
     }
 
 
 @contextlib.contextmanager
-def _progress(progress: Union[bool, Callable[[int], None], None], total: int, *, show: bool):
+def _progress(progress: bool | Callable[[int], None] | None, total: int, *, show: bool):
     """The progress callback of a run: ``progress`` itself, or for ``True`` a tqdm bar of ``total``
     bytes on stderr (bytes and bytes/s), shown when ``show``."""
     if progress is not True:
@@ -507,7 +537,7 @@ class _RunState:
     transform_s: float = 0.0  # transforming whole tensors (the kernels: requantize, dequantize, SQNR)
     whole_read_s: float = 0.0  # reading whole tensors for them
 
-    def merge(self, other: "_RunState") -> None:
+    def merge(self, other: _RunState) -> None:
         self.descriptors.update(other.descriptors)
         self.mappings.update(other.mappings)
         self.requantized.update(other.requantized)
@@ -534,10 +564,10 @@ class _Out:
 
     rank: int
     key: str
-    part: Optional[str]
+    part: str | None
     size: tuple
     box: chunks.Box
-    dtype: Optional[torch.dtype]
+    dtype: torch.dtype | None
     at: int = 0
     length: int = 0
 
@@ -600,15 +630,22 @@ def _job_costs(layout: list[list[_Out]], copies: list[bool]) -> dict[int, int]:
     for a job whose bytes are transformed (``copies[i]`` False: read whole, re-encoded, SQNR: the
     convert benchmark in docs/benchmarks.md spends about 4x the copy's time per byte there); bytes
     entries count 1."""
-    return {i: max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
-            for i, (outs, copy) in enumerate(zip(layout, copies))}
+    return {
+        i: max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
+        for i, (outs, copy) in enumerate(zip(layout, copies, strict=False))
+    }
 
 
 def _copy_source(view, job: TensorJob) -> bool:
     """Whether ``job``'s bytes are the source's unchanged (same format and recipe, or a plain tensor
     of the same dtype) and readable by byte range, so its chunks are copied, not computed."""
-    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem \
-            or not hasattr(view, "saved_chunks"):
+    if (
+        job.out == "bytes"
+        or len(job.sources) != 1
+        or job.member is not None
+        or job.problem
+        or not hasattr(view, "saved_chunks")
+    ):
         return False
     src = job.sources[0]
     if job.out == "quantized":
@@ -628,19 +665,34 @@ def _src_key(job: TensorJob, o: _Out) -> str:
     return src.keys[o.part] if o.part is not None else src.fqn
 
 
-def _copy_descriptor(job: TensorJob) -> Optional[dict]:
+def _copy_descriptor(job: TensorJob) -> dict | None:
     """The descriptor of a job copied by byte range (that of :func:`_write_job` for the same bytes)."""
     src = job.sources[0]
     if job.out == "tensor":
-        return high_precision_descriptor(src.descriptor, job.out_dtype, job.shape) if src.descriptor is not None else None
+        return (
+            high_precision_descriptor(src.descriptor, job.out_dtype, job.shape) if src.descriptor is not None else None
+        )
     desc = dict(src.descriptor, shape=list(job.shape))
-    probe = from_components(desc, {name: torch.empty(c["shape"], dtype=str_to_dtype(c["dtype"]), device="meta")
-                                   for name, c in desc["components"].items()})  # no data: for the descriptor
+    probe = from_components(
+        desc,
+        {
+            name: torch.empty(c["shape"], dtype=str_to_dtype(c["dtype"]), device="meta")
+            for name, c in desc["components"].items()
+        },
+    )  # no data: for the descriptor
     return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
 
 
-def _execute(view, plan: ReshardPlan, layout: list[list[_Out]], copies: list[bool], mine: set,
-             writer: CheckpointDirWriter, state: _RunState, progress: Optional[Callable[[int], None]]) -> None:
+def _execute(
+    view,
+    plan: ReshardPlan,
+    layout: list[list[_Out]],
+    copies: list[bool],
+    mine: set,
+    writer: CheckpointDirWriter,
+    state: _RunState,
+    progress: Callable[[int], None] | None,
+) -> None:
     """Write the records of jobs ``mine`` (indices into ``plan.jobs``) at their places in ``layout``;
     ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`)."""
     work = []
@@ -691,12 +743,12 @@ class _WriterThread:
         import threading
 
         self.writer = writer
-        self._free: "queue.Queue" = queue.Queue()
+        self._free: queue.Queue = queue.Queue()
         for _ in range(buffers):
             self._free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
-        self._jobs: "queue.Queue" = queue.Queue(maxsize=2)
-        self._pending: Optional[torch.Tensor] = None  # the buffer handed out last
-        self._error: Optional[BaseException] = None
+        self._jobs: queue.Queue = queue.Queue(maxsize=2)
+        self._pending: torch.Tensor | None = None  # the buffer handed out last
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ckptq-writer", daemon=True)
         self._thread.start()
 
@@ -731,20 +783,29 @@ class _WriterThread:
         self._pending = buf
         return buf[:nbytes]
 
-    def _submit(self, fn: Callable[[], None], buffer: Optional[torch.Tensor] = None) -> None:
+    def _submit(self, fn: Callable[[], None], buffer: torch.Tensor | None = None) -> None:
         self._check()
         fn.buffer = buffer  # type: ignore[attr-defined]
         self._jobs.put(fn)
 
-    def add_chunk(self, o: _Out, tensor: torch.Tensor, *, reused: bool = False, encode: bool = False,
-                  known: Optional[tuple[int, int]] = None) -> None:
+    def add_chunk(
+        self,
+        o: _Out,
+        tensor: torch.Tensor,
+        *,
+        reused: bool = False,
+        encode: bool = False,
+        known: tuple[int, int] | None = None,
+    ) -> None:
         """Queue ``tensor`` for writing as record ``o``; ``reused``: it lies in the last
         :meth:`buffer`, which goes back to the pool once written; ``encode``: hash it on this thread
         first (balancing the reading and writing threads), else on the writer thread; ``known``:
         its checksums (:func:`~ckptq.io.writer.encode_chunk`)."""
         if tuple(tensor.shape) != tuple(o.box[1]) or tensor.dtype != o.dtype:  # the layout predicted it
-            raise CkptqError(f"internal error: '{o.key}' chunk {tuple(o.box[0])} is {tensor.dtype} "
-                             f"{tuple(tensor.shape)}, laid out as {o.dtype} {tuple(o.box[1])}; please report it")
+            raise CkptqError(
+                f"internal error: '{o.key}' chunk {tuple(o.box[0])} is {tensor.dtype} "
+                f"{tuple(tensor.shape)}, laid out as {o.dtype} {tuple(o.box[1])}; please report it"
+            )
         buf = self._pending if reused else None
         chunk = encode_chunk(tensor, known=known) if encode else None
 
@@ -757,6 +818,7 @@ class _WriterThread:
             finally:
                 if buf is not None:
                     self._free.put(buf)
+
         self._submit(run, buf)
 
     def add_bytes(self, o: _Out, record: bytes, transforms: Any) -> None:
@@ -765,10 +827,13 @@ class _WriterThread:
 
     def add_copy(self, o: _Out, src_fd: int, src_offset: int, checksum: int, crc32: int) -> None:
         """Queue :meth:`CheckpointDirWriter.add_copy` of record ``o`` (a chunk copied file to file)."""
-        self._submit(lambda: self.writer.add_copy(o.rank, o.key, o.size, o.box[0], o.dtype, o.box[1], src_fd,
-                                                  src_offset, checksum, crc32, at=o.at))
+        self._submit(
+            lambda: self.writer.add_copy(
+                o.rank, o.key, o.size, o.box[0], o.dtype, o.box[1], src_fd, src_offset, checksum, crc32, at=o.at
+            )
+        )
 
-    def __enter__(self) -> "_WriterThread":
+    def __enter__(self) -> _WriterThread:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -778,8 +843,9 @@ class _WriterThread:
             self._check()
 
 
-def _write_job(view, job: TensorJob, outs: list[_Out], writer, state: _RunState,
-               progress: Optional[Callable[[int], None]]) -> None:
+def _write_job(
+    view, job: TensorJob, outs: list[_Out], writer, state: _RunState, progress: Callable[[int], None] | None
+) -> None:
     """Read, transform and cut one job whose bytes change into its records ``outs`` (its part of
     the layout, in the order produced here)."""
     descriptors, mappings, requantized = state.descriptors, state.mappings, state.requantized
@@ -825,12 +891,15 @@ def _write_job(view, job: TensorJob, outs: list[_Out], writer, state: _RunState,
         raise CkptqError(f"internal error: '{job.fqn}' wrote fewer records than laid out; please report it")
 
 
-def _write_laid(writer, o: Optional[_Out], key: str, offsets, tensor: torch.Tensor,
-                progress: Optional[Callable[[int], None]]) -> None:
+def _write_laid(
+    writer, o: _Out | None, key: str, offsets, tensor: torch.Tensor, progress: Callable[[int], None] | None
+) -> None:
     """Write chunk ``tensor`` (entry ``key`` at ``offsets``) as the next laid-out record ``o``."""
     if o is None or o.key != key or tuple(o.box[0]) != tuple(offsets):
-        raise CkptqError(f"internal error: '{key}' chunk {tuple(offsets)} was not laid out "
-                         f"(expected {o.key if o else None}); please report it")
+        raise CkptqError(
+            f"internal error: '{key}' chunk {tuple(offsets)} was not laid out "
+            f"(expected {o.key if o else None}); please report it"
+        )
     writer.add_chunk(o, tensor)
     if progress:
         progress(tensor.nbytes)
@@ -838,20 +907,20 @@ def _write_laid(writer, o: Optional[_Out], key: str, offsets, tensor: torch.Tens
 
 # --------------------------------------------------------------------------------------- one call per command
 def reshard_checkpoint(
-    src: Union[str, os.PathLike],
-    dst: Union[str, os.PathLike],
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
     *,
-    mesh: Union[str, MeshSpec] = "1",
-    plan: Union[str, LayoutPlan] = "fsdp2",
-    rules: Union[list[str], tuple[str, ...]] = (),
-    mode: Optional[str] = None,
-    dtype: Union[str, torch.dtype] = "bfloat16",
-    grouped: Optional[str] = None,
+    mesh: str | MeshSpec = "1",
+    plan: str | LayoutPlan = "fsdp2",
+    rules: list[str] | tuple[str, ...] = (),
+    mode: str | None = None,
+    dtype: str | torch.dtype = "bfloat16",
+    grouped: str | None = None,
     grouped_glob: str = "*weight",
     misaligned: str = "error",
     overwrite: bool = False,
     dry_run: bool = False,
-    progress: Union[bool, Callable[[int], None], None] = None,
+    progress: bool | Callable[[int], None] | None = None,
     distributed: bool = False,
 ) -> dict:
     """Lay checkpoint ``src`` out for a target mesh in ``dst`` (``ckptq reshard``): plan, then write.
@@ -890,22 +959,22 @@ def reshard_checkpoint(
 
 
 def convert_checkpoint(
-    src: Union[str, os.PathLike],
-    dst: Union[str, os.PathLike],
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
     *,
     to: str,
-    block: Union[str, tuple[int, int], None] = None,
-    two_d: Optional[bool] = None,
-    columnwise: Optional[bool] = None,
-    fp8_dtype: Union[str, torch.dtype, None] = None,
-    pow2: Optional[bool] = None,
-    mesh: Union[str, MeshSpec] = "1",
-    plan: Union[str, LayoutPlan] = "fsdp2",
-    rules: Union[list[str], tuple[str, ...]] = (),
+    block: str | tuple[int, int] | None = None,
+    two_d: bool | None = None,
+    columnwise: bool | None = None,
+    fp8_dtype: str | torch.dtype | None = None,
+    pow2: bool | None = None,
+    mesh: str | MeshSpec = "1",
+    plan: str | LayoutPlan = "fsdp2",
+    rules: list[str] | tuple[str, ...] = (),
     misaligned: str = "error",
     overwrite: bool = False,
     dry_run: bool = False,
-    progress: Union[bool, Callable[[int], None], None] = None,
+    progress: bool | Callable[[int], None] | None = None,
     distributed: bool = False,
 ) -> dict:
     """Requantize every quantized tensor of ``src`` to format ``to`` into ``dst`` (``ckptq convert``),
@@ -951,4 +1020,3 @@ def _plan_and_run(src, dst, mesh, plan, rules, misaligned, options, overwrite, d
         return {"plan": summary}
     report = run_reshard(view, rplan, dst, overwrite=overwrite, progress=progress, distributed=distributed)
     return {**report, "plan": summary}
-

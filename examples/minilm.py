@@ -54,14 +54,14 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bert  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 import ckptq  # noqa: E402
 from ckptq.cli import console_command  # noqa: E402
 from ckptq.formats.base import slice_box  # noqa: E402
 from ckptq.io import AtomicFileSystemWriter, SafeFileSystemReader, dcp_failure, read_metadata  # noqa: E402
-from ckptq.verify import check_integrity  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
+from ckptq.verify import check_integrity  # noqa: E402
 
 #: format name -> quantization recipe (the DESIGN.md defaults, spelled out).
 FORMATS: dict[str, dict] = {
@@ -88,9 +88,7 @@ def stored_bytes(path: Path, names: list[str]) -> int:
     prefixes = tuple(f"{n}." for n in names)
     wanted = set(names)
     return sum(
-        info.length
-        for idx, info in md.storage_data.items()
-        if idx.fqn in wanted or idx.fqn.startswith(prefixes)
+        info.length for idx, info in md.storage_data.items() if idx.fqn in wanted or idx.fqn.startswith(prefixes)
     )
 
 
@@ -118,8 +116,10 @@ def run_inspect(path: Path, *extra: str) -> subprocess.CompletedProcess:
 
 def fresh_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Empty tensors of the same kind: QuantizedTensors of the same format/recipe, plain tensors."""
-    return {k: (v.new_empty(v.shape) if isinstance(v, ckptq.QuantizedTensor) else torch.empty_like(v))
-            for k, v in state.items()}
+    return {
+        k: (v.new_empty(v.shape) if isinstance(v, ckptq.QuantizedTensor) else torch.empty_like(v))
+        for k, v in state.items()
+    }
 
 
 _E2M1_LUT = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -142,9 +142,9 @@ def consumer_weights(folder: Path, layout: str, names: list[str]) -> tuple[dict[
             out = CompressedTensorsDequantizer(str(folder), dtype=torch.float32).validate(t)
             return {n: out[n].float() for n in names}, "compressed-tensors"
         if layout == "deepseek-fp8":
-            from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
-
             import re
+
+            from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 
             targets = [f"re:^{re.escape(n[: -len('.weight')])}$" for n in names]
             out = FP8BlockDequantizer(targets=targets, dtype=torch.float32).process(t)
@@ -158,7 +158,11 @@ def consumer_weights(folder: Path, layout: str, names: list[str]) -> tuple[dict[
         if w.dtype == torch.uint8:  # NVFP4: lut[q] * (weight_scale * weight_scale_2 | / weight_global_scale)
             q = torch.stack([_E2M1_LUT[(w & 0xF).long()], _E2M1_LUT[(w >> 4).long()]], -1).reshape(w.shape[0], -1)
             g = t.get(f"{m}.weight_scale_2")
-            s = t[f"{m}.weight_scale"].float() * g if g is not None else t[f"{m}.weight_scale"].float() / t[f"{m}.weight_global_scale"]
+            s = (
+                t[f"{m}.weight_scale"].float() * g
+                if g is not None
+                else t[f"{m}.weight_scale"].float() / t[f"{m}.weight_global_scale"]
+            )
             out[n] = q * s.repeat_interleave(16, -1)
         elif f"{m}.weight_scale_inv" in t:
             s = t[f"{m}.weight_scale_inv"]
@@ -189,9 +193,13 @@ def run_exports(fmt: str, native: Path, deq: dict, emb: torch.Tensor, ctx: dict)
         same_w = all(torch.equal(w[n], deq[n]) for n in ctx["names"])
         # bit-identical weights give bit-identical embeddings (same encoder, same inputs): encode only if not
         emb2 = emb if same_w else ctx["encoder"].encode(bert.SENTENCES, weights=w)
-        res[layout] = {"consumer": how, "weights_equal": same_w, "emb_equal": bool(torch.equal(emb2, emb)),
-                       "emb_max_abs_diff": float((emb2 - emb).abs().max()),
-                       "numerics_max_ulps": max(rep["numerics"].values(), default=0)}
+        res[layout] = {
+            "consumer": how,
+            "weights_equal": same_w,
+            "emb_equal": bool(torch.equal(emb2, emb)),
+            "emb_max_abs_diff": float((emb2 - emb).abs().max()),
+            "numerics_max_ulps": max(rep["numerics"].values(), default=0),
+        }
     return res
 
 
@@ -256,14 +264,17 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     # 3b. integrity: every record carries a checksum; one flipped bit in a copy is caught on load
     integrity = check_integrity(native)["summary"]
     caught = corruption_caught(native, work / f"{fmt}-corrupt", f"{names[0]}.data", fresh_like(state))
-    row["integrity"] = f"{integrity['verified']}/{integrity['records']}" + (", flip caught" if caught else ", FLIP MISSED")
+    row["integrity"] = f"{integrity['verified']}/{integrity['records']}" + (
+        ", flip caught" if caught else ", FLIP MISSED"
+    )
     if not integrity["ok"] or integrity["verified"] != integrity["records"] or not caught:
         problems.append(f"integrity: {integrity}, flipped bit caught: {caught}")
 
     # 4. high-precision save; plain DCP (default planner) must load it into bf16 tensors
     hp = work / f"{fmt}-hp"
-    dcp.save(state, checkpoint_id=str(hp),
-             planner=ckptq.QuantizedSavePlanner(mode="high_precision", dtype=torch.bfloat16))
+    dcp.save(
+        state, checkpoint_id=str(hp), planner=ckptq.QuantizedSavePlanner(mode="high_precision", dtype=torch.bfloat16)
+    )
     plain_target = {n: torch.empty(q[n].shape, dtype=torch.bfloat16) for n in names}
     dcp.load(plain_target, storage_reader=SafeFileSystemReader(hp))  # plain DCP planner
     hp_ok = sum(bit_exact(plain_target[n], q[n].dequantize(torch.bfloat16)) for n in names)
@@ -280,8 +291,9 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
     row["native_over_bf16_weights"] = row["native_weight_bytes"] / row["bf16_weight_bytes"]
     row["weight_bits_per_element"] = 8 * row["native_weight_bytes"] / ctx["numel"]
     deq = {n: loaded[n].dequantize(torch.float32) for n in names}
-    row["sqnr_db"] = sqnr_db(torch.cat([orig[n].flatten() for n in names]),
-                             torch.cat([deq[n].flatten() for n in names]))
+    row["sqnr_db"] = sqnr_db(
+        torch.cat([orig[n].flatten() for n in names]), torch.cat([deq[n].flatten() for n in names])
+    )
     emb = enc.encode(bert.SENTENCES, weights=deq)
     cos = (emb * ctx["ref_emb"]).sum(dim=1)
     row["cos_mean"], row["cos_min"] = cos.mean().item(), cos.min().item()
@@ -301,10 +313,12 @@ def run_format(fmt: str, recipe: dict, ctx: dict) -> dict:
         problems.append(f"HF export: {type(e).__name__}: {e}")
     row["problems"] = problems
     row["seconds"] = time.perf_counter() - t0
-    log(f"{fmt}: quantize {t_quant:.1f}s, HF export + consumer reload {row.get('hf_export_seconds', 0):.1f}s, "
+    log(
+        f"{fmt}: quantize {t_quant:.1f}s, HF export + consumer reload {row.get('hf_export_seconds', 0):.1f}s, "
         f"total {row['seconds']:.1f}s; reload {row['bit_exact']} bit-exact "
         f"(+{row['plain_exact']} plain), high-precision == dequantize(bf16): {row['hp_equals_dequant_bf16']}"
-        + (f"; PROBLEMS: {problems}" if problems else ""))
+        + (f"; PROBLEMS: {problems}" if problems else "")
+    )
     return row
 
 
@@ -349,7 +363,7 @@ def _local_box(shape, mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 def _narrow(t: torch.Tensor, box) -> torch.Tensor:
-    for d, (off, size) in enumerate(zip(*box)):
+    for d, (off, size) in enumerate(zip(*box, strict=False)):
         t = t.narrow(d, off, size)
     return t
 
@@ -386,8 +400,11 @@ def _save_worker(rank: int, world_size: int, work: str, formats: list[str], name
                     kw["amax"] = amax
                 local = ckptq.quantize(local, fmt, **SHARDED_RECIPES[fmt], **kw)
             state[k] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride())
-        dcp.save(state, checkpoint_id=str(_sharded_path(Path(work), fmt, f"{world_size}ranks")),
-                 planner=ckptq.QuantizedSavePlanner())
+        dcp.save(
+            state,
+            checkpoint_id=str(_sharded_path(Path(work), fmt, f"{world_size}ranks")),
+            planner=ckptq.QuantizedSavePlanner(),
+        )
         seconds[fmt] = time.perf_counter() - t0
     return seconds
 
@@ -431,14 +448,20 @@ def _load_worker(rank: int, world_size: int, work: str, formats: list[str], name
             local = torch.empty_like(want[k])
             _poison(local)
             state[k] = DTensor.from_local(local, mesh, placements, run_check=False, shape=v.shape, stride=v.stride())
-        dcp.load(state, storage_reader=SafeFileSystemReader(_sharded_path(Path(work), fmt, "resharded")),
-                 planner=ckptq.QuantizedLoadPlanner())
+        dcp.load(
+            state,
+            storage_reader=SafeFileSystemReader(_sharded_path(Path(work), fmt, "resharded")),
+            planner=ckptq.QuantizedLoadPlanner(),
+        )
         differ = []
         for k, t in state.items():
             got = t.to_local() if isinstance(t, DTensor) else t
             if k in names:
-                ok = type(got) is type(want[k]) and got.recipe == want[k].recipe and all(
-                    bit_exact(got.components()[c], w) for c, w in want[k].components().items())
+                ok = (
+                    type(got) is type(want[k])
+                    and got.recipe == want[k].recipe
+                    and all(bit_exact(got.components()[c], w) for c, w in want[k].components().items())
+                )
             else:
                 ok = bit_exact(got, want[k])
             if not ok:
@@ -479,8 +502,10 @@ def spawn_ranks(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ckptq-store-") as d:
         store = os.path.join(d, "store")
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, store, fn, args, queue), daemon=True)
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world_size, store, fn, args, queue), daemon=True)
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         results, error = {}, None
@@ -532,20 +557,29 @@ def load_resharded(formats: list[str], work: Path, names: list[str], plain: list
     spec, _ = _target_layout()
     t0 = time.perf_counter()
     loaded = spawn_ranks(spec.world_size, _load_worker, str(work), formats, names)
-    log(f"sharded: {spec.world_size} ranks loaded them into DTensors of that layout "
-        f"({time.perf_counter() - t0:.1f} s, process start included)")
+    log(
+        f"sharded: {spec.world_size} ranks loaded them into DTensors of that layout "
+        f"({time.perf_counter() - t0:.1f} s, process start included)"
+    )
     out = {}
     for fmt in formats:
         differ = sorted({k for per_rank in loaded for k in per_rank[fmt]["differ"]})  # wrong on any rank
         exact, plain_exact = sum(n not in differ for n in names), sum(k not in differ for k in plain)
         out[fmt] = {
             "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in SHARDED_RECIPES[fmt].items()},
-            "exact_count": exact, "quantized_tensors": len(names), "bit_exact": f"{exact}/{len(names)}",
-            "plain_exact_count": plain_exact, "plain_tensors": len(plain), "plain_exact": f"{plain_exact}/{len(plain)}",
-            "differ": differ, "load_seconds_per_rank": [per_rank[fmt]["seconds"] for per_rank in loaded],
+            "exact_count": exact,
+            "quantized_tensors": len(names),
+            "bit_exact": f"{exact}/{len(names)}",
+            "plain_exact_count": plain_exact,
+            "plain_tensors": len(plain),
+            "plain_exact": f"{plain_exact}/{len(plain)}",
+            "differ": differ,
+            "load_seconds_per_rank": [per_rank[fmt]["seconds"] for per_rank in loaded],
         }
-        log(f"sharded {fmt}{_recipe_note(fmt)}: {out[fmt]['bit_exact']} quantized weights bit-exact, "
-            f"{out[fmt]['plain_exact']} plain tensors unchanged" + (f"; DIFFER: {differ[:4]}" if differ else ""))
+        log(
+            f"sharded {fmt}{_recipe_note(fmt)}: {out[fmt]['bit_exact']} quantized weights bit-exact, "
+            f"{out[fmt]['plain_exact']} plain tensors unchanged" + (f"; DIFFER: {differ[:4]}" if differ else "")
+        )
     return out
 
 
@@ -554,8 +588,10 @@ def sharded_problems(r: dict) -> list[str]:
     if "error" in r:
         return [f"sharded round trip: {r['error']}"]
     if r["exact_count"] != r["quantized_tensors"] or r["plain_exact_count"] != r["plain_tensors"]:
-        return [f"sharded round trip: {r['bit_exact']} weights bit-exact, {r['plain_exact']} plain tensors "
-                f"unchanged; differ: {r['differ'][:4]}"]
+        return [
+            f"sharded round trip: {r['bit_exact']} weights bit-exact, {r['plain_exact']} plain tensors "
+            f"unchanged; differ: {r['differ'][:4]}"
+        ]
     return []
 
 
@@ -568,21 +604,28 @@ def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
     t0 = time.perf_counter()
     saved = spawn_ranks(SOURCE_RANKS, _save_worker, str(work), formats, names)
     t_save = time.perf_counter() - t0
-    log(f"\nsharded: {SOURCE_RANKS} ranks saved the model as FSDP2 Shard(0) DTensors, every Linear weight's "
-        f"shard quantized on its rank ({t_save:.1f} s for {len(formats)} format(s), process start included)")
+    log(
+        f"\nsharded: {SOURCE_RANKS} ranks saved the model as FSDP2 Shard(0) DTensors, every Linear weight's "
+        f"shard quantized on its rank ({t_save:.1f} s for {len(formats)} format(s), process start included)"
+    )
 
     t0 = time.perf_counter()
     reports = {}
     for fmt in formats:
         t1 = time.perf_counter()
         report = reshard(_sharded_path(work, fmt, f"{SOURCE_RANKS}ranks"), _sharded_path(work, fmt, "resharded"))
-        reports[fmt] = {"reshard_seconds": time.perf_counter() - t1, "target_ranks": report["world_size"],
-                        "bytes_per_target_rank": report["bytes_per_rank"]}
+        reports[fmt] = {
+            "reshard_seconds": time.perf_counter() - t1,
+            "target_ranks": report["world_size"],
+            "bytes_per_target_rank": report["bytes_per_rank"],
+        }
     t_reshard = time.perf_counter() - t0
     from ckptq.layout import format_placements
 
-    log(f"sharded: resharded offline to mesh {spec} ({spec.world_size} ranks, one file each), plan "
-        f"{TARGET_PLAN} with rules {' '.join(TP_RULES)} ({t_reshard:.1f} s); layer 0 weights there:")
+    log(
+        f"sharded: resharded offline to mesh {spec} ({spec.world_size} ranks, one file each), plan "
+        f"{TARGET_PLAN} with rules {' '.join(TP_RULES)} ({t_reshard:.1f} s); layer 0 weights there:"
+    )
     for n in names:
         if n.startswith("encoder.layer.0."):
             log(f"  {n:48s} {str(tuple(orig[n].shape)):12s} {format_placements(layout.placements(n, 2))}")
@@ -591,8 +634,9 @@ def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
     out = load_resharded(formats, work, names, [k for k in orig if k not in names])
     timings = {"save_s": t_save, "reshard_s": t_reshard, "load_s": time.perf_counter() - t0}
     for fmt, r in out.items():
-        r.update(reports[fmt], source_ranks=SOURCE_RANKS, save_seconds_per_rank=[x[fmt] for x in saved],
-                 timings=timings)
+        r.update(
+            reports[fmt], source_ranks=SOURCE_RANKS, save_seconds_per_rank=[x[fmt] for x in saved], timings=timings
+        )
     return out
 
 
@@ -629,8 +673,10 @@ def main(argv=None) -> int:
     numel = sum(orig[n].numel() for n in names)
     ref_emb = enc.encode(bert.SENTENCES)
     stats = bert.sanity_check(ref_emb)
-    log(f"all-MiniLM-L6-v2: {len(orig)} tensors, {len(names)} Linear weights ({numel:,} elements) to quantize; "
-        f"fp32 sanity: paraphrase cos {stats['paraphrase_mean']:.3f} vs unrelated {stats['unrelated_mean']:.3f}")
+    log(
+        f"all-MiniLM-L6-v2: {len(orig)} tensors, {len(names)} Linear weights ({numel:,} elements) to quantize; "
+        f"fp32 sanity: paraphrase cos {stats['paraphrase_mean']:.3f} vs unrelated {stats['unrelated_mean']:.3f}"
+    )
 
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=False)
@@ -642,8 +688,14 @@ def main(argv=None) -> int:
         bf16 = work / "bf16-reference"
         dcp.save({k: (v.to(torch.bfloat16) if k in names else v) for k, v in orig.items()}, checkpoint_id=str(bf16))
         ctx = {
-            "orig": orig, "names": names, "encoder": enc, "work": work, "numel": numel, "ref_emb": ref_emb,
-            "bf16_bytes": dir_bytes(bf16), "bf16_weight_bytes": stored_bytes(bf16, names),
+            "orig": orig,
+            "names": names,
+            "encoder": enc,
+            "work": work,
+            "numel": numel,
+            "ref_emb": ref_emb,
+            "bf16_bytes": dir_bytes(bf16),
+            "bf16_weight_bytes": stored_bytes(bf16, names),
         }
         rows = []
         for fmt in formats:
@@ -670,10 +722,22 @@ def main(argv=None) -> int:
             cleanup.cleanup()
     elapsed = time.perf_counter() - t0
 
-    headers = ["format", "native B", "high-prec B", "bf16 B", "native/bf16", "weights native/bf16",
-               "weight SQNR dB", "bit-exact reload", "checksums verified", "emb cos mean", "emb cos min",
-               f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact", "plain unchanged",
-               "HF export reload (emb vs ckptq)"]
+    headers = [
+        "format",
+        "native B",
+        "high-prec B",
+        "bf16 B",
+        "native/bf16",
+        "weights native/bf16",
+        "weight SQNR dB",
+        "bit-exact reload",
+        "checksums verified",
+        "emb cos mean",
+        "emb cos min",
+        f"{SOURCE_RANKS}->{_target_layout()[0].world_size} ranks bit-exact",
+        "plain unchanged",
+        "HF export reload (emb vs ckptq)",
+    ]
     table = []
     for r in rows:
         s = r.get("sharded", {})
@@ -684,41 +748,73 @@ def main(argv=None) -> int:
         if "native_bytes" not in r:
             table.append([r["format"]] + ["-"] * 6 + [r.get("bit_exact", "error")] + ["-"] * 3 + sharded_cols + ["-"])
             continue
-        table.append([
-            r["format"], f"{r['native_bytes']:,}", f"{r['hp_bytes']:,}", f"{r['bf16_bytes']:,}",
-            f"{r['native_over_bf16']:.3f}", f"{r['native_over_bf16_weights']:.3f}", f"{r['sqnr_db']:.2f}",
-            r["bit_exact"], r["integrity"], f"{r['cos_mean']:.5f}", f"{r['cos_min']:.5f}", *sharded_cols,
-            _hf_cell(r.get("hf_export")),
-        ])
+        table.append(
+            [
+                r["format"],
+                f"{r['native_bytes']:,}",
+                f"{r['hp_bytes']:,}",
+                f"{r['bf16_bytes']:,}",
+                f"{r['native_over_bf16']:.3f}",
+                f"{r['native_over_bf16_weights']:.3f}",
+                f"{r['sqnr_db']:.2f}",
+                r["bit_exact"],
+                r["integrity"],
+                f"{r['cos_mean']:.5f}",
+                f"{r['cos_min']:.5f}",
+                *sharded_cols,
+                _hf_cell(r.get("hf_export")),
+            ]
+        )
     log("\nckptq on all-MiniLM-L6-v2: 36 Linear weights quantized, native vs high-precision (bf16) DCP checkpoints")
     log("(B = bytes on disk of the whole checkpoint directory, whose other parameters are fp32 in all three;")
     log(" 'weights native/bf16' counts the stored bytes of the 36 quantized weights only; 'checksums verified':")
     log(" records of the native checkpoint whose crc32c matched (`ckptq verify PATH`), and whether one flipped bit")
     log(" in a copy was caught on load (ChecksumMismatchError); emb cos: per sentence,")
     log(" embedding with the reloaded dequantized weights vs with the fp32 weights, over 16 sentences;")
-    log(f" '{headers[-3]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
-        f"({TARGET_PLAN}),")
+    log(
+        f" '{headers[-3]}': saved by {SOURCE_RANKS} FSDP2 ranks, resharded offline to mesh {TARGET_MESH} "
+        f"({TARGET_PLAN}),"
+    )
     log(" loaded by its ranks: weights whose every loaded component equals the same box of the weight quantized")
-    log(" whole; 'plain unchanged': the other tensors (embeddings, LayerNorms, biases) equal to the originals"
-        + ("; fp8_block is sharded with 1x128 blocks: 128x128 blocks cannot be cut at row 192)"
-           if "fp8_block" in formats else ")"))
+    log(
+        " whole; 'plain unchanged': the other tensors (embeddings, LayerNorms, biases) equal to the originals"
+        + (
+            "; fp8_block is sharded with 1x128 blocks: 128x128 blocks cannot be cut at row 192)"
+            if "fp8_block" in formats
+            else ")"
+        )
+    )
     log(" 'HF export reload': `ckptq export` to each Hugging Face layout holding the format, decoded by the")
     log(" consumer (compressed-tensors' own dequantizers where installed, else the layout's reference formula);")
     log(" 'same' = sentence embeddings bit-identical to those from ckptq's dequantized weights)")
     log(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
-    log(f"\nelapsed {elapsed:.1f} s  (torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.python_implementation()} {platform.python_version()})")
+    log(
+        f"\nelapsed {elapsed:.1f} s  (torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.python_implementation()} {platform.python_version()})"
+    )
 
     failed = [r for r in rows if r.get("bit_exact_count") != r.get("quantized_tensors") or r.get("problems")]
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(json.dumps({
-            "model": "sentence-transformers/all-MiniLM-L6-v2",
-            "quantized_weights": len(names), "quantized_elements": numel,
-            "sentences": len(bert.SENTENCES), "elapsed_s": elapsed, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "ok": not failed,
-            "headers": headers, "table": table, "rows": rows,
-        }, indent=2) + "\n")
+        args.json_out.write_text(
+            json.dumps(
+                {
+                    "model": "sentence-transformers/all-MiniLM-L6-v2",
+                    "quantized_weights": len(names),
+                    "quantized_elements": numel,
+                    "sentences": len(bert.SENTENCES),
+                    "elapsed_s": elapsed,
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "ok": not failed,
+                    "headers": headers,
+                    "table": table,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         log(f"wrote {args.json_out}")
     for r in failed:
         log(f"FAILED {r['format']}: {'; '.join(r.get('problems') or ['reload not bit-exact'])}")

@@ -9,7 +9,8 @@ NVFP4, plus a bf16 norm per layer) is saved with ``dcp.save`` + ``QuantizedSaveP
 * ``ckptq.io.ChecksumFileSystemWriter`` (crc32c of every chunk, hashed on a second thread),
 
 alternating (ABBA order), ``--repeat`` times each, into fresh directories (each save fsyncs its files, as DCP
-does by default; the previous output is removed and ``--settle`` seconds pass before each save). The same is done for loads (``QuantizedLoadPlanner`` with
+does by default; the previous output is removed and ``--settle`` seconds pass before each save).
+The same is done for loads (``QuantizedLoadPlanner`` with
 ``SafeFileSystemReader``, ``verify_checksums`` on vs off) and for the hashing alone (``crc32c`` of
 the same bytes on one thread). Reported: median seconds, GB/s, and the overhead ratio against the
 baseline measured in the same process.
@@ -56,9 +57,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds to wait after removing the previous output: on this VM a write into pages "
-                         "freed moments ago costs up to 3x more (see the Resharding section of docs/benchmarks.md)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=5.0,
+        help="seconds to wait after removing the previous output: on this VM a write into pages "
+        "freed moments ago costs up to 3x more (see the Resharding section of docs/benchmarks.md)",
+    )
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
 
@@ -73,27 +78,34 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-bench-checksums-"))
     work.mkdir(parents=True, exist_ok=True)
     sd, nbytes = _state_dict(args.gb)
-    times: dict[str, list[float]] = {k: [] for k in ("save_plain", "save_checksums", "load_unverified",
-                                                     "load_verified", "hash_only")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("save_plain", "save_checksums", "load_unverified", "load_verified", "hash_only")
+    }
     for r in range(args.repeat):
-        for kind in (("save_plain", "save_checksums") if r % 2 == 0 else ("save_checksums", "save_plain")):
+        for kind in ("save_plain", "save_checksums") if r % 2 == 0 else ("save_checksums", "save_plain"):
             path = work / f"{kind}"
             shutil.rmtree(path, ignore_errors=True)
             os.sync()
             time.sleep(args.settle)  # let the host take back the freed pages before every save alike
-            writer = (ChecksumFileSystemWriter(path) if kind == "save_checksums"
-                      else dcp.FileSystemWriter(path))
+            writer = ChecksumFileSystemWriter(path) if kind == "save_checksums" else dcp.FileSystemWriter(path)
             t0 = time.perf_counter()
             dcp.save(sd, storage_writer=writer, planner=ckptq.QuantizedSavePlanner(), no_dist=True)
             times[kind].append(time.perf_counter() - t0)
         target = {k: torch.empty_like(v) for k, v in sd.items()}
         for kind, verify in (("load_unverified", False), ("load_verified", True)):
             t0 = time.perf_counter()
-            dcp.load(target, storage_reader=SafeFileSystemReader(work / "save_checksums"),
-                     planner=ckptq.QuantizedLoadPlanner(verify_checksums=verify), no_dist=True)
+            dcp.load(
+                target,
+                storage_reader=SafeFileSystemReader(work / "save_checksums"),
+                planner=ckptq.QuantizedLoadPlanner(verify_checksums=verify),
+                no_dist=True,
+            )
             times[kind].append(time.perf_counter() - t0)
-        views = [payload(c) for v in sd.values()
-                 for c in (v.components().values() if isinstance(v, ckptq.QuantizedTensor) else [v])]
+        views = [
+            payload(c)
+            for v in sd.values()
+            for c in (v.components().values() if isinstance(v, ckptq.QuantizedTensor) else [v])
+        ]
         t0 = time.perf_counter()
         for m in views:
             crc32c.crc32c(m)
@@ -101,7 +113,7 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
-                   f"Python {platform.python_version()}",
+        f"Python {platform.python_version()}",
         "date": time.strftime("%Y-%m-%d"),
         "bytes": nbytes,
         "repeat": args.repeat,

@@ -49,14 +49,20 @@ def make_checkpoint(path: Path, gb: float) -> int:
     while total < gb * 1e9:
         if i % 3 == 2:
             m, k = 4096, 4096
-            comps = {"data": torch.randint(0, 0x7E, (m, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
-                     "scale": torch.randint(110, 135, (m, k // 32), dtype=torch.uint8, generator=g)}
+            comps = {
+                "data": torch.randint(0, 0x7E, (m, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
+                "scale": torch.randint(110, 135, (m, k // 32), dtype=torch.uint8, generator=g),
+            }
             t = MXFP8Tensor(comps, (m, k), torch.bfloat16, MXFP8Recipe())
         else:
             m, k = 4096, 8192
-            comps = {"data": torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g),
-                     "scale": torch.randint(0x20, 0x70, (m, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
-                     "amax": torch.tensor(3.25)}
+            comps = {
+                "data": torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g),
+                "scale": torch.randint(0x20, 0x70, (m, k // 16), dtype=torch.uint8, generator=g).view(
+                    torch.float8_e4m3fn
+                ),
+                "amax": torch.tensor(3.25),
+            }
             t = NVFP4Tensor(comps, (m, k), torch.bfloat16, NVFP4Recipe())
         sd[f"model.layers.{i}.mlp.proj.weight"] = t
         total += sum(c.numel() * c.element_size() for c in comps.values())
@@ -89,7 +95,7 @@ def main() -> None:
     from ckptq.checkpoint import open_checkpoint
 
     read_times = []
-    for r in range(args.repeat):  # what reading the source alone costs (part of every export)
+    for _ in range(args.repeat):  # what reading the source alone costs (part of every export)
         t0 = time.perf_counter()
         view = open_checkpoint(src)
         for e in view.entries():
@@ -109,7 +115,7 @@ def main() -> None:
         tensors = {}
         for e in view.entries():
             x = view.read(e.fqn)
-            for name, c in (x.components().items() if hasattr(x, "components") else [("", x)]):
+            for name, c in x.components().items() if hasattr(x, "components") else [("", x)]:
                 tensors[f"{e.fqn}.{name}" if name else e.fqn] = c.contiguous().clone()
         save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
 
@@ -154,11 +160,13 @@ def main() -> None:
         "torch": torch.__version__,
     }
     print(json.dumps(report, indent=2))
-    print(f"| export ({args.layout}) | {out_bytes / 1e9:.3f} GB | {te:.2f} s | {report['export_GBps']} GB/s |\n"
-          f"| safetensors.torch.save_file (same bytes, in memory) | {out_bytes / 1e9:.3f} GB | {tb:.2f} s | "
-          f"{report['save_file_GBps']} GB/s |\n"
-          f"| read source (ckptq view, materialized) + save_file, one shard | {out_bytes / 1e9:.3f} GB | "
-          f"{report['read_then_save_file_s']:.2f} s | {report['read_then_save_file_GBps']} GB/s |")
+    print(
+        f"| export ({args.layout}) | {out_bytes / 1e9:.3f} GB | {te:.2f} s | {report['export_GBps']} GB/s |\n"
+        f"| safetensors.torch.save_file (same bytes, in memory) | {out_bytes / 1e9:.3f} GB | {tb:.2f} s | "
+        f"{report['save_file_GBps']} GB/s |\n"
+        f"| read source (ckptq view, materialized) + save_file, one shard | {out_bytes / 1e9:.3f} GB | "
+        f"{report['read_then_save_file_s']:.2f} s | {report['read_then_save_file_GBps']} GB/s |"
+    )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -119,9 +119,15 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     res["disk_write_GBps_per_rank"] = 4 * len(blob) / (time.perf_counter() - t0) / 1e9
     os.remove(Path(args.dir) / f"disk_probe_{rank}")
 
-    def dtensor(local, full_shape, placement=Shard(0)):
-        return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(full_shape),
-                                  stride=(full_shape[1], 1))
+    def dtensor(local, full_shape, placement=None):
+        return DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0) if placement is None else placement],
+            run_check=False,
+            shape=torch.Size(full_shape),
+            stride=(full_shape[1], 1),
+        )
 
     g = torch.Generator(device=dev).manual_seed(rank)
     bf16 = {}
@@ -158,10 +164,13 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     saves = {  # name: save function
         "a_default_bf16": lambda p: dcp.save(bf16, checkpoint_id=p),
         "b_ckptq_native": lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner()),
-        "c_quantize_on_save": lambda p: dcp.save(bf16, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner(quantize=RULES)),
+        "c_quantize_on_save": lambda p: dcp.save(
+            bf16, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner(quantize=RULES)
+        ),
     }
-    times = rounds(saves, lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
-                   lambda name, save: save(root / name))
+    times = rounds(
+        saves, lambda name, _: shutil.rmtree(root / name, ignore_errors=True), lambda name, save: save(root / name)
+    )
     for name in saves:
         all_s = [t for _, t in times[name]]
         t, nbytes = statistics.median(all_s), _dir_bytes(root / name, rank)
@@ -172,12 +181,17 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner),
         "c_quantize_then_async": (lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner),
     }
-    times = rounds(async_saves, lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
-                   lambda name, c: dcp.async_save(c[0](), checkpoint_id=root / f"async_{name}", planner=c[1]()),
-                   wait=True)
+    times = rounds(
+        async_saves,
+        lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
+        lambda name, c: dcp.async_save(c[0](), checkpoint_id=root / f"async_{name}", planner=c[1]()),
+        wait=True,
+    )
     for name in async_saves:
-        res[f"async_{name}"] = {"blocked_s": statistics.median(b for b, _ in times[name]),
-                                "total_s": statistics.median(t for _, t in times[name])}
+        res[f"async_{name}"] = {
+            "blocked_s": statistics.median(b for b, _ in times[name]),
+            "total_s": statistics.median(t for _, t in times[name]),
+        }
 
     # loads
     # the default planner on as many bf16 bytes as (b) stores: per-load fixed costs weigh the same
@@ -205,9 +219,13 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         "b_native_into_shard1": ("b_ckptq_native", shard1, native_planner, None),
     }
     dropped = []
-    times = rounds(loads, lambda *_: dropped.append(not args.keep_caches and _drop_caches()),
-                   lambda _, c: dcp.load(c[1], checkpoint_id=root / c[0], planner=c[2],
-                                         storage_reader=c[3](root / c[0]) if c[3] else None))
+    times = rounds(
+        loads,
+        lambda *_: dropped.append(not args.keep_caches and _drop_caches()),
+        lambda _, c: dcp.load(
+            c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0]) if c[3] else None
+        ),
+    )
     for name, (src, *_) in loads.items():
         all_s = [t for _, t in times[name]]
         t = statistics.median(all_s)
@@ -272,12 +290,20 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ckptq-bench-gpu")
     ap.add_argument("--port", type=int, default=29517)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                    help="cpu: 2 gloo processes on the CPU (to try the script itself, with small sizes)")
+    ap.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: 2 gloo processes on the CPU (to try the script itself, with small sizes)",
+    )
     ap.add_argument("--divide", type=int, default=1, help="divide the model's dims by this (e.g. 8 for a quick run)")
     ap.add_argument("--keep-caches", action="store_true", help="do not try to drop the page cache before loads")
-    ap.add_argument("--probe-gib", type=float, default=2.0,
-                    help="GiB copied by the copy probe; the disk probe writes twice as much per rank")
+    ap.add_argument(
+        "--probe-gib",
+        type=float,
+        default=2.0,
+        help="GiB copied by the copy probe; the disk probe writes twice as much per rank",
+    )
     args = ap.parse_args()
 
     import json
@@ -302,8 +328,15 @@ def main() -> None:
     (one,) = _collect(queue, [p], 1)
     results.sort(key=lambda r: r["rank"])
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
-    report = {"gpu": device, "torch": torch.__version__, "world_size": ws,
-              "layers": args.layers, "repeat": args.repeat, "ranks": results, **one}
+    report = {
+        "gpu": device,
+        "torch": torch.__version__,
+        "world_size": ws,
+        "layers": args.layers,
+        "repeat": args.repeat,
+        "ranks": results,
+        **one,
+    }
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

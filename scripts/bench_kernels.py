@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -51,16 +52,32 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ckptq  # noqa: E402
-from ckptq import ops  # noqa: E402
 from ckptq import numerics as N  # noqa: E402
+from ckptq import ops  # noqa: E402
 
 HP = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ["fp32", "bf16", "fp16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4"]
 TARGET_PAIRS = ["bf16->nvfp4", "bf16->mxfp8", "bf16->fp8_block", "mxfp8->nvfp4", "nvfp4->bf16"]
-EXTRA_PAIRS = ["bf16->nvfp4[amax]", "mxfp8->nvfp4[amax]", "bf16->fp8_tensor", "bf16->mxfp8[cw]",
-               "bf16->nvfp4[2d]", "fp8_block->nvfp4", "nvfp4->mxfp8", "mxfp8->bf16", "fp8_block->bf16"]
-BYTES_PER_ELEM = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8_tensor": 1, "fp8_block": 1, "mxfp8": 1 + 1 / 32,
-                  "nvfp4": 0.5 + 1 / 16}
+EXTRA_PAIRS = [
+    "bf16->nvfp4[amax]",
+    "mxfp8->nvfp4[amax]",
+    "bf16->fp8_tensor",
+    "bf16->mxfp8[cw]",
+    "bf16->nvfp4[2d]",
+    "fp8_block->nvfp4",
+    "nvfp4->mxfp8",
+    "mxfp8->bf16",
+    "fp8_block->bf16",
+]
+BYTES_PER_ELEM = {
+    "fp32": 4,
+    "bf16": 2,
+    "fp16": 2,
+    "fp8_tensor": 1,
+    "fp8_block": 1,
+    "mxfp8": 1 + 1 / 32,
+    "nvfp4": 0.5 + 1 / 16,
+}
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
 
 
@@ -214,8 +231,10 @@ def reference_fn(src, dst: str, rec: dict, amax):
         elif fmt == "mxfp8":
             args, dec = (comps["data"], comps["scale"]), N.dequantize_mxfp8
         else:
-            args, dec = (comps["data"], comps["scale"], comps["amax"]), (
-                lambda d, s, a: N.dequantize_nvfp4(d, s, a, two_d=r.two_d))
+            args, dec = (
+                (comps["data"], comps["scale"], comps["amax"]),
+                (lambda d, s, a: N.dequantize_nvfp4(d, s, a, two_d=r.two_d)),
+            )
     else:
         args, dec = (src,), lambda x: x
     if dst in HP:
@@ -258,7 +277,9 @@ def torchao_fn(src, dst: str, rec: dict, x_bf16, amax):
         if dst == "fp8_block" and not rec and src.device.type == "cuda":
             from torchao.prototype.blockwise_fp8_training.kernels import triton_fp8_blockwise_weight_quant_rhs
 
-            return (lambda x=src: triton_fp8_blockwise_weight_quant_rhs(x, 128)), "triton_fp8_blockwise_weight_quant_rhs"
+            return (
+                lambda x=src: triton_fp8_blockwise_weight_quant_rhs(x, 128)
+            ), "triton_fp8_blockwise_weight_quant_rhs"
     if isinstance(src, ckptq.QuantizedTensor) and src.FORMAT == "nvfp4" and dst == "bf16":
         from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
@@ -306,18 +327,29 @@ def bench_pair(name, device, args, deadline) -> dict:
     out = call()
     r_bytes, w_bytes = nbytes(src), nbytes(out)
     per_tensor = dst in ("nvfp4", "fp8_tensor") and not with_amax
-    row = {"pair": name, "shape": list(x.shape), "read_bytes": r_bytes, "write_bytes": w_bytes,
-           "backend": ops.backend_name(device), "amax_pass": per_tensor}
+    row = {
+        "pair": name,
+        "shape": list(x.shape),
+        "read_bytes": r_bytes,
+        "write_bytes": w_bytes,
+        "backend": ops.backend_name(device),
+        "amax_pass": per_tensor,
+    }
     del out
     iters = args.iters
     t, row["ckptq_timing"] = best_time(call, device, args.reps, iters)
     half = (r_bytes + w_bytes) // 2
     a = torch.empty(half, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    t_copy, row["copy_timing"] = best_time(lambda: b.copy_(a), device, args.reps, iters)
+    t_copy, row["copy_timing"] = best_time(functools.partial(b.copy_, a), device, args.reps, iters)
     del a, b
-    row.update(t_ckptq_s=t, t_copy_s=t_copy, gbps=(r_bytes + w_bytes) / t / 1e9,
-               copy_gbps=(r_bytes + w_bytes) / t_copy / 1e9, ratio=t_copy / t)
+    row.update(
+        t_ckptq_s=t,
+        t_copy_s=t_copy,
+        gbps=(r_bytes + w_bytes) / t / 1e9,
+        copy_gbps=(r_bytes + w_bytes) / t_copy / 1e9,
+        ratio=t_copy / t,
+    )
     row["traffic_ratio"] = (r_bytes * (2 if per_tensor else 1) + w_bytes) / t / row["copy_gbps"] / 1e9
     peers = {}
     if not args.no_eager and time.time() < deadline:
@@ -363,15 +395,25 @@ def run(args) -> dict:
         args.size_mib = 256 if device.type == "cuda" else 16
     pairs = list(TARGET_PAIRS)
     if args.pairs == "all":
-        pairs += EXTRA_PAIRS + [f"{a}->{b}" for a in FORMATS for b in FORMATS
-                                if a != b and f"{a}->{b}" not in TARGET_PAIRS + EXTRA_PAIRS
-                                and not (a in HP and b in HP)]
+        pairs += EXTRA_PAIRS + [
+            f"{a}->{b}"
+            for a in FORMATS
+            for b in FORMATS
+            if a != b and f"{a}->{b}" not in TARGET_PAIRS + EXTRA_PAIRS and not (a in HP and b in HP)
+        ]
     elif args.pairs not in ("targets", None):
         pairs = args.pairs.split(",")
-    res = {"device": device.type, "machine": machine_name(device), "torch": torch.__version__,
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-           "backend": ops.backend_report(), "size_mib": args.size_mib, "reps": args.reps, "iters": args.iters,
-           "rows": []}
+    res = {
+        "device": device.type,
+        "machine": machine_name(device),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "backend": ops.backend_report(),
+        "size_mib": args.size_mib,
+        "reps": args.reps,
+        "iters": args.iters,
+        "rows": [],
+    }
     try:
         import torchao
 
@@ -420,8 +462,10 @@ def summary_line(row) -> str:
     if "error" in row:
         return f"{row['pair']:<24} ERROR {row['error']}"
     peers = " ".join(f"{k}={fmt_peer(row, k)}" for k in row.get("peers_s", {}))
-    return (f"{row['pair']:<24} {row['gbps']:8.1f} GB/s  copy {row['copy_gbps']:8.1f} GB/s  ratio {row['ratio']:.2f}"
-            f" (traffic {row['traffic_ratio']:.2f})  {peers}")
+    return (
+        f"{row['pair']:<24} {row['gbps']:8.1f} GB/s  copy {row['copy_gbps']:8.1f} GB/s  ratio {row['ratio']:.2f}"
+        f" (traffic {row['traffic_ratio']:.2f})  {peers}"
+    )
 
 
 def peer_gbps(row, key) -> str:
@@ -450,11 +494,16 @@ def markdown_table_cpu(res: dict) -> str:
     lines = [
         f"### CPU: {res['machine']}",
         "",
-        f"torch {res['torch']}, torchao {res.get('torchao')}, measured {res['date']}; sources of >= {res['size_mib']:g} MiB "
+        f"torch {res['torch']}, torchao {res.get('torchao')}, measured {res['date']}; "
+        f"sources of >= {res['size_mib']:g} MiB "
         f"(last-level cache {bw['llc_bytes'] / 2**20:.0f} MiB); median of {res['reps']} runs of {res['iters']} call(s) "
         f"(wall time), ckptq and every peer in the same process"
-        + (f"; load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end (other jobs shared the machine)"
-           if la0 and la1 else "") + ".",
+        + (
+            f"; load average {la0[0]:.1f} at the start, {la1[0]:.1f} at the end (other jobs shared the machine)"
+            if la0 and la1
+            else ""
+        )
+        + ".",
         "",
         f"Copy bandwidth out of cache (`b.copy_(a)`, two {bw['buffer_bytes'] / 2**20:.0f} MiB buffers, read + write "
         f"counted): **1 thread {c1:.1f} GB/s, {t} threads {ct:.1f} GB/s**.",
@@ -473,20 +522,32 @@ def markdown_table_cpu(res: dict) -> str:
         lines.append(
             f"| {row['pair']} | {'x'.join(map(str, row['shape']))} | {mib:.0f} | {row['t_ckptq_s'] * 1e3:.3g} ms | "
             f"{row['gbps']:.2f} | {row['gbps'] / c1:.2f} | {row['gbps'] / ct:.2f} | {peer_gbps(row, 'compile')} | "
-            f"{peer_gbps(row, 'torchao')} | {peer_gbps(row, 'torchao_compile')} | {peer_gbps(row, 'eager')} | {ratio} |")
-    lines += ["", "GB/s: bytes of the source components read once + target components written once, per second. "
-              "'fastest peer / ckptq': the fastest peer's time over ckptq's (>= 1: ckptq is at least as fast), "
-              "eager reference excluded. " + _footnotes(res), ""]
+            f"{peer_gbps(row, 'torchao')} | {peer_gbps(row, 'torchao_compile')} | {peer_gbps(row, 'eager')} | {ratio} |"
+        )
+    lines += [
+        "",
+        "GB/s: bytes of the source components read once + target components written once, per second. "
+        "'fastest peer / ckptq': the fastest peer's time over ckptq's (>= 1: ckptq is at least as fast), "
+        "eager reference excluded. " + _footnotes(res),
+        "",
+    ]
     return "\n".join(lines)
 
 
 def _footnotes(res: dict) -> str:
     """The torchao functions used and the peers that could not be measured, for a table's legend."""
-    notes = sorted({f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}" for r in res["rows"]
-                    for k, v in r.get("peers_s", {}).items() if isinstance(v, str)})
+    notes = sorted(
+        {
+            f"{r['pair']} {k}: {v[5:].splitlines()[0][:120]}"
+            for r in res["rows"]
+            for k, v in r.get("peers_s", {}).items()
+            if isinstance(v, str)
+        }
+    )
     fns = sorted({r["torchao_fn"] for r in res["rows"] if "torchao_fn" in r})
-    return (("torchao functions: " + ", ".join(fns) + ". " if fns else "")
-            + ("Not measured: " + "; ".join(notes) + "." if notes else ""))
+    return ("torchao functions: " + ", ".join(fns) + ". " if fns else "") + (
+        "Not measured: " + "; ".join(notes) + "." if notes else ""
+    )
 
 
 def markdown_table(res: dict) -> str:
@@ -496,11 +557,13 @@ def markdown_table(res: dict) -> str:
     lines = [
         f"### {dev}: {res['machine']}",
         "",
-        f"torch {res['torch']}, torchao {res.get('torchao')}, measured {res['date']}; sources of >= {res['size_mib']} MiB; "
+        f"torch {res['torch']}, torchao {res.get('torchao')}, measured {res['date']}; "
+        f"sources of >= {res['size_mib']} MiB; "
         f"median of {res['reps']} runs of {res['iters']} calls"
         + (" (faster of back-to-back calls and CUDA-graph replay)." if res["device"] == "cuda" else " (wall time)."),
         "",
-        "| pair | shape | MiB read + written | ckptq | GB/s | copy GB/s | ratio to copy | with amax pass | eager ref | torch.compile ref | torchao | torchao compiled |",
+        "| pair | shape | MiB read + written | ckptq | GB/s | copy GB/s | ratio to copy | with amax pass "
+        "| eager ref | torch.compile ref | torchao | torchao compiled |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["rows"]:
@@ -512,12 +575,17 @@ def markdown_table(res: dict) -> str:
             f"| {row['pair']} | {'x'.join(map(str, row['shape']))} | {mib:.0f} | {row['t_ckptq_s'] * 1e3:.3g} ms | "
             f"{row['gbps']:.0f} | {row['copy_gbps']:.0f} | {row['ratio']:.2f} | "
             f"{row['traffic_ratio']:.2f} | {fmt_peer(row, 'eager')} | {fmt_peer(row, 'compile')} | "
-            f"{fmt_peer(row, 'torchao')} | {fmt_peer(row, 'torchao_compile')} |")
-    lines += ["", "Peer columns: time per call and (in parentheses) how many times slower than ckptq (below 1.0x: "
-              "the peer is faster). 'ratio to copy' counts each source byte read once; 'with amax pass' also "
-              "counts the second read of the source that per-tensor targets (nvfp4 without amax=, fp8_tensor) "
-              "need (it can exceed 1 where that second read partly hits L2). [amax]: amax= given (one pass); "
-              "[cw]: mxfp8 with the columnwise copy; [2d]: nvfp4 16x16 blocks. " + _footnotes(res), ""]
+            f"{fmt_peer(row, 'torchao')} | {fmt_peer(row, 'torchao_compile')} |"
+        )
+    lines += [
+        "",
+        "Peer columns: time per call and (in parentheses) how many times slower than ckptq (below 1.0x: "
+        "the peer is faster). 'ratio to copy' counts each source byte read once; 'with amax pass' also "
+        "counts the second read of the source that per-tensor targets (nvfp4 without amax=, fp8_tensor) "
+        "need (it can exceed 1 where that second read partly hits L2). [amax]: amax= given (one pass); "
+        "[cw]: mxfp8 with the columnwise copy; [2d]: nvfp4 16x16 blocks. " + _footnotes(res),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -540,8 +608,10 @@ def render_subsection(res: dict, path: str = DOCS) -> None:
 
 def render(results: list[dict], path: str = DOCS) -> None:
     """Write the '## Kernels' section of docs/benchmarks.md (other sections are kept)."""
-    head = ("## Kernels\n\nMeasured with `python scripts/bench_kernels.py` (see its docstring for what is "
-            "timed). ckptq runs the fused C++ (CPU) or CUDA kernel of `ckptq/csrc`.\n\n")
+    head = (
+        "## Kernels\n\nMeasured with `python scripts/bench_kernels.py` (see its docstring for what is "
+        "timed). ckptq runs the fused C++ (CPU) or CUDA kernel of `ckptq/csrc`.\n\n"
+    )
     body = head + "\n".join(markdown_table(r) for r in results)
     text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
     start = text.find("## Kernels")
@@ -549,11 +619,11 @@ def render(results: list[dict], path: str = DOCS) -> None:
         text = text.rstrip("\n") + "\n\n" + body
     else:
         nxt = text.find("\n## ", start + 1)
-        old = text[start:nxt + 1] if nxt >= 0 else text[start:]
+        old = text[start : nxt + 1] if nxt >= 0 else text[start:]
         a = old.find("### Analysis")  # hand-written analysis of the section is kept
         if a >= 0:
             body = body.rstrip("\n") + "\n\n" + old[a:].rstrip("\n") + "\n"
-        text = text[:start] + body + ("\n" + text[nxt + 1:] if nxt >= 0 else "")
+        text = text[:start] + body + ("\n" + text[nxt + 1 :] if nxt >= 0 else "")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(text.rstrip("\n") + "\n")
@@ -575,8 +645,11 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=1e9, help="skip peers once this many seconds have passed")
     p.add_argument("--json", help="write results here (after every pair)")
     p.add_argument("--markdown", nargs="?", const=DOCS, help="update the Kernels section of this file")
-    p.add_argument("--subsection", action="store_true",
-                   help="with --markdown/--render: replace only this device's '### CPU:'/'### GPU:' table")
+    p.add_argument(
+        "--subsection",
+        action="store_true",
+        help="with --markdown/--render: replace only this device's '### CPU:'/'### GPU:' table",
+    )
     p.add_argument("--render", nargs="+", metavar="JSON", help="only render these result files into --markdown")
     args = p.parse_args(argv)
     if args.render:

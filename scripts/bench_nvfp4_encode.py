@@ -37,11 +37,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ckptq  # noqa: E402
-from ckptq import ops  # noqa: E402
-from ckptq import numerics as N  # noqa: E402
-
 from bench_kernels import nbytes  # noqa: E402  (this folder is on sys.path when run as a script)
+
+import ckptq  # noqa: E402
+from ckptq import numerics as N  # noqa: E402
+from ckptq import ops  # noqa: E402
 
 ENV = "CKPTQ_NVFP4_ENCODE"
 
@@ -112,8 +112,13 @@ class Case:
     def result(self):
         t_b2b = statistics.median(self.b2b)
         t_graph = statistics.median(self.replay) if self.replay else float("inf")
-        r = {"t_s": min(t_b2b, t_graph), "b2b_median_s": t_b2b, "graph_median_s": t_graph if self.replay else None,
-             "b2b_runs_s": self.b2b, "graph_runs_s": self.replay}
+        r = {
+            "t_s": min(t_b2b, t_graph),
+            "b2b_median_s": t_b2b,
+            "graph_median_s": t_graph if self.replay else None,
+            "b2b_runs_s": self.b2b,
+            "graph_runs_s": self.replay,
+        }
         if getattr(self, "graph_error", None):
             r["graph_error"] = self.graph_error
         return r
@@ -125,7 +130,8 @@ def check_same(outs: dict, ref) -> dict:
     for name, q in outs.items():
         comps, rc = q.components(), ref.components()
         same = list(comps) == list(rc) and all(
-            torch.equal(comps[k].reshape(-1).view(torch.uint8), rc[k].reshape(-1).view(torch.uint8)) for k in rc)
+            torch.equal(comps[k].reshape(-1).view(torch.uint8), rc[k].reshape(-1).view(torch.uint8)) for k in rc
+        )
         res[name] = bool(same)
     return res
 
@@ -192,9 +198,15 @@ def main(argv=None):
         "what": "bf16->nvfp4 encode vs device-to-device copy (issue 11 part 3)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)",
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "shape": [m, k], "dtype": args.dtype, "read_bytes": r_bytes, "write_bytes": w_bytes,
-        "reps": args.reps, "iters": args.iters, "bit_exact_vs_reference": same,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shape": [m, k],
+        "dtype": args.dtype,
+        "read_bytes": r_bytes,
+        "write_bytes": w_bytes,
+        "reps": args.reps,
+        "iters": args.iters,
+        "bit_exact_vs_reference": same,
         "copy": dict(copy.result(), gbps=(r_bytes + w_bytes) / t_copy / 1e9),
         "cases": {},
     }
@@ -205,8 +217,10 @@ def main(argv=None):
         if c.name.startswith("two_pass"):  # also counting the second read of the source
             r["traffic_ratio"] = (2 * r_bytes + w_bytes) / r["t_s"] / ((r_bytes + w_bytes) / t_copy)
         res["cases"][c.name] = r
-    print(f"{res['device']}, torch {res['torch']}, {args.dtype} {m}x{k}: read {r_bytes / 2**20:.0f} MiB + "
-          f"write {w_bytes / 2**20:.0f} MiB; copy {res['copy']['gbps']:.0f} GB/s ({t_copy * 1e6:.1f} us)")
+    print(
+        f"{res['device']}, torch {res['torch']}, {args.dtype} {m}x{k}: read {r_bytes / 2**20:.0f} MiB + "
+        f"write {w_bytes / 2**20:.0f} MiB; copy {res['copy']['gbps']:.0f} GB/s ({t_copy * 1e6:.1f} us)"
+    )
     for name, r in res["cases"].items():
         extra = f"  (with amax pass {r['traffic_ratio']:.2f})" if "traffic_ratio" in r else ""
         print(f"  {name:<22} {r['t_s'] * 1e6:8.1f} us  {r['gbps']:7.0f} GB/s  ratio {r['ratio_to_copy']:.3f}{extra}")

@@ -77,8 +77,9 @@ def _synthetic_local(shape, fmt, rows: slice, seed: int):
     data = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
     scale = torch.randint(0x20, 0x7E, (m, k // 16), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     amax = torch.tensor(3.5)  # one global amax: the shards agree
-    return ckptq.NVFP4Tensor({"data": data, "scale": scale, "amax": amax}, (m, k), torch.bfloat16,
-                             ckptq.formats.NVFP4Recipe())
+    return ckptq.NVFP4Tensor(
+        {"data": data, "scale": scale, "amax": amax}, (m, k), torch.bfloat16, ckptq.formats.NVFP4Recipe()
+    )
 
 
 def _save_worker(rank, ws, path, layers):
@@ -94,7 +95,9 @@ def _save_worker(rank, ws, path, layers):
     for j, (fqn, shape, fmt) in enumerate(_layer_shapes(layers)):
         n = shape[0] // ws
         rows = slice(rank * n, rank * n + n)
-        local = torch.ones(n, dtype=torch.bfloat16) if fmt is None else _synthetic_local(shape, fmt, rows, 1000 * j + rank)
+        local = (
+            torch.ones(n, dtype=torch.bfloat16) if fmt is None else _synthetic_local(shape, fmt, rows, 1000 * j + rank)
+        )
         stride = (shape[1], 1) if len(shape) == 2 else (1,)
         sd[fqn] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape), stride=stride)
     dcp.save(sd, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner())
@@ -103,17 +106,19 @@ def _save_worker(rank, ws, path, layers):
 
 # Peak RSS is VmHWM of the measured process's own address space, written at its exit: wait4's
 # ru_maxrss would also count the parent's RSS at fork time (exec folds the old mm's high-water mark in).
-_HWM = ("import atexit, runpy, sys\n"
-        "out = sys.argv[1]\n"
-        "def _hwm():\n"
-        "    kib = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
-        "    open(out, 'w').write(kib)\n"
-        "atexit.register(_hwm)\n"
-        "if sys.argv[2] == '-m':\n"
-        "    sys.argv = sys.argv[3:]\n"
-        "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
-        "else:\n"
-        "    exec(sys.argv[3])\n")
+_HWM = (
+    "import atexit, runpy, sys\n"
+    "out = sys.argv[1]\n"
+    "def _hwm():\n"
+    "    kib = [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+    "    open(out, 'w').write(kib)\n"
+    "atexit.register(_hwm)\n"
+    "if sys.argv[2] == '-m':\n"
+    "    sys.argv = sys.argv[3:]\n"
+    "    runpy.run_module(sys.argv[0], run_name='__main__')\n"
+    "else:\n"
+    "    exec(sys.argv[3])\n"
+)
 
 
 def _vm_hwm() -> int:
@@ -129,8 +134,13 @@ def _run_measured(args: list[str], env=None, cwd=None, stdout=None) -> tuple[flo
         hwm = os.path.join(tmp, "hwm")
         t0 = time.perf_counter()
         # stderr to a file, not a pipe: a full pipe would block the child
-        proc = subprocess.run([sys.executable, "-c", _HWM, hwm, *args], env=env or os.environ.copy(),
-                              stdout=stdout or subprocess.DEVNULL, stderr=err, cwd=cwd)
+        proc = subprocess.run(
+            [sys.executable, "-c", _HWM, hwm, *args],
+            env=env or os.environ.copy(),
+            stdout=stdout or subprocess.DEVNULL,
+            stderr=err,
+            cwd=cwd,
+        )
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             err.seek(0)
@@ -151,8 +161,14 @@ def _with_json(run, cmd: list[str], env) -> tuple:
 def _run_wall(cmd: list[str], env=None, cwd=None, stdout=None) -> float:
     """Wall seconds of a command (its output discarded unless ``stdout``; a failure raises with its stderr)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env or os.environ.copy(), stdout=stdout or subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, cwd=cwd, text=True)
+    proc = subprocess.run(
+        cmd,
+        env=env or os.environ.copy(),
+        stdout=stdout or subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:6]} failed:\n{proc.stderr[-3000:]}")
@@ -163,12 +179,17 @@ def _largest_chunk(path) -> int:
     """Bytes of the largest tensor chunk a checkpoint saved."""
     import math
 
-    from ckptq.io import read_metadata
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from ckptq.io import read_metadata
+
     md = read_metadata(path)
-    return max(math.prod(c.sizes) * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
-               if isinstance(m, TensorStorageMetadata) for c in m.chunks)
+    return max(
+        math.prod(c.sizes) * m.properties.dtype.itemsize
+        for m in md.state_dict_metadata.values()
+        if isinstance(m, TensorStorageMetadata)
+        for c in m.chunks
+    )
 
 
 def _dir_bytes(path) -> int:
@@ -205,7 +226,7 @@ def _resave_worker(rank, ws, pt_path, out, layers):
 
         size, off = compute_local_shape_and_global_offset(t.shape, mesh, placements)
         local = t
-        for d, (o, s) in enumerate(zip(off, size)):
+        for d, (o, s) in enumerate(zip(off, size, strict=False)):
             local = local.narrow(d, o, s)
         sd[key] = DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
     dcp.save(sd, checkpoint_id=out)
@@ -233,15 +254,27 @@ def _load_worker(rank, ws, path, layers, repeat):
         sd = {}
         for fqn, shape, fmt in _layer_shapes(layers):
             placements = plan.placements(fqn, len(shape))
-            probe = DTensor.from_local(torch.empty(0), mesh, placements, run_check=False, shape=torch.Size(shape),
-                                       stride=(shape[1], 1) if len(shape) == 2 else (1,))
+            probe = DTensor.from_local(
+                torch.empty(0),
+                mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=(shape[1], 1) if len(shape) == 2 else (1,),
+            )
             (_, size) = dtensor_box(probe, fqn=fqn)
             if fmt is None:
                 local = torch.empty(size, dtype=torch.bfloat16)
             else:
                 local = torch.empty_like(_synthetic_local((size[0], size[1]), fmt, slice(0, size[0]), 0))
-            sd[fqn] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                         stride=(shape[1], 1) if len(shape) == 2 else (1,))
+            sd[fqn] = DTensor.from_local(
+                local,
+                mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=(shape[1], 1) if len(shape) == 2 else (1,),
+            )
         dist.barrier()
         t0 = _t.perf_counter()
         dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
@@ -359,8 +392,12 @@ def main() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}"]
     # torchrun gives each process OMP_NUM_THREADS=1 unless set: give each its share of the cores that
     # the one process uses, so the two rows use the same cores.
-    dist_env = {**env, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                                         str(max(1, len(os.sched_getaffinity(0)) // max(1, args.processes))))}
+    dist_env = {
+        **env,
+        "OMP_NUM_THREADS": os.environ.get(
+            "OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // max(1, args.processes)))
+        ),
+    }
     convert_args = ["convert", str(src), str(dst), "--to", "nvfp4", "--json"]
     _, base_rss = _run_measured(["-m", "ckptq", *reshard_args, "--dry-run"], env)
     for i in range(args.repeat):  # interleaved, so that each round sees the same machine
@@ -403,21 +440,38 @@ def main() -> None:
         for _ in range(args.repeat):
             pt.unlink(missing_ok=True)
             shutil.rmtree(resaved, ignore_errors=True)
-            w1, r1 = _run_measured(["-c", "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
-                                    f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})"], env)
+            w1, r1 = _run_measured(
+                [
+                    "-c",
+                    "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save;"
+                    f"dcp_to_torch_save({str(src)!r}, {str(pt)!r})",
+                ],
+                env,
+            )
             t1 = time.perf_counter()
             rss_ranks = run_distributed(4, _resave_worker, str(pt), str(resaved), args.layers, timeout=3600)
             base_runs.append((w1, time.perf_counter() - t1, r1, max(rss_ranks), sum(rss_ranks)))
-        plain = [med(r[0] for r in base_runs), med(r[1] for r in base_runs), max(r[2] for r in base_runs),
-                 max(r[3] for r in base_runs), max(r[4] for r in base_runs)]
+        plain = [
+            med(r[0] for r in base_runs),
+            med(r[1] for r in base_runs),
+            max(r[2] for r in base_runs),
+            max(r[3] for r in base_runs),
+            max(r[4] for r in base_runs),
+        ]
         pt.unlink(missing_ok=True)
         shutil.rmtree(resaved, ignore_errors=True)
     loads = None
     if args.load:
         _run_measured(["-m", "ckptq", *reshard_args], env)
-        loads = [statistics.median(max(ts) for ts in zip(*run_distributed(4, _load_worker, str(p), args.layers,
-                                                                            args.repeat, timeout=3600)))
-                 for p in (dst, src)]
+        loads = [
+            statistics.median(
+                max(ts)
+                for ts in zip(
+                    *run_distributed(4, _load_worker, str(p), args.layers, args.repeat, timeout=3600), strict=False
+                )
+            )
+            for p in (dst, src)
+        ]
 
     scale = None
     if not args.skip_scale:
@@ -425,7 +479,9 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
         scale = json.loads(out.stdout.strip().splitlines()[-1])
 
-    machine = f"{platform.node()}: {os.cpu_count()} CPU cores, Linux {platform.release()}, Python {platform.python_version()}"
+    machine = (
+        f"{platform.node()}: {os.cpu_count()} CPU cores, Linux {platform.release()}, Python {platform.python_version()}"
+    )
     import torch
 
     def row(name: str, wall: float, rss: str = "", note: str = "") -> str:
@@ -437,41 +493,70 @@ def main() -> None:
         f"Synthetic Llama-style checkpoint: {args.layers} layers (hidden 4096, GQA 32/8, intermediate 14336), "
         f"attention MXFP8 + MLP NVFP4 native, {gb:.2f} GB ({size / 2**30:.2f} GiB), saved by 4 ranks with FSDP2 "
         f"Shard(0). Target: dp_shard=2,tp=2 (FSDP2 over TP). Median of {args.repeat} interleaved rounds (each "
-        f"output removed and `sync`ed, then a {args.settle:.0f} s pause, before the next command). Largest saved chunk {largest / 2**20:.1f} MiB; "
+        f"output removed and `sync`ed, then a {args.settle:.0f} s pause, before the next command). "
+        f"Largest saved chunk {largest / 2**20:.1f} MiB; "
         f"process baseline (`VmHWM` of the same command with `--dry-run`) {base_rss / 2**20:.0f} MiB, so the "
         f"memory bound is {bound / 2**20:.0f} MiB.",
         "",
         "| route | wall (s) | GB/s | ratio to `cp` | peak RSS (MiB) | notes |",
         "|---|---|---|---|---|---|",
         row("`cp -r` + `sync` (the copy limit)", cp_wall),
-        row("`ckptq reshard`, 1 process", ck_wall, f"{ck_rss / 2**20:.0f}",
+        row(
+            "`ckptq reshard`, 1 process",
+            ck_wall,
+            f"{ck_rss / 2**20:.0f}",
             f"bound {bound / 2**20:.0f}: {'within' if ck_rss <= bound else 'OVER'} (+{(ck_rss - base_rss) / 2**20:.1f} "
-            f"MiB over the baseline); the call {ck_call:.2f} s"),
+            f"MiB over the baseline); the call {ck_call:.2f} s",
+        ),
     ]
     if runs["dist"]:
         d, d_call = (med(r[i] for r in runs["dist"]) for i in range(2))
-        lines.append(row(f"`torchrun --nproc-per-node {args.processes} -m ckptq reshard`", d, "",
-                         f"{d / ck_wall:.2f}x the 1-process time (includes torchrun's own start); the call "
-                         f"{d_call:.2f} s ({d_call / ck_call:.2f}x)"))
+        lines.append(
+            row(
+                f"`torchrun --nproc-per-node {args.processes} -m ckptq reshard`",
+                d,
+                "",
+                f"{d / ck_wall:.2f}x the 1-process time (includes torchrun's own start); the call "
+                f"{d_call:.2f} s ({d_call / ck_call:.2f}x)",
+            )
+        )
     if runs["before"]:
         b = med(w for w, _ in runs["before"])
-        lines.append(row("`ckptq reshard` before (torch.save records, whole tensors)", b,
-                         f"{max(r for _, r in runs['before']) / 2**20:.0f}", f"{b / ck_wall:.2f}x the new time"))
+        lines.append(
+            row(
+                "`ckptq reshard` before (torch.save records, whole tensors)",
+                b,
+                f"{max(r for _, r in runs['before']) / 2**20:.0f}",
+                f"{b / ck_wall:.2f}x the new time",
+            )
+        )
     if runs["convert"]:
         c = med(r[0] for r in runs["convert"])
         k = med(r[2] for r in runs["convert"])
         tot = med(r[3] for r in runs["convert"])
         rd = med(r[4] for r in runs["convert"])
-        lines.append(row("`ckptq convert --to nvfp4`, 1 process", c, f"{max(r[1] for r in runs['convert']) / 2**20:.0f}",
-                         f"of the {tot:.2f} s call: kernels (requantize MXFP8 -> NVFP4, SQNR) {k:.2f} s, reading "
-                         f"those tensors whole {rd:.2f} s, the rest (NVFP4 byte-range copies, hashing, "
-                         f"writing) {tot - k - rd:.2f} s"))
+        lines.append(
+            row(
+                "`ckptq convert --to nvfp4`, 1 process",
+                c,
+                f"{max(r[1] for r in runs['convert']) / 2**20:.0f}",
+                f"of the {tot:.2f} s call: kernels (requantize MXFP8 -> NVFP4, SQNR) {k:.2f} s, reading "
+                f"those tensors whole {rd:.2f} s, the rest (NVFP4 byte-range copies, hashing, "
+                f"writing) {tot - k - rd:.2f} s",
+            )
+        )
     if runs["dist_convert"]:
         dc, dtot, dk = (med(r[i] for r in runs["dist_convert"]) for i in range(3))
         c, tot = med(r[0] for r in runs["convert"]), med(r[3] for r in runs["convert"])
-        lines.append(row(f"`torchrun --nproc-per-node {args.processes} -m ckptq convert --to nvfp4`", dc, "",
-                         f"{dc / c:.2f}x the 1-process time; the call {dtot:.2f} s ({dtot / tot:.2f}x), kernels "
-                         f"{dk:.2f} s summed over the processes (each tensor computed once)"))
+        lines.append(
+            row(
+                f"`torchrun --nproc-per-node {args.processes} -m ckptq convert --to nvfp4`",
+                dc,
+                "",
+                f"{dc / c:.2f}x the 1-process time; the call {dtot:.2f} s ({dtot / tot:.2f}x), kernels "
+                f"{dk:.2f} s summed over the processes (each tensor computed once)",
+            )
+        )
     lines.append("")
     if plain:
         b_conv, b_save, b_rss1, b_rss2, b_rss_sum = plain
@@ -494,17 +579,31 @@ def main() -> None:
     if scale:
         lines += [
             f"Planning at scale (metadata only, no tensors): Llama-3-405B layout ({scale['params'] / 1e9:.0f}B params, "
-            f"{scale['tensors']} weights as NVFP4 native), saved by 1024 ranks ({scale['saved_chunks']:,} saved chunks), "
+            f"{scale['tensors']} weights as NVFP4 native), "
+            f"saved by 1024 ranks ({scale['saved_chunks']:,} saved chunks), "
             f"planned for dp_shard=256,tp=8 = {scale['target_ranks']} ranks ({scale['boxes']:,} target boxes, "
-            f"{scale['problems']} alignment problems, largest rank {scale['max_rank_gib']:.3f} GiB of {scale['total_gib']:.1f} GiB): "
+            f"{scale['problems']} alignment problems, "
+            f"largest rank {scale['max_rank_gib']:.3f} GiB of {scale['total_gib']:.1f} GiB): "
             f"building the metadata {scale['metadata_build_s']:.1f} s / {scale['metadata_mib']:.0f} MiB, "
             f"planning {scale['plan_s']:.1f} s / {scale['plan_mib']:.0f} MiB.",
             "",
         ]
     text = "\n".join(lines)
     print(text)
-    print(json.dumps({"runs": runs, "bytes": size, "largest_chunk": largest, "baseline_rss": base_rss,
-                      "plain": plain, "loads": loads, "scale": scale}), file=sys.stderr)
+    print(
+        json.dumps(
+            {
+                "runs": runs,
+                "bytes": size,
+                "largest_chunk": largest,
+                "baseline_rss": base_rss,
+                "plain": plain,
+                "loads": loads,
+                "scale": scale,
+            }
+        ),
+        file=sys.stderr,
+    )
     if args.markdown:
         with open(args.markdown, "a") as f:
             f.write(text + "\n")

@@ -40,7 +40,6 @@ def _dir_bytes(path: Path) -> int:
 def _make_te_checkpoint(path: Path, gb: float) -> int:
     import torch
     import torch.distributed.checkpoint as dcp
-
     from _te import standin
 
     te = standin()
@@ -87,8 +86,11 @@ def main() -> None:
         shutil.rmtree(p, ignore_errors=True)
     t0 = time.perf_counter()
     n = _make_te_checkpoint(src, args.gb)
-    print(f"made a TE-shaped checkpoint of {n} tensors, {_dir_bytes(src) / 1e9:.2f} GB, in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    print(
+        f"made a TE-shaped checkpoint of {n} tensors, {_dir_bytes(src) / 1e9:.2f} GB, "
+        f"in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
 
     def convert():
         ckptq.reshard_checkpoint(src, native, overwrite=True)
@@ -111,8 +113,10 @@ def main() -> None:
         ("convert TE -> ckptq native", t_convert, te_bytes),
         ("reshard ckptq native (same canonical bytes)", t_reshard, native_bytes),
     ]
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"Python {platform.python_version()}; median of {args.repeat}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Python {platform.python_version()}; median of {args.repeat}"
+    )
     print("| step | seconds | bytes read | GB/s | vs cp -r |")
     print("|---|---|---|---|---|")
     for name, t, b in rows:

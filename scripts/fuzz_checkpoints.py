@@ -74,14 +74,23 @@ import traceback
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-CLASSES = ["CODE_EXECUTED", "HANG", "BIG_ALLOC", "UNCAUGHT", "SILENT_WRONG", "DATA_FLIP", "METADATA_VALID", "CKPTQ_ERROR",
-           "SAME"]
+CLASSES = [
+    "CODE_EXECUTED",
+    "HANG",
+    "BIG_ALLOC",
+    "UNCAUGHT",
+    "SILENT_WRONG",
+    "DATA_FLIP",
+    "METADATA_VALID",
+    "CKPTQ_ERROR",
+    "SAME",
+]
 GOOD = {"CKPTQ_ERROR", "SAME"}
 PATHS = ["read_metadata", "view", "inspect", "verify", "load"]
 SHAPE = (256, 128)  # 2 rank cuts at row 128: on every format's block grid (fp8_block: 128)
@@ -130,18 +139,20 @@ def build_corpus(root: Path) -> dict[str, Path]:
     import torch.distributed.checkpoint as dcp
 
     import ckptq
-
     from ckptq.io import ChecksumFileSystemWriter
 
     warnings.filterwarnings("ignore")
     bases = {}
     for mode, name in (("native", "native1"), ("high_precision", "hp1")):
         bases[name] = root / name
-        dcp.save(_quantized_state(), storage_writer=ChecksumFileSystemWriter(bases[name]),
-                 planner=ckptq.QuantizedSavePlanner(mode=mode), no_dist=True)
+        dcp.save(
+            _quantized_state(),
+            storage_writer=ChecksumFileSystemWriter(bases[name]),
+            planner=ckptq.QuantizedSavePlanner(mode=mode),
+            no_dist=True,
+        )
     bases["plain1"] = root / "plain1"  # DCP's own writer: no checksums (data flips load unverified)
-    dcp.save(_quantized_state(), checkpoint_id=str(bases["plain1"]), planner=ckptq.QuantizedSavePlanner(),
-             no_dist=True)
+    dcp.save(_quantized_state(), checkpoint_id=str(bases["plain1"]), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
     for src, name in (("native1", "native2"), ("hp1", "hp2")):
         bases[name] = root / name
         ckptq.reshard_checkpoint(bases[src], bases[name], mesh="2")
@@ -159,13 +170,13 @@ def payload_ranges(base: Path) -> list[tuple[str, int, int]]:
         if index.offset is None:  # a non-tensor entry's record: copied verbatim by read_raw_bytes
             out.append((str(info.relative_path), info.offset, info.offset + info.length))
             continue
-        blob = (base / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        blob = (base / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
             for zi in z.infolist():
                 if "/data/" not in zi.filename or zi.filename.endswith(".pkl"):
                     continue
                 h = zi.header_offset
-                nlen, xlen = struct.unpack("<HH", blob[h + 26:h + 30])
+                nlen, xlen = struct.unpack("<HH", blob[h + 26 : h + 30])
                 start = info.offset + h + 30 + nlen + xlen
                 out.append((str(info.relative_path), start, start + zi.file_size))
     return out
@@ -182,11 +193,11 @@ class _Payload:
         return (os.system, (f"touch '{self.canary}'  # transformer_engine",))
 
 
-JUNK = [None, -1, 0, 1, 2 ** 40, 2 ** 63, -(2 ** 31), 3.5, "x", "", [], {}, [1, -1], ["a"], True, ("t",), b"\x00"]
+JUNK = [None, -1, 0, 1, 2**40, 2**63, -(2**31), 3.5, "x", "", [], {}, [1, -1], ["a"], True, ("t",), b"\x00"]
 
 
 def _big_or_bad(rng: random.Random, v: int) -> Any:
-    return rng.choice([-1, 0, v + 1, max(v - 1, 0), 2 ** 40, 2 ** 31 - 1, 2 ** 62, -(2 ** 40), v * 2 + 1, 1])
+    return rng.choice([-1, 0, v + 1, max(v - 1, 0), 2**40, 2**31 - 1, 2**62, -(2**40), v * 2 + 1, 1])
 
 
 def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
@@ -196,9 +207,29 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
 
     sdm = md.state_dict_metadata
     tensors = [k for k, v in sdm.items() if isinstance(v, TensorStorageMetadata)]
-    op = rng.choice(["size", "chunk_offset", "chunk_size", "drop_chunk", "dup_chunk", "dtype", "st_offset",
-                     "st_length", "st_file", "st_swap_len", "drop_entry", "drop_storage", "descriptor",
-                     "descriptor", "descriptor", "record", "planner_data", "chunks_junk", "size_junk"])
+    op = rng.choice(
+        [
+            "size",
+            "chunk_offset",
+            "chunk_size",
+            "drop_chunk",
+            "dup_chunk",
+            "dtype",
+            "st_offset",
+            "st_length",
+            "st_file",
+            "st_swap_len",
+            "drop_entry",
+            "drop_storage",
+            "descriptor",
+            "descriptor",
+            "descriptor",
+            "record",
+            "planner_data",
+            "chunks_junk",
+            "size_junk",
+        ]
+    )
     fqn = rng.choice(tensors)
     e = sdm[fqn]
     if op == "size" and len(e.size):
@@ -232,8 +263,19 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
         e.chunks.append(ChunkStorageMetadata(c.offsets, c.sizes))
         return f"{op} {fqn}"
     if op == "dtype":
-        choices = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.float8_e4m3fn,
-                   torch.float8_e5m2, torch.int64, torch.float64, torch.bool, torch.complex64]
+        choices = [
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.uint8,
+            torch.int8,
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+            torch.int64,
+            torch.float64,
+            torch.bool,
+            torch.complex64,
+        ]
         new = rng.choice([d for d in choices if d != e.properties.dtype])
         e.properties.dtype = new
         return f"{op} {fqn} -> {new}"
@@ -247,8 +289,9 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
             info.length = _big_or_bad(rng, info.length)
             return f"{op} {key.fqn} -> {info.length}"
         if op == "st_file":
-            info.relative_path = rng.choice(["__9_0.distcp", "../x.distcp", "/etc/passwd", "", ".metadata",
-                                             "__0_0.distcp", "__1_0.distcp"])
+            info.relative_path = rng.choice(
+                ["__9_0.distcp", "../x.distcp", "/etc/passwd", "", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+            )
             return f"{op} {key.fqn} -> {info.relative_path}"
         other = md.storage_data[rng.choice(list(md.storage_data))]
         info.offset, info.length = other.offset, other.length
@@ -336,9 +379,21 @@ def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list)
 
     shutil.copytree(base, ck)
     files = sorted(p.name for p in ck.iterdir())
-    op = rng.choices(["flip", "flip_payload", "zero", "truncate", "delete", "append", "metadata", "bad_record",
-                      "evil_record", "evil_metadata"],
-                     weights=[20, 8, 6, 8, 3, 2, 40, 6, 3, 2])[0]
+    op = rng.choices(
+        [
+            "flip",
+            "flip_payload",
+            "zero",
+            "truncate",
+            "delete",
+            "append",
+            "metadata",
+            "bad_record",
+            "evil_record",
+            "evil_metadata",
+        ],
+        weights=[20, 8, 6, 8, 3, 2, 40, 6, 3, 2],
+    )[0]
     if op in ("flip", "zero", "flip_payload"):
         if op == "flip_payload" and payload:
             name, a, b = rng.choice(payload)
@@ -385,14 +440,25 @@ def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list)
         except Exception:  # noqa: BLE001 - junk values that do not compare
             pass
     elif op == "bad_record":  # a real tensor record of another dtype or shape, pointed at
-        t = rng.choice([torch.zeros(3), torch.zeros(SHAPE, dtype=torch.float64), torch.zeros(SHAPE[0], SHAPE[1] // 2,
-                        dtype=torch.uint8), torch.zeros(7, dtype=torch.float8_e4m3fn), {"a": torch.ones(2)}])
+        t = rng.choice(
+            [
+                torch.zeros(3),
+                torch.zeros(SHAPE, dtype=torch.float64),
+                torch.zeros(SHAPE[0], SHAPE[1] // 2, dtype=torch.uint8),
+                torch.zeros(7, dtype=torch.float8_e4m3fn),
+                {"a": torch.ones(2)},
+            ]
+        )
         buf = io.BytesIO()
         torch.save(t, buf)
         fqn, raw = _append_record(ck, md, rng, buf.getvalue())
         entry = md.state_dict_metadata.get(fqn)
-        fits = isinstance(t, torch.Tensor) and getattr(entry, "properties", None) is not None and \
-            t.dtype == entry.properties.dtype and any(tuple(c.sizes) == tuple(t.shape) for c in entry.chunks)
+        fits = (
+            isinstance(t, torch.Tensor)
+            and getattr(entry, "properties", None) is not None
+            and t.dtype == entry.properties.dtype
+            and any(tuple(c.sizes) == tuple(t.shape) for c in entry.chunks)
+        )
         # a record of the chunk's own dtype and shape is a change of stored values only
         what, kind = f"bad_record for {fqn}", "data" if raw or fits else "structure"
     elif op == "evil_record":
@@ -445,7 +511,9 @@ def path_view(ck: Path, orig: Path) -> str:
     view = open_checkpoint(ck)
     out = []
     for e in view.entries():
-        out.append((e.fqn, view.read_raw_bytes(e.fqn)[0].hex()[:64] if e.kind == "bytes" else _digest(view.read(e.fqn))))
+        out.append(
+            (e.fqn, view.read_raw_bytes(e.fqn)[0].hex()[:64] if e.kind == "bytes" else _digest(view.read(e.fqn)))
+        )
     return repr(out)
 
 
@@ -500,8 +568,12 @@ def _targets(orig: Path) -> tuple[dict, dict]:
     same, plain = _TARGETS[str(orig)]
     import torch as _t
 
-    fresh = lambda d: {k: (None if v is None else v.new_empty(v.shape) if hasattr(v, "FORMAT") else _t.full_like(v, 0))
-                       for k, v in d.items()}
+    def fresh(d):
+        return {
+            k: (None if v is None else v.new_empty(v.shape) if hasattr(v, "FORMAT") else _t.full_like(v, 0))
+            for k, v in d.items()
+        }
+
     return fresh(same), fresh(plain)
 
 
@@ -519,8 +591,12 @@ def path_load(ck: Path, orig: Path) -> str:
     out = []
     for sd in _targets(orig):
         try:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(ck), planner=ckptq.QuantizedLoadPlanner(strict_dtype=False),
-                     no_dist=True)
+            dcp.load(
+                sd,
+                storage_reader=SafeFileSystemReader(ck),
+                planner=ckptq.QuantizedLoadPlanner(strict_dtype=False),
+                no_dist=True,
+            )
         except CheckpointException as e:
             # the documented way to get the ckptq error; it counts only if ckptq raised it (not
             # dcp_failure's fallback wrapping of a foreign exception)
@@ -536,8 +612,14 @@ def path_load(ck: Path, orig: Path) -> str:
     return "\n".join(out)
 
 
-READERS = {"read_metadata": path_read_metadata, "view": path_view, "inspect": path_inspect, "verify": path_verify,
-           "integrity": path_integrity, "load": path_load}
+READERS = {
+    "read_metadata": path_read_metadata,
+    "view": path_view,
+    "inspect": path_inspect,
+    "verify": path_verify,
+    "integrity": path_integrity,
+    "load": path_load,
+}
 
 #: bases whose chunks carry checksums: a changed stored value must be detected there.
 CHECKSUMMED = {"native1", "native2", "hp1", "hp2"}
@@ -619,11 +701,25 @@ def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_al
             results = run_paths(ck, orig)
             hit = os.path.exists(canary)
             cls = classify(kind, results, references[base], hit, base in CHECKSUMMED)
-            conn.send(("done", {"index": index, "base": base, "kind": kind, "mutation": what, "class": cls,
-                                "paths": {p: r[0] for p, r in results.items()},
-                                "detail": {p: r[1] for p, r in results.items() if r[0] in ("uncaught", "alloc")
-                                           or (r[0] == "ok" and r[1] != references[base][p][1])},
-                                "errors": {p: r[1][:160] for p, r in results.items() if r[0] == "ckptq"}}))
+            conn.send(
+                (
+                    "done",
+                    {
+                        "index": index,
+                        "base": base,
+                        "kind": kind,
+                        "mutation": what,
+                        "class": cls,
+                        "paths": {p: r[0] for p, r in results.items()},
+                        "detail": {
+                            p: r[1]
+                            for p, r in results.items()
+                            if r[0] in ("uncaught", "alloc") or (r[0] == "ok" and r[1] != references[base][p][1])
+                        },
+                        "errors": {p: r[1][:160] for p, r in results.items() if r[0] == "ckptq"},
+                    },
+                )
+            )
         finally:
             shutil.rmtree(ck, ignore_errors=True)
 
@@ -656,9 +752,18 @@ class _Pool:
                 s["proc"].kill()
 
 
-def fuzz(n: int, seed: int, *, workers: int = 2, timeout: float = 60.0, budget: Optional[float] = None,
-         max_alloc_mb: float = 512.0, bases_filter: Optional[list] = None, verbose: bool = False,
-         work: Optional[Path] = None) -> dict:
+def fuzz(
+    n: int,
+    seed: int,
+    *,
+    workers: int = 2,
+    timeout: float = 60.0,
+    budget: float | None = None,
+    max_alloc_mb: float = 512.0,
+    bases_filter: list | None = None,
+    verbose: bool = False,
+    work: Path | None = None,
+) -> dict:
     """Run ``n`` mutants (or until ``budget`` seconds); returns ``{"cases": [...], "counts": {...}}``."""
     tmp = Path(tempfile.mkdtemp(prefix="ckptq-fuzz-", dir=work))
     canary = str(tmp / "CANARY-code-ran")
@@ -690,23 +795,50 @@ def fuzz(n: int, seed: int, *, workers: int = 2, timeout: float = 60.0, budget: 
                         if tag == "fatal":
                             raise RuntimeError(payload)
                         if tag == "died":
-                            cases.append({"index": s["case"][0], "base": s["case"][2], "class": "UNCAUGHT",
-                                          "mutation": "?", "kind": "?", "detail": {"worker": "died"}})
+                            cases.append(
+                                {
+                                    "index": s["case"][0],
+                                    "base": s["case"][2],
+                                    "class": "UNCAUGHT",
+                                    "mutation": "?",
+                                    "kind": "?",
+                                    "detail": {"worker": "died"},
+                                }
+                            )
                             pool.restart(i)
                         else:
                             cases.append(payload)
                             if verbose or payload["class"] not in GOOD:
-                                print(f"[{payload['index']}] {payload['class']:13s} {payload['base']:8s} "
-                                      f"{payload['mutation'][:110]}", flush=True)
+                                print(
+                                    f"[{payload['index']}] {payload['class']:13s} {payload['base']:8s} "
+                                    f"{payload['mutation'][:110]}",
+                                    flush=True,
+                                )
                         s["case"] = None
                     elif not s["proc"].is_alive():
-                        cases.append({"index": s["case"][0], "base": s["case"][2], "class": "UNCAUGHT",
-                                      "mutation": "?", "kind": "?", "detail": {"worker": "died"}})
+                        cases.append(
+                            {
+                                "index": s["case"][0],
+                                "base": s["case"][2],
+                                "class": "UNCAUGHT",
+                                "mutation": "?",
+                                "kind": "?",
+                                "detail": {"worker": "died"},
+                            }
+                        )
                         s["case"] = None
                         pool.restart(i)
                     elif time.monotonic() - s["since"] > timeout:
-                        cases.append({"index": s["case"][0], "base": s["case"][2], "class": "HANG", "mutation": "?",
-                                      "kind": "?", "detail": {}})
+                        cases.append(
+                            {
+                                "index": s["case"][0],
+                                "base": s["case"][2],
+                                "class": "HANG",
+                                "mutation": "?",
+                                "kind": "?",
+                                "detail": {},
+                            }
+                        )
                         print(f"[{s['case'][0]}] HANG          {s['case'][2]}", flush=True)
                         s["case"] = None
                         pool.restart(i)
@@ -718,8 +850,12 @@ def fuzz(n: int, seed: int, *, workers: int = 2, timeout: float = 60.0, budget: 
             for c in cases:
                 c.setdefault("late_canary", True)
         counts = collections.Counter(c["class"] for c in cases)
-        return {"cases": sorted(cases, key=lambda c: c["index"]), "counts": counts,
-                "seconds": time.monotonic() - start, "canary": os.path.exists(canary)}
+        return {
+            "cases": sorted(cases, key=lambda c: c["index"]),
+            "counts": counts,
+            "seconds": time.monotonic() - start,
+            "canary": os.path.exists(canary),
+        }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -729,37 +865,58 @@ def summary_table(result: dict) -> str:
     bases = sorted({c["base"] for c in cases})
     rows = [["class"] + bases + ["total"]]
     for cls in CLASSES:
-        rows.append([cls] + [str(sum(1 for c in cases if c["class"] == cls and c["base"] == b)) for b in bases]
-                    + [str(result["counts"].get(cls, 0))])
+        rows.append(
+            [cls]
+            + [str(sum(1 for c in cases if c["class"] == cls and c["base"] == b)) for b in bases]
+            + [str(result["counts"].get(cls, 0))]
+        )
     rows.append(["mutants"] + [str(sum(1 for c in cases if c["base"] == b)) for b in bases] + [str(len(cases))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(v.rjust(w) if j else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths))) for r in rows]
+    lines = [
+        "  ".join(v.rjust(w) if j else v.ljust(w) for j, (v, w) in enumerate(zip(r, widths, strict=False)))
+        for r in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     lines.insert(len(lines) - 1, "-" * len(lines[0]))
     ops = collections.Counter(c["mutation"].split(":")[0].split(" ")[0] for c in cases)
     lines.append("")
     lines.append("mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
-    lines.append("DATA_FLIP = stored values changed (tensor payload, a non-tensor record) and read without error, "
-                 "in a base without checksums (plain1, te1); on checksummed bases that is SILENT_WRONG")
-    lines.append("METADATA_VALID = .metadata edited into another valid description, reported faithfully: "
-                 "undetectable without a checksum of the metadata itself")
+    lines.append(
+        "DATA_FLIP = stored values changed (tensor payload, a non-tensor record) and read without error, "
+        "in a base without checksums (plain1, te1); on checksummed bases that is SILENT_WRONG"
+    )
+    lines.append(
+        "METADATA_VALID = .metadata edited into another valid description, reported faithfully: "
+        "undetectable without a checksum of the metadata itself"
+    )
     lines.append(f"{len(cases)} mutants in {result['seconds']:.0f} s; code executed: {result['canary']}")
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--n", type=int, default=2000, help="mutants to run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all reader paths) before HANG")
     ap.add_argument("--budget", type=float, default=None, help="stop starting mutants after this many seconds")
-    ap.add_argument("--max-alloc-mb", type=float, default=512.0, help="peak-memory growth of one path that counts as BIG_ALLOC")
+    ap.add_argument(
+        "--max-alloc-mb", type=float, default=512.0, help="peak-memory growth of one path that counts as BIG_ALLOC"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write every case here")
     ap.add_argument("--verbose", action="store_true", help="print every case, not only bad ones")
     args = ap.parse_args(argv)
-    result = fuzz(args.n, args.seed, workers=args.workers, timeout=args.timeout, budget=args.budget,
-                  max_alloc_mb=args.max_alloc_mb, verbose=args.verbose)
+    result = fuzz(
+        args.n,
+        args.seed,
+        workers=args.workers,
+        timeout=args.timeout,
+        budget=args.budget,
+        max_alloc_mb=args.max_alloc_mb,
+        verbose=args.verbose,
+    )
     print(summary_table(result))
     if args.json:
         args.json.write_text(json.dumps({**result, "counts": dict(result["counts"])}, indent=1, default=str))

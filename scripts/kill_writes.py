@@ -85,8 +85,9 @@ def _whole(dst: Path, reference: Path) -> tuple[bool, str]:
     return True, ""
 
 
-def run(kills: int, seed: int, mb: float, work: Path, ops=("save", "reshard", "convert", "export"),
-        max_delay: float = 2.0) -> dict:
+def run(
+    kills: int, seed: int, mb: float, work: Path, ops=("save", "reshard", "convert", "export"), max_delay: float = 2.0
+) -> dict:
     """Kill each op ``kills`` times; returns ``{op: {"kills", "mid_write", "absent", "whole", "partial", "bad"}}``."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -100,7 +101,12 @@ def run(kills: int, seed: int, mb: float, work: Path, ops=("save", "reshard", "c
     src = work / "src"
     dcp.save(sd, storage_writer=AtomicFileSystemWriter(src), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
     torch.save(sd, work / "sd.pt")
-    refs = {"save": src, "reshard": work / "ref-reshard", "convert": work / "ref-convert", "export": work / "ref-export"}
+    refs = {
+        "save": src,
+        "reshard": work / "ref-reshard",
+        "convert": work / "ref-convert",
+        "export": work / "ref-export",
+    }
     ckptq.reshard_checkpoint(src, refs["reshard"], mesh="dp_shard=2,tp=2", plan="fsdp2-tp")
     ckptq.convert_checkpoint(src, refs["convert"], to="nvfp4")
     export_checkpoint(src, refs["export"], layout="compressed-tensors")
@@ -148,8 +154,10 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for op, s in result.items():
-        print(f"{op:8s} kills {s['kills']:3d}  landed mid-write {s['mid_write']:3d}  absent {s['absent']:3d}  "
-              f"whole {s['whole']:3d}  accepted partials {s['partial']}")
+        print(
+            f"{op:8s} kills {s['kills']:3d}  landed mid-write {s['mid_write']:3d}  absent {s['absent']:3d}  "
+            f"whole {s['whole']:3d}  accepted partials {s['partial']}"
+        )
         for why in s["bad"]:
             print("   ", why)
     if args.json:

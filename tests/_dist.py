@@ -27,9 +27,7 @@ def _worker(rank, world_size, store_path, backend, fn, args, queue):
         if "nccl" in backend:
             torch.cuda.set_device(rank)
             kw["device_id"] = torch.device("cuda", rank)
-        dist.init_process_group(
-            backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size, **kw
-        )
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size, **kw)
         try:
             out = fn(rank, world_size, *args)
         finally:

@@ -75,8 +75,11 @@ def test_failed_save_keeps_the_old_checkpoint(tmp_path):
     assert _same(CheckpointView(path), _state(3)) and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA present, DCP's overlapping loader resolves every "
-                    "item before it opens a file, so this simulated failure never reaches the files")
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="with CUDA present, DCP's overlapping loader resolves every "
+    "item before it opens a file, so this simulated failure never reaches the files",
+)
 def test_plain_dcp_save_over_a_checkpoint_is_not_atomic(tmp_path):
     """What the writer protects against: plain DCP reuses file names in place."""
     path = tmp_path / "ck"

@@ -16,10 +16,32 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gpu_checkpoint.py"), "--device", "cpu",
-                    "--divide", "8", "--layers", "1", "--repeat", "1", "--probe-gib", "0.01", "--keep-caches",
-                    "--dir", str(tmp_path / "d"), "--out", str(out), "--port", "29533"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_gpu_checkpoint.py"),
+            "--device",
+            "cpu",
+            "--divide",
+            "8",
+            "--layers",
+            "1",
+            "--repeat",
+            "1",
+            "--probe-gib",
+            "0.01",
+            "--keep-caches",
+            "--dir",
+            str(tmp_path / "d"),
+            "--out",
+            str(out),
+            "--port",
+            "29533",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and [x["rank"] for x in r["ranks"]] == [0, 1]
     for x in r["ranks"]:
@@ -27,8 +49,10 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
         # MXFP8 (1 + 1/32 B/element) and NVFP4 (0.5 + 1/16 B/element) against bf16's 2 B/element, plus
         # each record's ~1 KB of framing: between 0.28 and 0.36 of the bf16 bytes at this size
         assert 0.28 < b / a < 0.36 and c == b, (a, b, c)
-        assert all(x[f"async_{k}"]["total_s"] >= x[f"async_{k}"]["blocked_s"] > 0
-                   for k in ("a_default_bf16", "b_ckptq_native", "c_quantize_then_async"))
+        assert all(
+            x[f"async_{k}"]["total_s"] >= x[f"async_{k}"]["blocked_s"] > 0
+            for k in ("a_default_bf16", "b_ckptq_native", "c_quantize_then_async")
+        )
         loads = [k for k in x if k.startswith("load_")]
         assert len(loads) == 6 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
     assert r["load_b_native_on_1_gpu"]["s"] > 0

@@ -66,7 +66,9 @@ def test_padding_does_not_change_embeddings(encoder):
 def test_replaced_weights(encoder):
     params = dict(encoder.model.named_parameters())
     base = encoder.encode(bert.SENTENCES[:4])
-    same = encoder.encode(bert.SENTENCES[:4], weights={n: params[n].detach().clone() for n in bert.linear_weight_names(encoder.model)})
+    same = encoder.encode(
+        bert.SENTENCES[:4], weights={n: params[n].detach().clone() for n in bert.linear_weight_names(encoder.model)}
+    )
     torch.testing.assert_close(base, same, atol=0, rtol=0)
     name = "encoder.layer.0.intermediate.dense.weight"
     noisy = encoder.encode(bert.SENTENCES[:4], weights={name: torch.zeros_like(params[name])})
@@ -83,8 +85,22 @@ def main_job(tmp_path_factory):
     d = tmp_path_factory.mktemp("minilm")
     root = str(EXAMPLES.parent)  # the checkout importable without an install, as in conftest.py
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, str(EXAMPLES / "minilm.py"), "--formats", "nvfp4", "--keep", str(d / "work"),
-                        "--json-out", str(d / "results.json")], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES / "minilm.py"),
+            "--formats",
+            "nvfp4",
+            "--keep",
+            str(d / "work"),
+            "--json-out",
+            str(d / "results.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return r, d
 
 
@@ -100,7 +116,7 @@ def test_main_job_one_format(main_job):
     assert (sharded["source_ranks"], sharded["target_ranks"]) == (2, 4)
     assert (sharded["bit_exact"], sharded["plain_exact"], sharded["differ"]) == ("36/36", "68/68", [])
     col = res["headers"].index("2->4 ranks bit-exact")
-    assert res["table"][0][col:col + 2] == ["36/36", "68/68"] and res["headers"][col + 1] == "plain unchanged"
+    assert res["table"][0][col : col + 2] == ["36/36", "68/68"] and res["headers"][col + 1] == "plain unchanged"
     # what was written: one storage file per saving rank, then one per target rank
     work = d / "work"
     assert len(list((work / "nvfp4-2ranks").glob("*.distcp"))) == 2
@@ -149,9 +165,17 @@ def test_main_job_sees_a_flipped_bit(main_job, encoder):
     assert minilm.sharded_problems(result)  # which makes the main job exit 1
 
 
-@pytest.mark.parametrize("fmt, layout", [("fp8_block", "compressed-tensors"), ("fp8_block", "deepseek-fp8"),
-                                         ("fp8_tensor", "modelopt"), ("mxfp8", "compressed-tensors"),
-                                         ("nvfp4", "modelopt"), ("nvfp4", "compressed-tensors")])
+@pytest.mark.parametrize(
+    "fmt, layout",
+    [
+        ("fp8_block", "compressed-tensors"),
+        ("fp8_block", "deepseek-fp8"),
+        ("fp8_tensor", "modelopt"),
+        ("mxfp8", "compressed-tensors"),
+        ("nvfp4", "modelopt"),
+        ("nvfp4", "compressed-tensors"),
+    ],
+)
 def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypatch, fmt, layout):
     """README command 1 installs no test extras: the main job's HF reload then uses the layouts'
     reference formulas, which must decode every layout/format it exports (exactly, except NVFP4's

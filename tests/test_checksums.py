@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist import run_distributed
 from torch.distributed.checkpoint.api import CheckpointException
 from typer.testing import CliRunner
 
@@ -20,8 +21,6 @@ import ckptq
 from ckptq.checksums import checksum, checksum_key, payload
 from ckptq.contract import read_checksums
 from ckptq.io import ChecksumFileSystemWriter, SafeFileSystemReader, dcp_failure, read_metadata
-
-from _dist import run_distributed
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
 
@@ -59,8 +58,12 @@ def _flip(path, fqn: str) -> tuple[str, int, int]:
 def _load(path, sd, *, reader=True, **planner_kwargs):
     try:
         if reader:
-            dcp.load(sd, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner(**planner_kwargs),
-                     no_dist=True)
+            dcp.load(
+                sd,
+                storage_reader=SafeFileSystemReader(path),
+                planner=ckptq.QuantizedLoadPlanner(**planner_kwargs),
+                no_dist=True,
+            )
         else:
             dcp.load(sd, checkpoint_id=str(path), planner=ckptq.QuantizedLoadPlanner(**planner_kwargs), no_dist=True)
     except CheckpointException as e:
@@ -155,8 +158,9 @@ def test_offline_tools_write_checksums(tmp_path):
 
 def test_async_save_records_checksums(tmp_path):
     sd = _state()
-    fut = dcp.async_save(sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck"),
-                         planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    fut = dcp.async_save(
+        sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner(), no_dist=True
+    )
     fut.result()
     md = read_metadata(tmp_path / "ck")
     assert set(read_checksums(md.planner_data)) == {checksum_key(i) for i in md.storage_data}
@@ -168,8 +172,10 @@ def _two_rank_save(rank, world, path):
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(64 * 256, dtype=torch.float32).reshape(64, 256) / 1000
-    sd = {"w": distribute_tensor(full.clone(), mesh, [Shard(0)]),
-          "q": distribute_tensor(full.clone(), mesh, [Shard(0)])}
+    sd = {
+        "w": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+        "q": distribute_tensor(full.clone(), mesh, [Shard(0)]),
+    }
     sd = ckptq.quantize_state_dict(sd, {"q": "mxfp8"})
     dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=ckptq.QuantizedSavePlanner())
 
@@ -211,8 +217,10 @@ def test_export_writes_checksums_that_reads_and_verify_check(tmp_path):
     from ckptq.export import export_checkpoint
     from ckptq.verify import check_integrity
 
-    sd = {"model.layers.0.mlp.weight": ckptq.quantize(torch.randn(64, 128), "mxfp8"),
-          "model.norm.weight": torch.randn(128)}
+    sd = {
+        "model.layers.0.mlp.weight": ckptq.quantize(torch.randn(64, 128), "mxfp8"),
+        "model.norm.weight": torch.randn(128),
+    }
     _save(sd, tmp_path / "ck")
     export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout="compressed-tensors")
     files = sorted((tmp_path / "hf").glob("*.safetensors"))
@@ -228,7 +236,7 @@ def test_export_writes_checksums_that_reads_and_verify_check(tmp_path):
     n = int.from_bytes(data[:8], "little")
     import json
 
-    start, end = json.loads(data[8:8 + n])[name]["data_offsets"]
+    start, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
     data[8 + n + (start + end) // 2] ^= 1
     files[0].write_bytes(bytes(data))
     report = check_integrity(tmp_path / "hf")

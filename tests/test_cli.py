@@ -50,8 +50,14 @@ def test_inspect_json(ckpt):
     assert rows["nv"]["bits_per_element"] == pytest.approx(55300 * 8 / (256 * 384))
     assert (rows["mx"]["mode"], rows["mx"]["bytes"]) == ("high_precision", 2 * 256 * 384)
     assert rows["step"]["format"] == "bytes"
-    assert report["summary"]["formats"] == {"bytes": 1, "float32": 1, "fp8_block": 1, "fp8_tensor": 1,
-                                            "mxfp8": 1, "nvfp4": 1}
+    assert report["summary"]["formats"] == {
+        "bytes": 1,
+        "float32": 1,
+        "fp8_block": 1,
+        "fp8_tensor": 1,
+        "mxfp8": 1,
+        "nvfp4": 1,
+    }
     assert "stats" not in rows["nv"]
 
 
@@ -201,14 +207,17 @@ def test_convert_to_an_unknown_target_names_the_flag_and_the_formats(ckpt, tmp_p
     )
 
 
-@pytest.mark.parametrize("args, flag", [
-    (["--dtype", "int8"], "--dtype int8"),
-    (["--misaligned", "maybe"], "--misaligned maybe"),
-    (["--grouped", "stacks"], "--grouped stacks"),
-    (["--mode", "fast"], "--mode fast"),
-    (["--plan", "fsdp2-tp", "--mesh", "dp_shard=2,tp=2", "--rule", "*.q"], "--rule *.q"),
-    (["--plan", "no-such-plan.json"], "--plan no-such-plan.json"),
-])
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (["--dtype", "int8"], "--dtype int8"),
+        (["--misaligned", "maybe"], "--misaligned maybe"),
+        (["--grouped", "stacks"], "--grouped stacks"),
+        (["--mode", "fast"], "--mode fast"),
+        (["--plan", "fsdp2-tp", "--mesh", "dp_shard=2,tp=2", "--rule", "*.q"], "--rule *.q"),
+        (["--plan", "no-such-plan.json"], "--plan no-such-plan.json"),
+    ],
+)
 def test_reshard_option_typos_exit_2(ckpt, tmp_path, args, flag):
     path, _ = ckpt
     r = _run(["reshard", path, tmp_path / "out", *args])
@@ -225,20 +234,55 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
 
     path, _ = ckpt
     cases = [
-        (["reshard", path, tmp_path / "cli1", "--mesh", "2", "--mode", "native"],
-         lambda dst: ckptq.reshard_checkpoint(path, dst, mesh="2", mode="native")),
-        (["convert", path, tmp_path / "cli2", "--to", "fp8_block", "--block", "1x128", "--no-pow2",
-          "--mesh", "dp_shard=2", "--misaligned", "high-precision"],
-         lambda dst: ckptq.convert_checkpoint(path, dst, to="fp8_block", block=(1, 128), pow2=False,
-                                              mesh=MeshSpec(("dp_shard",), (2,)), misaligned="high_precision")),
-        (["convert", path, tmp_path / "cli3", "--to", "fp16"], lambda dst: ckptq.convert_checkpoint(path, dst, to="fp16")),
+        (
+            ["reshard", path, tmp_path / "cli1", "--mesh", "2", "--mode", "native"],
+            lambda dst: ckptq.reshard_checkpoint(path, dst, mesh="2", mode="native"),
+        ),
+        (
+            [
+                "convert",
+                path,
+                tmp_path / "cli2",
+                "--to",
+                "fp8_block",
+                "--block",
+                "1x128",
+                "--no-pow2",
+                "--mesh",
+                "dp_shard=2",
+                "--misaligned",
+                "high-precision",
+            ],
+            lambda dst: ckptq.convert_checkpoint(
+                path,
+                dst,
+                to="fp8_block",
+                block=(1, 128),
+                pow2=False,
+                mesh=MeshSpec(("dp_shard",), (2,)),
+                misaligned="high_precision",
+            ),
+        ),
+        (
+            ["convert", path, tmp_path / "cli3", "--to", "fp16"],
+            lambda dst: ckptq.convert_checkpoint(path, dst, to="fp16"),
+        ),
     ]
     for i, (args, call) in enumerate(cases):
         r = _run([*args, "--json"])
         assert r.exit_code == 0, r.stderr
         result = call(tmp_path / f"lib{i}")
-        assert set(result) == {"path", "world_size", "bytes_per_rank", "tensors", "requantized", "plan", "processes",
-                               "process_rank", "seconds"}
+        assert set(result) == {
+            "path",
+            "world_size",
+            "bytes_per_rank",
+            "tensors",
+            "requantized",
+            "plan",
+            "processes",
+            "process_rank",
+            "seconds",
+        }
         assert result["plan"] == json.loads(r.stdout)["plan"]
         assert _tree_bytes(tmp_path / f"lib{i}") == _tree_bytes(args[2]), args
         assert _run(["verify", tmp_path / f"lib{i}", args[2]]).exit_code == 0

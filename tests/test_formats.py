@@ -15,10 +15,10 @@ import re
 
 import pytest
 import torch
+from conftest import assert_same_bytes, assert_same_components, raw_bytes
 
 import ckptq
 from ckptq import numerics as N
-from conftest import assert_same_bytes, assert_same_components, raw_bytes
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -120,7 +120,7 @@ def _randn(shape, seed=0, dtype=torch.float32):
 def quantized():
     """One quantized (288, 400) tensor per case, shared by the read-only tests."""
     x = _randn(SHAPE, seed=1) * 3
-    return {i: ckptq.quantize(x, f, **r) for i, (f, r) in zip(IDS, CASES)}
+    return {i: ckptq.quantize(x, f, **r) for i, (f, r) in zip(IDS, CASES, strict=False)}
 
 
 # =============================================================================================== #
@@ -347,7 +347,7 @@ def test_detach_to_cpu(quantized, case):
     c = qt.to("cpu", copy=True)
     assert type(c) is type(qt)
     assert_same_components(c, qt, "to(copy=True)")
-    assert all(a != b for a, b in zip(_storage_ptrs(c).values(), _storage_ptrs(qt).values()))
+    assert all(a != b for a, b in zip(_storage_ptrs(c).values(), _storage_ptrs(qt).values(), strict=False))
     assert qt.to(torch.device("cpu"), qt.dtype) is qt
 
 
@@ -594,7 +594,7 @@ def test_deepcopy(quantized, case):
     c = copy.deepcopy(qt)
     assert type(c) is type(qt) and c.shape == qt.shape and c.dtype == qt.dtype and c.recipe == qt.recipe
     assert_same_components(c, qt, "deepcopy")
-    assert all(a != b for a, b in zip(_storage_ptrs(c).values(), _storage_ptrs(qt).values()))
+    assert all(a != b for a, b in zip(_storage_ptrs(c).values(), _storage_ptrs(qt).values(), strict=False))
 
 
 @pytest.mark.parametrize("case", IDS)
@@ -623,7 +623,7 @@ def test_traceable_wrapper_protocol(quantized, case):
     assert type(back) is type(qt) and back.shape == qt.shape and back.recipe == qt.recipe
     assert_same_components(back, qt, "transform_subclass")
     with pytest.raises(AttributeError):
-        qt.no_such_attribute
+        _ = qt.no_such_attribute
 
 
 def test_nan_payload_survives_serialization(backend):

@@ -54,8 +54,9 @@ def test_fuzz_subset_finds_nothing_bad(fuzz_run):
     assert len(fuzz_run["cases"]) == 60
     assert {c["base"] for c in fuzz_run["cases"]} == {"native1", "native2", "hp1", "hp2", "plain1", "te1"}
     assert not fuzz_run["canary"]
-    bad = [c for c in fuzz_run["cases"] if c["class"] in ("CODE_EXECUTED", "HANG", "BIG_ALLOC", "UNCAUGHT",
-                                                          "SILENT_WRONG")]
+    bad = [
+        c for c in fuzz_run["cases"] if c["class"] in ("CODE_EXECUTED", "HANG", "BIG_ALLOC", "UNCAUGHT", "SILENT_WRONG")
+    ]
     assert not bad, bad
     assert counts["CKPTQ_ERROR"] >= 30  # most mutants are malformed, and said so
 
@@ -85,8 +86,12 @@ def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzzbase") / "ck"
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 64, generator=g)
-    sd = {"w": ckptq.quantize(x, "mxfp8"), "n": ckptq.quantize(x, "nvfp4"), "b": torch.randn(64, generator=g),
-          "step": 3}
+    sd = {
+        "w": ckptq.quantize(x, "mxfp8"),
+        "n": ckptq.quantize(x, "nvfp4"),
+        "b": torch.randn(64, generator=g),
+        "step": 3,
+    }
     dcp.save(sd, checkpoint_id=str(root), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
     return root
 
@@ -119,11 +124,19 @@ def _targets() -> dict:
 def _all_paths_fail(path: Path, match: str, *, exc=CheckpointFormatError, metadata_only=True, targets=None) -> None:
     """read_metadata, CheckpointView, inspect, verify and dcp.load all raise ``exc`` matching ``match``."""
     targets = targets or _targets
-    calls = [lambda: read_metadata(path), lambda: CheckpointView(path), lambda: inspect_checkpoint(path),
-             lambda: verify_checkpoints(path, path), lambda: _load(path, targets())]
+    calls = [
+        lambda: read_metadata(path),
+        lambda: CheckpointView(path),
+        lambda: inspect_checkpoint(path),
+        lambda: verify_checkpoints(path, path),
+        lambda: _load(path, targets()),
+    ]
     if not metadata_only:  # the damage is in the data: only the reads see it
-        calls = [lambda: [CheckpointView(path).read(e.fqn) for e in CheckpointView(path).entries() if e.kind != "bytes"],
-                 lambda: inspect_checkpoint(path, stats=True), lambda: _load(path, targets())]
+        calls = [
+            lambda: [CheckpointView(path).read(e.fqn) for e in CheckpointView(path).entries() if e.kind != "bytes"],
+            lambda: inspect_checkpoint(path, stats=True),
+            lambda: _load(path, targets()),
+        ]
     for call in calls:
         with pytest.raises(exc, match=match):
             call()
@@ -150,30 +163,36 @@ def test_missing_and_truncated_metadata(ck):
     _all_paths_fail(ck, "interrupted")
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("offset", -5, "malformed storage location"),
-    ("length", -1, "malformed storage location"),
-    ("offset", 10 ** 9, "truncated"),
-    ("length", 10 ** 12, "truncated|overlap"),
-    ("offset", 0, "overlap"),
-    ("relative_path", "__7_0.distcp", "missing"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("offset", -5, "malformed storage location"),
+        ("length", -1, "malformed storage location"),
+        ("offset", 10**9, "truncated"),
+        ("length", 10**12, "truncated|overlap"),
+        ("offset", 0, "overlap"),
+        ("relative_path", "__7_0.distcp", "missing"),
+    ],
+)
 def test_wrong_storage_offsets_and_lengths(ck, field, value, match):
     _edit(ck, lambda md: setattr(_storage(md, "b"), field, value))
     _all_paths_fail(ck, match)
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda c, e: setattr(c, "sizes", torch.Size([-64])), "outside the tensor"),
-    (lambda c, e: setattr(c, "sizes", torch.Size([2 ** 40])), "outside the tensor"),
-    (lambda c, e: setattr(c, "sizes", torch.Size([32])), "cover 32 of its 64"),
-    (lambda c, e: setattr(c, "sizes", [64, 1]), "malformed chunk"),
-    (lambda c, e: setattr(c, "sizes", "64"), "malformed chunk"),
-    (lambda c, e: e.chunks.append(ChunkStorageMetadata(torch.Size([0]), torch.Size([64]))), "no storage|overlap"),
-    (lambda c, e: e.chunks.clear(), "cover 0 of its 64"),
-    (lambda c, e: setattr(e, "size", torch.Size([128])), "cover 64 of its 128"),
-    (lambda c, e: setattr(e, "size", [-1]), "malformed size"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda c, e: setattr(c, "sizes", torch.Size([-64])), "outside the tensor"),
+        (lambda c, e: setattr(c, "sizes", torch.Size([2**40])), "outside the tensor"),
+        (lambda c, e: setattr(c, "sizes", torch.Size([32])), "cover 32 of its 64"),
+        (lambda c, e: setattr(c, "sizes", [64, 1]), "malformed chunk"),
+        (lambda c, e: setattr(c, "sizes", "64"), "malformed chunk"),
+        (lambda c, e: e.chunks.append(ChunkStorageMetadata(torch.Size([0]), torch.Size([64]))), "no storage|overlap"),
+        (lambda c, e: e.chunks.clear(), "cover 0 of its 64"),
+        (lambda c, e: setattr(e, "size", torch.Size([128])), "cover 64 of its 128"),
+        (lambda c, e: setattr(e, "size", [-1]), "malformed size"),
+    ],
+)
 def test_chunk_geometry(ck, edit, match):
     def fn(md):
         e = md.state_dict_metadata["b"]
@@ -205,20 +224,27 @@ def test_absurd_size_is_refused_without_allocating(ck):
 
     def fn(md):
         e = md.state_dict_metadata["b"]
-        e.size = torch.Size([2 ** 40])
-        e.chunks[0].sizes = torch.Size([2 ** 40])
+        e.size = torch.Size([2**40])
+        e.chunks[0].sizes = torch.Size([2**40])
 
     _edit(ck, fn)
     tracemalloc.start()
     try:
-        for call in (lambda: read_metadata(ck), lambda: CheckpointView(ck), lambda: inspect_checkpoint(ck, stats=True),
-                     lambda: verify_checkpoints(ck, ck), lambda: _load(ck, {"b": torch.zeros(64)})):
-            with pytest.raises(CheckpointFormatError, match=r"needs at least 4398046511104 bytes.*'b'|'b'.*needs at least"):
+        for call in (
+            lambda: read_metadata(ck),
+            lambda: CheckpointView(ck),
+            lambda: inspect_checkpoint(ck, stats=True),
+            lambda: verify_checkpoints(ck, ck),
+            lambda: _load(ck, {"b": torch.zeros(64)}),
+        ):
+            with pytest.raises(
+                CheckpointFormatError, match=r"needs at least 4398046511104 bytes.*'b'|'b'.*needs at least"
+            ):
                 call()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 64 * 2 ** 20, peak  # Python-side peak; the refusal precedes any torch.empty
+    assert peak < 64 * 2**20, peak  # Python-side peak; the refusal precedes any torch.empty
 
 
 def test_absurd_size_is_refused_without_allocating_rss(ck):
@@ -226,8 +252,8 @@ def test_absurd_size_is_refused_without_allocating_rss(ck):
 
     def fn(md):
         e = md.state_dict_metadata["w.data"]
-        e.size = torch.Size([2 ** 20, 2 ** 20])
-        e.chunks[0].sizes = torch.Size([2 ** 20, 2 ** 20])
+        e.size = torch.Size([2**20, 2**20])
+        e.chunks[0].sizes = torch.Size([2**20, 2**20])
 
     _edit(ck, fn)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -240,8 +266,13 @@ def test_dtype_that_disagrees_with_the_record(ck):
     # bfloat16 needs fewer bytes than the float32 record holds: only the record check sees it
     _edit(ck, lambda md: setattr(md.state_dict_metadata["b"].properties, "dtype", torch.bfloat16))
     read_metadata(ck)  # the metadata alone is consistent
-    _all_paths_fail(ck, r"record holds a float32 tensor of shape \[64\], but the metadata gives this chunk "
-                        r"bfloat16 \[64\]", metadata_only=False, targets=lambda: {"b": torch.zeros(64, dtype=torch.bfloat16)})
+    _all_paths_fail(
+        ck,
+        r"record holds a float32 tensor of shape \[64\], but the metadata gives this chunk "
+        r"bfloat16 \[64\]",
+        metadata_only=False,
+        targets=lambda: {"b": torch.zeros(64, dtype=torch.bfloat16)},
+    )
 
 
 def test_record_of_another_shape(ck):
@@ -263,31 +294,38 @@ def test_corrupt_record_names_file_range_and_entry(ck):
     info = _storage(md, "b")
     f = ck / info.relative_path
     blob = bytearray(f.read_bytes())
-    blob[info.offset:info.offset + 30] = b"\xff" * 30  # the zip header of the record
+    blob[info.offset : info.offset + 30] = b"\xff" * 30  # the zip header of the record
     f.write_bytes(bytes(blob))
-    _all_paths_fail(ck, rf"'b' \(chunk at offsets \[0\]\), record '__0_0.distcp' bytes {info.offset}\.\."
-                        rf"{info.offset + info.length}: the record is truncated or corrupt", metadata_only=False)
+    _all_paths_fail(
+        ck,
+        rf"'b' \(chunk at offsets \[0\]\), record '__0_0.distcp' bytes {info.offset}\.\."
+        rf"{info.offset + info.length}: the record is truncated or corrupt",
+        metadata_only=False,
+    )
 
 
-@pytest.mark.parametrize("edit,match", [
-    (lambda d: d["tensors"]["w"].update(shape=[-64, 64]), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"].update(shape=[2 ** 40, 64]), "descriptor says|do not match"),
-    (lambda d: d["tensors"]["w"].update(format=["mxfp8"]), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"].update(dtype="float128"), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"].update(dtype="float8_e4m3fn"), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"].update(recipe={"columnwise": "yes"}), "invalid recipe"),
-    (lambda d: d["tensors"]["w"].update(recipe={"columnwise": False, "new_option": 1}), "unknown to this ckptq"),
-    (lambda d: d["tensors"]["w"].update(recipe=[1]), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"]["components"]["data"].update(dtype="uint8"), "descriptor says"),
-    (lambda d: d["tensors"]["w"]["components"]["data"].update(fqn="n.data"), "claimed by|descriptor says"),
-    (lambda d: d["tensors"]["w"].update(components=None), "malformed descriptor"),
-    (lambda d: d["tensors"].update(w="mxfp8"), "malformed descriptor"),
-    (lambda d: d["tensors"]["w"].update(version=99), "newer than this ckptq"),
-    (lambda d: d.update(version="1"), "not a contract version"),
-    (lambda d: d.update(version=2), "newer ckptq"),
-    (lambda d: d.update(world_size=-2), "world_size"),
-    (lambda d: d.update(tensors={1: {}}), "not a string"),
-])
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda d: d["tensors"]["w"].update(shape=[-64, 64]), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"].update(shape=[2**40, 64]), "descriptor says|do not match"),
+        (lambda d: d["tensors"]["w"].update(format=["mxfp8"]), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"].update(dtype="float128"), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"].update(dtype="float8_e4m3fn"), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"].update(recipe={"columnwise": "yes"}), "invalid recipe"),
+        (lambda d: d["tensors"]["w"].update(recipe={"columnwise": False, "new_option": 1}), "unknown to this ckptq"),
+        (lambda d: d["tensors"]["w"].update(recipe=[1]), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"]["components"]["data"].update(dtype="uint8"), "descriptor says"),
+        (lambda d: d["tensors"]["w"]["components"]["data"].update(fqn="n.data"), "claimed by|descriptor says"),
+        (lambda d: d["tensors"]["w"].update(components=None), "malformed descriptor"),
+        (lambda d: d["tensors"].update(w="mxfp8"), "malformed descriptor"),
+        (lambda d: d["tensors"]["w"].update(version=99), "newer than this ckptq"),
+        (lambda d: d.update(version="1"), "not a contract version"),
+        (lambda d: d.update(version=2), "newer ckptq"),
+        (lambda d: d.update(world_size=-2), "world_size"),
+        (lambda d: d.update(tensors={1: {}}), "not a string"),
+    ],
+)
 def test_malformed_descriptors(ck, edit, match):
     _edit(ck, lambda md: edit(md.planner_data["__ckptq__"]))
     _all_paths_fail(ck, match)
@@ -297,8 +335,11 @@ def test_unknown_format_is_a_ckptq_error_where_its_values_are_needed(ck):
     _edit(ck, lambda md: md.planner_data["__ckptq__"]["tensors"]["w"].update(format="int3"))
     rows = {r["fqn"]: r for r in inspect_checkpoint(ck)["tensors"]}  # the metadata lists it
     assert rows["w"]["format"] == "int3"
-    for call in (lambda: CheckpointView(ck).read("w"), lambda: inspect_checkpoint(ck, stats=True),
-                 lambda: _load(ck, _targets())):
+    for call in (
+        lambda: CheckpointView(ck).read("w"),
+        lambda: inspect_checkpoint(ck, stats=True),
+        lambda: _load(ck, _targets()),
+    ):
         with pytest.raises(CkptqError, match="unknown format 'int3'"):
             call()
 
@@ -339,8 +380,9 @@ def test_dcp_failure_recovers_the_ckptq_error_of_a_metadata_read(ck):
     CheckpointException; dcp_failure returns the reader's own error."""
     (ck / "__0_0.distcp").unlink()
     with pytest.raises(CheckpointException) as ei:
-        dcp.load(_targets(), storage_reader=SafeFileSystemReader(ck), planner=ckptq.QuantizedLoadPlanner(),
-                 no_dist=True)
+        dcp.load(
+            _targets(), storage_reader=SafeFileSystemReader(ck), planner=ckptq.QuantizedLoadPlanner(), no_dist=True
+        )
     err = dcp_failure(ei.value, str(ck))
     assert isinstance(err, CheckpointFormatError) and "data file '__0_0.distcp'" in str(err)
     assert not isinstance(ei.value, Exception)  # why `except Exception` misses it
@@ -357,8 +399,11 @@ def test_check_storage_is_one_function(ck):
 def test_valid_checkpoints_still_read(base, tmp_path):
     """The checks refuse nothing DCP and ckptq write: plain, native, high precision, resharded, TE."""
     ckptq.reshard_checkpoint(base, tmp_path / "r3", mesh="2")
-    dcp.save({"a": torch.zeros(0), "s": torch.tensor(2.0), "c": torch.randn(3, 5).to(torch.complex64)},
-             checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    dcp.save(
+        {"a": torch.zeros(0), "s": torch.tensor(2.0), "c": torch.randn(3, 5).to(torch.complex64)},
+        checkpoint_id=str(tmp_path / "plain"),
+        no_dist=True,
+    )
     for p in (base, tmp_path / "r3", tmp_path / "plain"):
         inspect_checkpoint(p, stats=True)
         assert verify_checkpoints(p, p)["summary"]["ok"]
@@ -368,16 +413,24 @@ def test_valid_checkpoints_still_read(base, tmp_path):
 def test_chunk_geometry_matches_brute_force():
     """check_storage accepts a chunk list exactly when the chunks lie inside the tensor, do not
     overlap and cover it (brute force over every element), for random small 1-3 d layouts."""
-    hypothesis = pytest.importorskip("hypothesis")
-    from hypothesis import given, settings, strategies as st
+    pytest.importorskip("hypothesis")
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
     @st.composite
     def layouts(draw):
         ndim = draw(st.integers(1, 3))
         size = [draw(st.integers(0, 5)) for _ in range(ndim)]
-        boxes = draw(st.lists(st.tuples(st.lists(st.integers(-1, 6), min_size=ndim, max_size=ndim),
-                                        st.lists(st.integers(-1, 6), min_size=ndim, max_size=ndim)), max_size=5))
+        boxes = draw(
+            st.lists(
+                st.tuples(
+                    st.lists(st.integers(-1, 6), min_size=ndim, max_size=ndim),
+                    st.lists(st.integers(-1, 6), min_size=ndim, max_size=ndim),
+                ),
+                max_size=5,
+            )
+        )
         return size, boxes
 
     @settings(max_examples=300, deadline=None, derandomize=True)
@@ -386,15 +439,22 @@ def test_chunk_geometry_matches_brute_force():
         import itertools
 
         size, boxes = layout
-        chunks = [ChunkStorageMetadata(torch.Size([max(o, 0) for o in off]), torch.Size([max(s, 0) for s in sz]))
-                  if all(v >= 0 for v in off + sz) else ChunkStorageMetadata(off, sz) for off, sz in boxes]
-        md = Metadata({"t": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size(size), chunks)},
-                      storage_data={})
-        inside = all(all(o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(off, sz, size)) for off, sz in boxes)
+        chunks = [
+            ChunkStorageMetadata(torch.Size([max(o, 0) for o in off]), torch.Size([max(s, 0) for s in sz]))
+            if all(v >= 0 for v in off + sz)
+            else ChunkStorageMetadata(off, sz)
+            for off, sz in boxes
+        ]
+        md = Metadata(
+            {"t": TensorStorageMetadata(TensorProperties(torch.float32), torch.Size(size), chunks)}, storage_data={}
+        )
+        inside = all(
+            all(o >= 0 and s >= 0 and o + s <= d for o, s, d in zip(off, sz, size, strict=False)) for off, sz in boxes
+        )
         counts = {}
         if inside:
             for off, sz in boxes:
-                for p in itertools.product(*[range(o, o + s) for o, s in zip(off, sz)]):
+                for p in itertools.product(*[range(o, o + s) for o, s in zip(off, sz, strict=False)]):
                     counts[p] = counts.get(p, 0) + 1
         numel = 1
         for d in size:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from conftest import assert_same_bytes, assert_same_components
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -24,8 +24,6 @@ from ckptq.checkpoint import open_checkpoint
 from ckptq.cli import app
 from ckptq.errors import CheckpointFormatError, CkptqError, UnsupportedFormatError, UsageError
 from ckptq.export import export_checkpoint, parse_size
-
-from conftest import assert_same_bytes, assert_same_components
 
 E4M3 = torch.float8_e4m3fn
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
@@ -84,25 +82,47 @@ def _read_all(folder: Path) -> dict[str, torch.Tensor]:
 def _expected(layout, fmt, m, k, recipe=None):
     c16, c32, c128 = -(-k // 16), -(-k // 32), -(-k // 128)
     table = {
-        ("modelopt", "nvfp4"): {"weight": (torch.uint8, (m, k // 2)), "weight_scale": (E4M3, (m, c16)),
-                                "weight_scale_2": (torch.float32, ())},
+        ("modelopt", "nvfp4"): {
+            "weight": (torch.uint8, (m, k // 2)),
+            "weight_scale": (E4M3, (m, c16)),
+            "weight_scale_2": (torch.float32, ()),
+        },
         ("modelopt", "mxfp8"): {"weight": (E4M3, (m, k)), "weight_scale": (torch.uint8, (m, c32))},
         ("modelopt", "fp8_tensor"): {"weight": (E4M3, (m, k)), "weight_scale": (torch.float32, ())},
-        ("compressed-tensors", "nvfp4"): {"weight_packed": (torch.uint8, (m, k // 2)), "weight_scale": (E4M3, (m, c16)),
-                                          "weight_global_scale": (torch.float32, (1,))},
+        ("compressed-tensors", "nvfp4"): {
+            "weight_packed": (torch.uint8, (m, k // 2)),
+            "weight_scale": (E4M3, (m, c16)),
+            "weight_global_scale": (torch.float32, (1,)),
+        },
         ("compressed-tensors", "mxfp8"): {"weight": (E4M3, (m, k)), "weight_scale": (torch.uint8, (m, c32))},
-        ("compressed-tensors", "fp8_block"): {"weight": (E4M3, (m, k)), "weight_scale": (torch.float32, (-(-m // 128), c128))},
+        ("compressed-tensors", "fp8_block"): {
+            "weight": (E4M3, (m, k)),
+            "weight_scale": (torch.float32, (-(-m // 128), c128)),
+        },
         ("compressed-tensors", "fp8_tensor"): {"weight": (E4M3, (m, k)), "weight_scale": (torch.float32, (1,))},
-        ("deepseek-fp8", "fp8_block"): {"weight": (E4M3, (m, k)), "weight_scale_inv": (torch.float32, (-(-m // 128), c128))},
+        ("deepseek-fp8", "fp8_block"): {
+            "weight": (E4M3, (m, k)),
+            "weight_scale_inv": (torch.float32, (-(-m // 128), c128)),
+        },
     }
     return table[(layout, fmt)]
 
 
-PAIRS = [("modelopt", "nvfp4"), ("modelopt", "mxfp8"), ("modelopt", "fp8_tensor"),
-         ("compressed-tensors", "nvfp4"), ("compressed-tensors", "mxfp8"), ("compressed-tensors", "fp8_block"),
-         ("compressed-tensors", "fp8_tensor"), ("deepseek-fp8", "fp8_block")]
-QUANTIZED = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-             "model.layers.0.mlp.down_proj.weight"]
+PAIRS = [
+    ("modelopt", "nvfp4"),
+    ("modelopt", "mxfp8"),
+    ("modelopt", "fp8_tensor"),
+    ("compressed-tensors", "nvfp4"),
+    ("compressed-tensors", "mxfp8"),
+    ("compressed-tensors", "fp8_block"),
+    ("compressed-tensors", "fp8_tensor"),
+    ("deepseek-fp8", "fp8_block"),
+]
+QUANTIZED = [
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.mlp.down_proj.weight",
+]
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -149,11 +169,15 @@ def test_export_files_names_dtypes_config(plain, exports, layout, fmt):
     cfg = json.loads((dst / "config.json").read_text())
     qc = cfg["quantization_config"]
     if layout == "compressed-tensors":
-        from_fmt = {"nvfp4": "nvfp4-pack-quantized", "mxfp8": "mxfp8-quantized", "fp8_block": "float-quantized",
-                    "fp8_tensor": "float-quantized"}
+        from_fmt = {
+            "nvfp4": "nvfp4-pack-quantized",
+            "mxfp8": "mxfp8-quantized",
+            "fp8_block": "float-quantized",
+            "fp8_tensor": "float-quantized",
+        }
         assert qc["quant_method"] == "compressed-tensors" and qc["format"] == from_fmt[fmt]
         assert qc["quantization_status"] == "compressed" and "lm_head" in qc["ignore"]
-        ct = pytest.importorskip("compressed_tensors")
+        pytest.importorskip("compressed_tensors")
         from compressed_tensors.quantization import QuantizationConfig
 
         QuantizationConfig.model_validate(qc)  # the consumer's own schema
@@ -166,8 +190,13 @@ def test_export_files_names_dtypes_config(plain, exports, layout, fmt):
         if fmt == "nvfp4":
             assert hq["quantization"]["group_size"] == 16
     else:
-        assert qc == {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                      "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "model.norm"]}
+        assert qc == {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": ["lm_head", "model.norm"],
+        }
 
 
 @pytest.mark.parametrize("layout,fmt", PAIRS)
@@ -241,7 +270,7 @@ def test_consumer_reference_formulas(plain, exports, layout, fmt):
     tensors = _read_all(dst)
     for fqn in QUANTIZED:
         module = fqn[: -len(".weight")]
-        t = {k[len(module) + 1:]: v for k, v in tensors.items() if k.startswith(module + ".")}
+        t = {k[len(module) + 1 :]: v for k, v in tensors.items() if k.startswith(module + ".")}
         ours = ckptq.requantize(plain[1][fqn], fmt).dequantize(torch.float32)
         if fmt == "nvfp4" and layout == "modelopt":
             theirs = _modelopt_nvfp4_reference(t)
@@ -250,11 +279,16 @@ def test_consumer_reference_formulas(plain, exports, layout, fmt):
             q = torch.stack([E2M1[(w & 0xF).long()], E2M1[(w >> 4).long()]], -1).reshape(w.shape[0], -1)
             theirs = q * (t["weight_scale"].float() / t["weight_global_scale"]).repeat_interleave(16, -1)
         elif fmt == "mxfp8":  # q * 2^(u8 - 127)
-            theirs = t["weight"].float() * torch.exp2(t["weight_scale"].float() - 127).repeat_interleave(32, -1)[:, : t["weight"].shape[1]]
+            theirs = (
+                t["weight"].float()
+                * torch.exp2(t["weight_scale"].float() - 127).repeat_interleave(32, -1)[:, : t["weight"].shape[1]]
+            )
         elif fmt == "fp8_tensor":
             theirs = t["weight"].float() * t["weight_scale"].reshape(())
         else:
-            theirs = _block_reference(t["weight"], t["weight_scale_inv" if layout == "deepseek-fp8" else "weight_scale"], 128, 128)
+            theirs = _block_reference(
+                t["weight"], t["weight_scale_inv" if layout == "deepseek-fp8" else "weight_scale"], 128, 128
+            )
         u = _ulps(theirs, ours)
         if fmt == "nvfp4":
             # two fp32 roundings in ckptq ((s*amax)*(1/2688)) vs one global scale in the layout: the
@@ -331,7 +365,7 @@ def test_nvfp4_global_scale_bound_and_roundtrip():
     g = torch.Generator().manual_seed(3)
     worst = {"ws2": 0, "gs": 0}
     exact = {"ws2": 0, "gs": 0}
-    for i in range(200):
+    for _i in range(200):
         x = torch.randn(16, 64, generator=g) * float(10 ** torch.empty(()).uniform_(-4, 4, generator=g))
         qt = ckptq.quantize(x, "nvfp4")
         c = qt.components()
@@ -347,8 +381,13 @@ def test_nvfp4_global_scale_bound_and_roundtrip():
 # ----------------------------------------------------------------------------- names
 def test_rename_rules(plain, tmp_path):
     dst = tmp_path / "renamed"
-    export_checkpoint(plain[0], dst, layout="deepseek-fp8", format="fp8_block",
-                      names=["model.layers.*=layers.*", "lm_head.weight=output.weight"])
+    export_checkpoint(
+        plain[0],
+        dst,
+        layout="deepseek-fp8",
+        format="fp8_block",
+        names=["model.layers.*=layers.*", "lm_head.weight=output.weight"],
+    )
     names = set(_read_all(dst))
     assert "layers.0.mlp.down_proj.weight_scale_inv" in names and "output.weight" in names
     from ckptq.io.safetensors import SafetensorsView
@@ -380,7 +419,9 @@ def test_refusals(native, plain, tmp_path):
     _nothing_written(dst)
     # FP4 cannot pack an odd K / the consumers need K % 16 == 0
     odd = tmp_path / "odd"
-    dcp.save({"a.weight": torch.randn(8, 33, dtype=torch.bfloat16), "b.weight": torch.randn(8, 40)}, checkpoint_id=str(odd))
+    dcp.save(
+        {"a.weight": torch.randn(8, 33, dtype=torch.bfloat16), "b.weight": torch.randn(8, 40)}, checkpoint_id=str(odd)
+    )
     with pytest.raises(UnsupportedFormatError, match=r"a\.weight.*K = 33.*--ignore"):
         export_checkpoint(odd, dst, layout="compressed-tensors", format="nvfp4")
     with pytest.raises(UnsupportedFormatError, match=r"b\.weight.*multiple of 16"):
@@ -419,7 +460,10 @@ def test_bad_folders(plain, exports, tmp_path):
     # a scale of the wrong shape (config block size disagrees with the tensors)
     wrong = tmp_path / "wrong"
     wrong.mkdir()
-    save_file({"m.weight": torch.zeros(256, 256).to(E4M3), "m.weight_scale_inv": torch.ones(4, 4)}, str(wrong / "model.safetensors"))
+    save_file(
+        {"m.weight": torch.zeros(256, 256).to(E4M3), "m.weight_scale_inv": torch.ones(4, 4)},
+        str(wrong / "model.safetensors"),
+    )
     with pytest.raises(CheckpointFormatError, match=r"m\.weight_scale_inv.*\[4, 4\].*needs \[2, 2\]"):
         open_checkpoint(wrong)
     # CLI: usage error exits 2, a refused export exits 1, nothing written
@@ -433,8 +477,23 @@ def test_bad_folders(plain, exports, tmp_path):
 def test_single_file_and_cli_export(plain, tmp_path):
     """A single .safetensors file (no config) is detected from its names; the CLI maps flags to one call."""
     out = tmp_path / "cli"
-    r = CliRunner().invoke(app, ["export", str(plain[0]), str(out), "--layout", "modelopt", "--format", "nvfp4",
-                                 "--ignore", "*lm_head*", "--ignore", "*down_proj*", "--json"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(plain[0]),
+            str(out),
+            "--layout",
+            "modelopt",
+            "--format",
+            "nvfp4",
+            "--ignore",
+            "*lm_head*",
+            "--ignore",
+            "*down_proj*",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert "model.layers.0.mlp.down_proj.weight" in res["high_precision"]
@@ -475,10 +534,23 @@ def test_import_third_party_modelopt_folder(tmp_path):
         tensors[f"{name}.input_scale"] = torch.tensor(0.01171875)
     tensors["model.embed_tokens.weight"] = torch.randn(10, 128, generator=g).bfloat16()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
-                                                     "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}))
-    (folder / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.40"},
-                                                            "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "torch_dtype": "bfloat16",
+                "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"},
+            }
+        )
+    )
+    (folder / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt", "version": "0.40"},
+                "quantization": {"quant_algo": "NVFP4", "group_size": 16},
+            }
+        )
+    )
     view = open_checkpoint(folder)
     assert view.source == "safetensors (modelopt)"
     for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"):
@@ -487,11 +559,13 @@ def test_import_third_party_modelopt_folder(tmp_path):
         qt = view.read(f"{name}.weight")
         assert_same_bytes(qt.components()["data"], tensors[f"{name}.weight"])
         assert_same_bytes(qt.components()["scale"], tensors[f"{name}.weight_scale"])
-        ref = _modelopt_nvfp4_reference({k: tensors[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
+        ref = _modelopt_nvfp4_reference(
+            {k: tensors[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
+        )
         assert _ulps(qt.dequantize(torch.float32), ref) <= 2
     assert view.entry("model.layers.0.mlp.up_proj.input_scale").kind == "tensor"
     out = tmp_path / "ct"
-    res = export_checkpoint(folder, out, layout="compressed-tensors")
+    export_checkpoint(folder, out, layout="compressed-tensors")
     t = _read_all(out)
     for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"):
         assert_same_bytes(t[f"{name}.weight_packed"], tensors[f"{name}.weight"])
@@ -504,6 +578,8 @@ def test_import_third_party_modelopt_folder(tmp_path):
     t2 = _read_all(back)
     for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"):
         assert_same_bytes(t2[f"{name}.weight"], tensors[f"{name}.weight"])
-        ref = _modelopt_nvfp4_reference({k: tensors[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
+        ref = _modelopt_nvfp4_reference(
+            {k: tensors[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
+        )
         mine = _modelopt_nvfp4_reference({k: t2[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
         assert _ulps(mine, ref) <= 2

@@ -49,8 +49,12 @@ def qts():
 
 
 def _save(path, qts, mode):
-    sd = {"model": dict(qts), "norm": torch.tensor([1.0, float("nan"), float("inf"), -2.0]).bfloat16(),
-          "ids": torch.tensor([3, -1, 9]), "step": 7}
+    sd = {
+        "model": dict(qts),
+        "norm": torch.tensor([1.0, float("nan"), float("inf"), -2.0]).bfloat16(),
+        "ids": torch.tensor([3, -1, 9]),
+        "step": 7,
+    }
     dcp.save(sd, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner(mode=mode))
     return path
 
@@ -82,8 +86,13 @@ def test_native_rows_fold_components(native_ckpt, qts):
         assert sum(c["bytes"] for c in r["components"].values()) == nbytes
     nv = rows["model.nv"]
     assert nv["bytes"] == 55300 and nv["bits_per_element"] == pytest.approx(4.5003255)
-    assert nv["components"]["data"] == {"fqn": "model.nv.data", "dtype": "uint8", "shape": [256, 192],
-                                        "bytes": 49152, "chunks": 1}
+    assert nv["components"]["data"] == {
+        "fqn": "model.nv.data",
+        "dtype": "uint8",
+        "shape": [256, 192],
+        "bytes": 49152,
+        "chunks": 1,
+    }
     assert nv["components"]["amax"]["shape"] == [] and nv["recipe"] == {"two_d": False}
     assert rows["model.ft"]["dtype"] == "bfloat16" and rows["model.nv"]["dtype"] == "float32"
     assert (rows["norm"]["format"], rows["norm"]["mode"], rows["norm"]["bytes"]) == ("bfloat16", "plain", 8)
@@ -100,8 +109,15 @@ def test_native_summary(native_ckpt):
     assert s["total_bytes"] == total
     assert s["bf16_bytes"] == 2 * (6 * NUMEL + 4 + 3)
     assert s["ratio_vs_bf16"] == pytest.approx(total / s["bf16_bytes"])
-    assert s["formats"] == {"bfloat16": 1, "bytes": 1, "fp8_block": 1, "fp8_tensor": 1, "int64": 1,
-                            "mxfp8": 2, "nvfp4": 2}
+    assert s["formats"] == {
+        "bfloat16": 1,
+        "bytes": 1,
+        "fp8_block": 1,
+        "fp8_tensor": 1,
+        "int64": 1,
+        "mxfp8": 2,
+        "nvfp4": 2,
+    }
     assert (s["world_size"], s["world_size_source"], s["ckptq_version"], s["dcp_version"]) == (1, "ckptq", 1, "1.0.0")
 
 
@@ -109,7 +125,12 @@ def test_high_precision_rows(hp_ckpt, qts):
     rows = _rows(inspect_checkpoint(hp_ckpt))
     for k in qts:
         r = rows[f"model.{k}"]
-        assert (r["format"], r["mode"], r["stored_dtype"], r["components"]) == (FORMATS[k], "high_precision", "bfloat16", None)
+        assert (r["format"], r["mode"], r["stored_dtype"], r["components"]) == (
+            FORMATS[k],
+            "high_precision",
+            "bfloat16",
+            None,
+        )
         assert (r["bytes"], r["bits_per_element"], r["shape"]) == (2 * NUMEL, 16.0, list(SHAPE))
 
 
@@ -165,8 +186,11 @@ def test_stats_count_nan_of_dequantized_values(tmp_path):
 
 
 def test_plain_dcp_checkpoint(tmp_path):
-    sd = {"model": {"a": torch.randn(64, 32), "b": torch.arange(10, dtype=torch.int32)}, "step": 3,
-          "extra": {"lr": 0.1}}
+    sd = {
+        "model": {"a": torch.randn(64, 32), "b": torch.arange(10, dtype=torch.int32)},
+        "step": 3,
+        "extra": {"lr": 0.1},
+    }
     dcp.save(sd, checkpoint_id=tmp_path)
     report = inspect_checkpoint(tmp_path)
     rows = _rows(report)
@@ -268,8 +292,9 @@ def _save_two_ranks(rank, ws, root):
         size[dim] //= ws
         off[dim] = rank * size[dim]
         local = slice_box(qts[k], (tuple(off), tuple(size)))
-        sd[k] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(SHAPE),
-                                   stride=(SHAPE[1], 1))
+        sd[k] = DTensor.from_local(
+            local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1)
+        )
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner())
     return True
 

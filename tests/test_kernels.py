@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import ckptq
-from ckptq import ops
+from ckptq import numerics, ops
 from ckptq.errors import CkptqError
-from ckptq import numerics
 from ckptq.metrics import bit_exact
 from ckptq.ops import _backends
 
@@ -91,7 +90,9 @@ def assert_same(ref: dict, got: dict, what: str):
     assert list(ref) == list(got), f"{what}: components {list(got)} != {list(ref)}"
     for name in ref:
         r, g = ref[name], got[name]
-        assert r.dtype == g.dtype and r.shape == g.shape, f"{what}/{name}: {g.dtype}{tuple(g.shape)} vs {r.dtype}{tuple(r.shape)}"
+        assert r.dtype == g.dtype and r.shape == g.shape, (
+            f"{what}/{name}: {g.dtype}{tuple(g.shape)} vs {r.dtype}{tuple(r.shape)}"
+        )
         rb, gb = r.contiguous().reshape(-1).view(torch.uint8), g.contiguous().reshape(-1).view(torch.uint8)
         if not torch.equal(rb, gb):  # on the tensors' device; same check as ckptq.metrics.bit_exact
             rb, gb = rb.cpu(), gb.cpu()
@@ -113,10 +114,45 @@ def check_pair(src, dst_fmt, dst_rec, backend: str, **kw):
 def special_values(device="cpu") -> torch.Tensor:
     """fp32 edge values: zeros of both signs, +-inf, NaN (both signs), fp32 subnormals, values at
     and beyond the FP8 / E2M1 saturation points, ties of the E2M1 and FP8 grids."""
-    bits = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x00000001, 0x80000001,
-            0x007FFFFF, 0x00400000, 0x7F7FFFFF, 0xFF7FFFFF]
-    vals = [448.0, 464.0, 480.0, -479.9, 57344.0, 61440.0, 6.0, 5.0, 3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -0.25, -0.1,
-            2.0**-9, 2.0**-10, 1.5 * 2.0**-10, 2.0**-16, 2.0**-17, 1e-30, 1e30]
+    bits = [
+        0x00000000,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7FC00000,
+        0xFFC00000,
+        0x00000001,
+        0x80000001,
+        0x007FFFFF,
+        0x00400000,
+        0x7F7FFFFF,
+        0xFF7FFFFF,
+    ]
+    vals = [
+        448.0,
+        464.0,
+        480.0,
+        -479.9,
+        57344.0,
+        61440.0,
+        6.0,
+        5.0,
+        3.5,
+        2.5,
+        1.75,
+        1.25,
+        0.75,
+        0.25,
+        -0.25,
+        -0.1,
+        2.0**-9,
+        2.0**-10,
+        1.5 * 2.0**-10,
+        2.0**-16,
+        2.0**-17,
+        1e-30,
+        1e30,
+    ]
     t = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
     return torch.cat([t, torch.tensor(vals, dtype=torch.float32)]).to(device)
 
@@ -165,7 +201,9 @@ def test_pair_bit_exact_cpu(src, dst, shape, sources):
 
 
 @pytest.mark.parametrize("dst", TARGETS, ids=case_id)
-@pytest.mark.parametrize("src", [s for s in SOURCES if s[0] in HP or s[0] in ("mxfp8", "nvfp4", "fp8_block")], ids=case_id)
+@pytest.mark.parametrize(
+    "src", [s for s in SOURCES if s[0] in HP or s[0] in ("mxfp8", "nvfp4", "fp8_block")], ids=case_id
+)
 def test_edge_values_cpu(src, dst):
     """NaN, +-inf, -0.0, subnormals, saturation, an all-zero matrix (amax 0), tiny matrices."""
     _need_cpu()
@@ -181,26 +219,51 @@ def crafted_sources(device="cpu"):
     data = torch.randint(0, 256, (m, k), generator=g, dtype=torch.uint8)
     mx_scale = torch.randint(0, 256, (m, k // 32), generator=g, dtype=torch.uint8)
     mx_scale[0, :] = torch.tensor([0, 254, 255])
-    out.append(ckptq.from_components(
-        {"format": "mxfp8", "version": 1, "shape": [m, k], "dtype": "bfloat16", "recipe": {}},
-        {"data": data.view(E4M3), "scale": mx_scale}))
+    out.append(
+        ckptq.from_components(
+            {"format": "mxfp8", "version": 1, "shape": [m, k], "dtype": "bfloat16", "recipe": {}},
+            {"data": data.view(E4M3), "scale": mx_scale},
+        )
+    )
     for amax in (float("nan"), float("inf"), 0.0, 3.5):
         nv_scale = torch.randint(0, 256, (m, k // 16), generator=g, dtype=torch.uint8)
         nv_scale[1, 0] = 0x7F  # NaN block scale
-        out.append(ckptq.from_components(
-            {"format": "nvfp4", "version": 1, "shape": [m, k], "dtype": "float32", "recipe": {}},
-            {"data": torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8),
-             "scale": nv_scale.view(E4M3), "amax": torch.tensor(amax)}))
+        out.append(
+            ckptq.from_components(
+                {"format": "nvfp4", "version": 1, "shape": [m, k], "dtype": "float32", "recipe": {}},
+                {
+                    "data": torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8),
+                    "scale": nv_scale.view(E4M3),
+                    "amax": torch.tensor(amax),
+                },
+            )
+        )
     si = torch.tensor([[float("inf"), float("nan"), 0.0]]).expand(1, 3).clone()
     si = torch.cat([si, torch.tensor([[-2.0, 1e-30, 3.0]])])
-    out.append(ckptq.from_components(
-        {"format": "fp8_block", "version": 1, "shape": [m, k], "dtype": "float32",
-         "recipe": {"block": [32, 32], "fp8_dtype": "float8_e4m3fn"}},
-        {"data": data.view(E4M3), "scale_inv": si[:, :3].repeat(1, 1)[: -(-m // 32), : k // 32].contiguous()}))
-    out.append(ckptq.from_components(
-        {"format": "fp8_tensor", "version": 1, "shape": [m, k], "dtype": "float32",
-         "recipe": {"fp8_dtype": "float8_e5m2"}},
-        {"data": data.view(E5M2), "scale_inv": torch.tensor(0.5)}))
+    out.append(
+        ckptq.from_components(
+            {
+                "format": "fp8_block",
+                "version": 1,
+                "shape": [m, k],
+                "dtype": "float32",
+                "recipe": {"block": [32, 32], "fp8_dtype": "float8_e4m3fn"},
+            },
+            {"data": data.view(E4M3), "scale_inv": si[:, :3].repeat(1, 1)[: -(-m // 32), : k // 32].contiguous()},
+        )
+    )
+    out.append(
+        ckptq.from_components(
+            {
+                "format": "fp8_tensor",
+                "version": 1,
+                "shape": [m, k],
+                "dtype": "float32",
+                "recipe": {"fp8_dtype": "float8_e5m2"},
+            },
+            {"data": data.view(E5M2), "scale_inv": torch.tensor(0.5)},
+        )
+    )
     return [q.to(device) for q in out]
 
 
@@ -249,8 +312,14 @@ def cast_sweep(device="cpu") -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "dst",
-    [("fp8_tensor", {"fp8_dtype": E4M3}, {"scale": 1.0}), ("fp8_tensor", {"fp8_dtype": E5M2}, {"scale": 1.0}),
-     ("mxfp8", {}, {}), ("nvfp4", {}, {"amax": 2688.0}), ("bf16", {}, {}), ("fp16", {}, {})],
+    [
+        ("fp8_tensor", {"fp8_dtype": E4M3}, {"scale": 1.0}),
+        ("fp8_tensor", {"fp8_dtype": E5M2}, {"scale": 1.0}),
+        ("mxfp8", {}, {}),
+        ("nvfp4", {}, {"amax": 2688.0}),
+        ("bf16", {}, {}),
+        ("fp16", {}, {}),
+    ],
     ids=lambda c: c[0] + str(list(c[1].values())),
 )
 def test_cast_sweep_cpu(dst):
@@ -291,12 +360,45 @@ def opcheck_cases(device="cpu"):
         ([x], "bf16", [], "nvfp4", [1, 16], None, False, 0.0, False, None, None),
         ([x], "bf16", [], "fp8_block", [128, 128], E4M3, True, 0.0, False, None, None),
         ([x], "bf16", [], "fp8_tensor", [], E5M2, False, 0.0, False, amax, None),
-        ([mx._components["data"], mx._components["scale"]], "mxfp8", [1, 32], "nvfp4", [16, 16], None, False, 0.0,
-         False, None, None),
-        ([mx._components["data"], mx._components["scale"]], "mxfp8", [1, 32], "mxfp8", [1, 32], None, False, 0.0,
-         True, None, None),
-        ([nv._components["data"], nv._components["scale"], nv._components["amax"]], "nvfp4", [1, 16], "bf16", [],
-         None, False, 0.0, False, None, None),
+        (
+            [mx._components["data"], mx._components["scale"]],
+            "mxfp8",
+            [1, 32],
+            "nvfp4",
+            [16, 16],
+            None,
+            False,
+            0.0,
+            False,
+            None,
+            None,
+        ),
+        (
+            [mx._components["data"], mx._components["scale"]],
+            "mxfp8",
+            [1, 32],
+            "mxfp8",
+            [1, 32],
+            None,
+            False,
+            0.0,
+            True,
+            None,
+            None,
+        ),
+        (
+            [nv._components["data"], nv._components["scale"], nv._components["amax"]],
+            "nvfp4",
+            [1, 16],
+            "bf16",
+            [],
+            None,
+            False,
+            0.0,
+            False,
+            None,
+            None,
+        ),
     ]
 
 

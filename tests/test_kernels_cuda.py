@@ -23,7 +23,9 @@ from ckptq.ops import _backends
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-_spec = importlib.util.spec_from_file_location("_ckptq_kernel_cases", pathlib.Path(__file__).with_name("test_kernels.py"))
+_spec = importlib.util.spec_from_file_location(
+    "_ckptq_kernel_cases", pathlib.Path(__file__).with_name("test_kernels.py")
+)
 K = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(K)
 
@@ -201,9 +203,14 @@ def near_tie_matrix(dtype, n_blocks=4096, seed=0):
     the other blocks have random A (products next to the ties, rounded in fp32)."""
     g = torch.Generator().manual_seed(seed)
     ga = torch.tensor(336.0)
-    rand_a = (torch.rand(n_blocks, generator=g) + 0.5) * torch.exp2(torch.randint(-8, 8, (n_blocks,), generator=g).float())
-    pow2_a = 0.75 * torch.exp2(torch.randint(-6, 9, (n_blocks,), generator=g).float()) * (
-        1 + (torch.rand(n_blocks, generator=g) - 0.5) / 16)  # A * S_enc / 6 within 1/32 of 2^j
+    rand_a = (torch.rand(n_blocks, generator=g) + 0.5) * torch.exp2(
+        torch.randint(-8, 8, (n_blocks,), generator=g).float()
+    )
+    pow2_a = (
+        0.75
+        * torch.exp2(torch.randint(-6, 9, (n_blocks,), generator=g).float())
+        * (1 + (torch.rand(n_blocks, generator=g) - 0.5) / 16)
+    )  # A * S_enc / 6 within 1/32 of 2^j
     amax_b = torch.where(torch.arange(n_blocks) % 2 == 0, pow2_a, rand_a).clamp(max=336.0)
     amax_b[0] = ga
     amax_b = amax_b.to(dtype).float()
@@ -272,21 +279,38 @@ def test_nvfp4_baseline_encode_switch_cuda(monkeypatch):
     for src in (x, x.to(torch.bfloat16), K.make_source("mxfp8", {}, x)):
         for rec in ({}, {"two_d": True}):
             with ops.force("cuda"):
-                new = (ckptq.requantize(src, "nvfp4", **rec) if isinstance(src, ckptq.QuantizedTensor)
-                       else ckptq.quantize(src, "nvfp4", **rec)).components()
+                new = (
+                    ckptq.requantize(src, "nvfp4", **rec)
+                    if isinstance(src, ckptq.QuantizedTensor)
+                    else ckptq.quantize(src, "nvfp4", **rec)
+                ).components()
             monkeypatch.setenv("CKPTQ_NVFP4_ENCODE", "baseline")
             K.check_pair(src, "nvfp4", rec, backend="cuda")
             with ops.force("cuda"):
-                old = (ckptq.requantize(src, "nvfp4", **rec) if isinstance(src, ckptq.QuantizedTensor)
-                       else ckptq.quantize(src, "nvfp4", **rec)).components()
+                old = (
+                    ckptq.requantize(src, "nvfp4", **rec)
+                    if isinstance(src, ckptq.QuantizedTensor)
+                    else ckptq.quantize(src, "nvfp4", **rec)
+                ).components()
             monkeypatch.delenv("CKPTQ_NVFP4_ENCODE")
             K.assert_same(old, new, "baseline vs default nvfp4 encode")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(3, 70, 160), (5, 33, 48), (1, 1, 16), (7, 16, 16), (3, 2000, 2720), (1, 999, 4112),
-                                   (1, 4001, 4096), (1, 48, 8192)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (3, 70, 160),
+        (5, 33, 48),
+        (1, 1, 16),
+        (7, 16, 16),
+        (3, 2000, 2720),
+        (1, 999, 4112),
+        (1, 4001, 4096),
+        (1, 48, 8192),
+    ],
+    ids=lambda s: "x".join(map(str, s)),
+)
 def test_nvfp4_streaming_kernel_cuda(dtype, shape, monkeypatch):
     """The streaming bf16/fp16 -> nvfp4 kernel: tiles across matrices of a batch (different
     amaxes), a partial last tile, more tiles than resident CTAs (stage reuse), the two-pass order

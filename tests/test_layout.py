@@ -20,7 +20,7 @@ def _random_case(rng: random.Random):
     shape = tuple(rng.randint(1, 70) for _ in range(ndim))
     mesh = tuple(rng.choice([1, 2, 3, 4]) for _ in range(rng.choice([1, 2])))
     placements = []
-    for m in mesh:
+    for _m in mesh:
         kind = rng.choice(["R", "S", "S"])
         placements.append(Replicate() if kind == "R" else Shard(rng.randrange(ndim)))
     # FSDP2 over TP: (_StridedShard(d, tp), Shard(d)) -- the contiguous strided order
@@ -34,7 +34,7 @@ def _dtensor_indices(n: int, d: int, mesh, coord, placements) -> torch.Tensor:
     """Indices of dim ``d`` held at ``coord``, by DTensor's own splitting code (``_split_tensor`` of
     each placement, left to right): the ground truth, independent of ckptq.layout."""
     idx = torch.arange(n)
-    for m, c, p in zip(mesh, coord, placements):
+    for m, c, p in zip(mesh, coord, placements, strict=False):
         if isinstance(p, (Shard, _StridedShard)) and p.dim == d:
             parts, _ = p._split_tensor(idx.reshape([1] * d + [-1]), m, with_padding=False)
             idx = parts[c].reshape(-1) if c < len(parts) else idx[:0]
@@ -69,7 +69,7 @@ def test_boxes_match_dtensor_semantics_on_random_layouts():
         boxes = rank_boxes(shape, spec, placements)
         for r, coord in enumerate(spec.coordinates):
             size, off = _compute_local_shape_and_global_offset(shape, mesh, list(coord), placements)
-            dcp_box = (tuple(o if s else n for o, s, n in zip(off, size, shape)), tuple(size))
+            dcp_box = (tuple(o if s else n for o, s, n in zip(off, size, shape, strict=False)), tuple(size))
             assert boxes[r] == shard_box(shape, mesh, coord, placements) == truth[coord] == dcp_box
             contiguous += 1
     assert contiguous > 1000 and refused > 0
@@ -87,7 +87,7 @@ def test_boxes_cover_the_tensor_exactly_once():
         seen = torch.zeros(shape, dtype=torch.int32)
         for box in set(boxes):
             region = seen
-            for d, (o, s) in enumerate(zip(*box)):
+            for d, (o, s) in enumerate(zip(*box, strict=False)):
                 region = region.narrow(d, min(o, shape[d]), s)
             region += 1
         assert torch.all(seen == 1), (shape, mesh, placements)

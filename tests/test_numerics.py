@@ -21,11 +21,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_bytes
 
 import ckptq
 from ckptq import numerics as N
 from ckptq.metrics import sqnr_db
-from conftest import assert_same_bytes
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -101,6 +101,7 @@ def assert_codes_equal(got: np.ndarray, want: np.ndarray, dtype: torch.dtype, wh
     """FP8 codes equal, except that any NaN code matches any NaN code (DESIGN.md: "NaN stays NaN";
     the payload and sign of a NaN are not part of the spec: torch writes 0x7F for E5M2, IEEE's quiet
     NaN would be 0x7E)."""
+
     def canon(c):
         c = np.asarray(c, dtype=np.uint8)
         return np.where(np.isnan(fp8_ref_decode(c, dtype)), np.uint8(0xFF), c)
@@ -206,9 +207,7 @@ def _sweep_inputs(dtype: torch.dtype) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     bits = torch.randint(-(2**31), 2**31, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
     anyfp = bits.view(torch.float32)
-    scaled = torch.randn(200_000, generator=g) * torch.exp2(
-        torch.randint(-30, 21, (200_000,), generator=g).float()
-    )
+    scaled = torch.randn(200_000, generator=g) * torch.exp2(torch.randint(-30, 21, (200_000,), generator=g).float())
     vals = torch.from_numpy(FP8_REF[dtype])
     mids = ((vals[1:] + vals[:-1]) / 2).float()
     mids = torch.cat([mids, (vals[-1] * 1.0625).float().reshape(1)])  # the midpoint above max
@@ -451,9 +450,7 @@ FP8_SCALE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "amax, fp8_max, pow2, eps, scale, why", FP8_SCALE_CASES, ids=[c[5] for c in FP8_SCALE_CASES]
-)
+@pytest.mark.parametrize("amax, fp8_max, pow2, eps, scale, why", FP8_SCALE_CASES, ids=[c[5] for c in FP8_SCALE_CASES])
 def test_fp8_scale_from_amax_table(amax, fp8_max, pow2, eps, scale, why):
     got = N.fp8_scale_from_amax(torch.tensor([amax]), fp8_max, pow2=pow2, eps=eps)
     assert got.dtype == torch.float32
@@ -480,9 +477,7 @@ def test_nvfp4_global_encode_scale_table(amax, s_enc, why):
     assert got.view(torch.int32).item() == _bits(s_enc), f"{why}: got {got.item()!r}"
 
 
-@pytest.mark.parametrize(
-    "name, denom", [("INV_448", 448), ("INV_6", 6), ("INV_2688", 2688)]
-)
+@pytest.mark.parametrize("name, denom", [("INV_448", 448), ("INV_6", 6), ("INV_2688", 2688)])
 def test_fp32_constants_are_correctly_rounded(name, denom):
     # "1/448 as the fp32 constant" = what C's 1.0f / 448.0f gives: the correctly rounded quotient.
     assert getattr(N, name).view(torch.int32).item() == _bits(F32(1) / F32(denom))
@@ -713,9 +708,7 @@ def test_mxfp8_matches_spec(shape, nonfinite, backend):
         np.testing.assert_array_equal(deq[b], _spec_mxfp8_decode(codes, e8))
         # columnwise copy: 32x1 blocks, quantized independently from x
         ccodes, ce8 = _spec_mxfp8(xm, block=(32, 1))
-        assert_codes_equal(
-            c["columnwise_data"].reshape(-1, *shape[-2:])[b].view(torch.uint8).numpy(), ccodes, E4M3
-        )
+        assert_codes_equal(c["columnwise_data"].reshape(-1, *shape[-2:])[b].view(torch.uint8).numpy(), ccodes, E4M3)
         np.testing.assert_array_equal(c["columnwise_scale"].reshape(-1, *ce8.shape)[b].numpy(), ce8)
 
 
@@ -913,8 +906,7 @@ def test_hand_nvfp4(backend):
     assert c["amax"].shape == () and c["amax"].item() == 10.5
     assert _u8(c["scale"]) == [[0x70, 0x7E], [0x75, 0x00]]
     codes = [
-        [0, 0, 2, 2, 4, 4, 6, 6, 7, 8, 8, 7, 1, 0xF, 5, 2]
-        + [7, 0xF, 2, 0, 2, 4, 6, 1, 4, 6, 5, 3, 0xA, 6, 4, 0],
+        [0, 0, 2, 2, 4, 4, 6, 6, 7, 8, 8, 7, 1, 0xF, 5, 2] + [7, 0xF, 2, 0, 2, 4, 6, 1, 4, 6, 5, 3, 0xA, 6, 4, 0],
         [7, 6, 4, 5, 0xA, 0, 1] + [0] * 25,
     ]
     assert N.unpack_fp4(c["data"]).tolist() == codes
@@ -924,9 +916,7 @@ def test_hand_nvfp4(backend):
     # decode: e2m1 * ((s * 10.5) * fl(1/2688)): block mults 0.5, 1.75, 208*10.5/2688 = 0.8125, 0
     deq = qt.dequantize()
     e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    want = torch.cat(
-        [e2m1[torch.tensor(codes[0][:16])] * 0.5, e2m1[torch.tensor(codes[0][16:])] * 1.75]
-    )
+    want = torch.cat([e2m1[torch.tensor(codes[0][:16])] * 0.5, e2m1[torch.tensor(codes[0][16:])] * 1.75])
     assert deq[0].tolist() == want.tolist()
     assert deq[1, :7].tolist() == [4.875, 3.25, 1.625, 2.4375, -0.8125, 0.0, 0.40625]
 

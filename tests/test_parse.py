@@ -10,8 +10,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
-from ckptq.layout import LayoutPlan, MeshSpec, format_placements
 from ckptq import parse
+from ckptq.layout import LayoutPlan, MeshSpec, format_placements
 
 
 def test_usage_error_is_a_ckptq_value_error():
@@ -70,9 +70,11 @@ def test_targets_dtypes_and_choices():
     assert parse.parse_target("nvfp4") == "nvfp4" and parse.parse_target("bf16") == "bf16"
     with pytest.raises(ckptq.UsageError) as ei:
         parse.parse_target("int3")
-    assert str(ei.value) == ("--to int3: expected native (keep each tensor's format), a format (fp8_block, "
-                             "fp8_tensor, mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, "
-                             "bf16, fp16, fp32)")
+    assert str(ei.value) == (
+        "--to int3: expected native (keep each tensor's format), a format (fp8_block, "
+        "fp8_tensor, mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, "
+        "bf16, fp16, fp32)"
+    )
     assert parse.parse_hp_dtype("fp16") is torch.float16 and parse.parse_hp_dtype(torch.float32) is torch.float32
     with pytest.raises(ckptq.UsageError, match="--dtype int8"):
         parse.parse_hp_dtype("int8")
@@ -91,7 +93,9 @@ def test_recipe_options():
     with pytest.raises(ckptq.UsageError, match="--fp8-dtype e3m4"):
         parse.parse_fp8_dtype("e3m4")
     assert parse.parse_recipe("fp8_block", block="1x128", fp8_dtype="e4m3", two_d=None) == {
-        "block": (1, 128), "fp8_dtype": torch.float8_e4m3fn}
+        "block": (1, 128),
+        "fp8_dtype": torch.float8_e4m3fn,
+    }
     assert parse.parse_recipe("bfloat16", block=None, pow2=None) == {}
     with pytest.raises(ckptq.UsageError, match="--to mxfp8 does not take --two-d"):
         parse.parse_recipe("mxfp8", two_d=True)

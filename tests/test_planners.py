@@ -12,9 +12,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptq
-from ckptq.metrics import bit_exact
 from ckptq.contract import CKPTQ_KEY
-
+from ckptq.metrics import bit_exact
 
 CASES = [
     ("fp8_tensor", {}),
@@ -51,7 +50,7 @@ def test_native_round_trip_ragged_and_batched(tmp_path, fmt, recipe):
     desc = md.planner_data[CKPTQ_KEY]["tensors"]
     assert desc["b"]["shape"] == [3, 64, 96] and desc["b"]["dtype"] == "bfloat16"
     assert desc["a"]["mode"] == "native" and md.planner_data[CKPTQ_KEY]["world_size"] == 1
-    for name, c in desc["a"]["components"].items():
+    for _name, c in desc["a"]["components"].items():
         assert tuple(md.state_dict_metadata[c["fqn"]].size) == tuple(c["shape"])
     out = {k: torch.empty_like(v) for k, v in sd.items()}
     dcp.load(out, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
@@ -63,8 +62,11 @@ def test_native_round_trip_ragged_and_batched(tmp_path, fmt, recipe):
 @pytest.mark.parametrize("fmt,recipe", CASES, ids=IDS)
 def test_high_precision_mode(tmp_path, fmt, recipe):
     q = _qt(fmt, recipe)
-    dcp.save({"w": q}, checkpoint_id=str(tmp_path),
-             planner=ckptq.QuantizedSavePlanner(mode="high_precision", dtype=torch.bfloat16))
+    dcp.save(
+        {"w": q},
+        checkpoint_id=str(tmp_path),
+        planner=ckptq.QuantizedSavePlanner(mode="high_precision", dtype=torch.bfloat16),
+    )
     md = _metadata(str(tmp_path))
     assert md.state_dict_metadata["w"].properties.dtype == torch.bfloat16
     assert md.planner_data[CKPTQ_KEY]["tensors"]["w"]["stored_dtype"] == "bfloat16"
@@ -103,8 +105,12 @@ def test_rules_mix_modes(tmp_path):
     dcp.save(sd, checkpoint_id=str(tmp_path), planner=planner)
     md = _metadata(str(tmp_path))
     keys = set(md.state_dict_metadata)
-    assert {"layers.0.attn.weight.data", "layers.0.attn.weight.scale", "layers.0.attn.weight.amax",
-            "layers.0.mlp.weight"} == keys
+    assert {
+        "layers.0.attn.weight.data",
+        "layers.0.attn.weight.scale",
+        "layers.0.attn.weight.amax",
+        "layers.0.mlp.weight",
+    } == keys
     tensors = md.planner_data[CKPTQ_KEY]["tensors"]
     assert tensors["layers.0.mlp.weight"]["mode"] == "high_precision"
     out = {k: torch.empty_like(v) for k, v in sd.items()}
@@ -116,8 +122,7 @@ def test_rules_mix_modes(tmp_path):
 
 def test_cross_format_load_requantizes_and_logs_once(tmp_path, caplog):
     q = _qt("mxfp8", {})
-    dcp.save({"w": q, "v": _qt("mxfp8", {}, seed=2)}, checkpoint_id=str(tmp_path),
-             planner=ckptq.QuantizedSavePlanner())
+    dcp.save({"w": q, "v": _qt("mxfp8", {}, seed=2)}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
     target = {"w": torch.empty_like(_qt("fp8_block", {})), "v": torch.empty_like(q)}
     with caplog.at_level(logging.INFO, logger="ckptq"):
         dcp.load(target, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
@@ -142,7 +147,10 @@ def test_async_staging_copies_raw_bytes(fmt, recipe):
     staged = stager.stage(sd)
     stager.close()
     assert _staged_pairs(q, staged["w"]) and staged["w"] is not q
-    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(q.components().values(), staged["w"].components().values()))
+    assert all(
+        a.data_ptr() != b.data_ptr()
+        for a, b in zip(q.components().values(), staged["w"].components().values(), strict=False)
+    )
     staged2 = FileSystemWriter("/tmp/unused-ckptq-stage").stage(sd)  # BlockingAsyncStager path
     assert _staged_pairs(q, staged2["w"])
 
@@ -193,8 +201,7 @@ def test_shape_mismatch_and_missing_target(tmp_path):
 def test_component_key_collision(tmp_path):
     q = _qt("fp8_tensor", {})
     with pytest.raises((CheckpointException, ckptq.CkptqError)) as ei:
-        dcp.save({"w": q, "w.data": torch.zeros(2)}, checkpoint_id=str(tmp_path),
-                 planner=ckptq.QuantizedSavePlanner())
+        dcp.save({"w": q, "w.data": torch.zeros(2)}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
     assert "collides" in str(ei.value) and "'w.data'" in str(ei.value)
 
 
@@ -210,8 +217,9 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path):
         def __reduce__(self):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
 
-    dcp.save({"w": _qt("fp8_tensor", {}), "obj": Evil()}, checkpoint_id=str(tmp_path),
-             planner=ckptq.QuantizedSavePlanner())
+    dcp.save(
+        {"w": _qt("fp8_tensor", {}), "obj": Evil()}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner()
+    )
     msg = _load_error({"w": torch.empty_like(_qt("fp8_tensor", {})), "obj": None}, str(tmp_path))
     assert "Weights only load failed" in msg or "Unsupported global" in msg
     assert not (tmp_path / "pwned").exists()

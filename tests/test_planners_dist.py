@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from _bounds import REENCODE_E4M3
 from _dist import NCCL, run_distributed, two_gpus
 
@@ -30,7 +29,7 @@ CASES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _global(i: int):
     import ckptq
 
@@ -53,8 +52,7 @@ def _wrap(local, dim, ws):
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh(local.device.type, (ws,))
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(SHAPE),
-                              stride=(SHAPE[1], 1))
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(SHAPE), stride=(SHAPE[1], 1))
 
 
 def _local(qt, box):
@@ -90,8 +88,7 @@ def _wrap_any(local, dim, ws, shape):
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh("cpu", (ws,))
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                              stride=(shape[1], 1))
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1))
 
 
 def test_unaligned_save_raises_before_writing(tmp_path):
@@ -114,7 +111,9 @@ def _unaligned_load_worker(rank, ws, root):
         dcp.load({"w": target}, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner())
     except CheckpointException as e:
         after = list(target.to_local().components().values())
-        untouched = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+        untouched = all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after, strict=False)
+        )
         return str(e), untouched
     return "no error", False
 
@@ -124,8 +123,11 @@ def test_unaligned_load_raises_before_reading(tmp_path):
 
     import ckptq
 
-    dcp.save({"w": ckptq.quantize(torch.randn(64, 96), "mxfp8")}, checkpoint_id=str(tmp_path),
-             planner=ckptq.QuantizedSavePlanner())
+    dcp.save(
+        {"w": ckptq.quantize(torch.randn(64, 96), "mxfp8")},
+        checkpoint_id=str(tmp_path),
+        planner=ckptq.QuantizedSavePlanner(),
+    )
     for msg, untouched in run_distributed(2, _unaligned_load_worker, str(tmp_path)):
         assert "ShardingError" in msg and "'w'" in msg and "element 48" in msg and "block size 32" in msg
         assert untouched
@@ -138,15 +140,16 @@ def _scalar_worker(rank, ws, root, shared_amax):
     import ckptq
 
     full = torch.randn(64, 64, generator=torch.Generator().manual_seed(5))
-    rows = full[rank * 32:(rank + 1) * 32]
+    rows = full[rank * 32 : (rank + 1) * 32]
     out = []
     for fmt in ("nvfp4", "fp8_tensor"):
         kw = {"amax": full.abs().max()} if shared_amax else {}
         local = ckptq.quantize(rows, fmt, **kw)
         dt = _wrap_any(local, 0, ws, (64, 64))
         try:
-            dcp.save({"w": dt}, checkpoint_id=os.path.join(root, f"{fmt}{shared_amax}"),
-                     planner=ckptq.QuantizedSavePlanner())
+            dcp.save(
+                {"w": dt}, checkpoint_id=os.path.join(root, f"{fmt}{shared_amax}"), planner=ckptq.QuantizedSavePlanner()
+            )
             out.append("saved")
         except CheckpointException as e:
             out.append(str(e))
@@ -155,7 +158,7 @@ def _scalar_worker(rank, ws, root, shared_amax):
 
 def test_per_tensor_values_must_agree(tmp_path):
     for msgs in run_distributed(2, _scalar_worker, str(tmp_path), False):
-        for msg, comp in zip(msgs, ("amax", "scale_inv")):
+        for msg, comp in zip(msgs, ("amax", "scale_inv"), strict=False):
             assert "InconsistentScaleError" in msg
             assert f"tensor 'w': per-tensor '{comp}' differs between shards: rank 0" in msg
             assert "rank 1" in msg
@@ -177,8 +180,7 @@ def _async_worker(rank, ws, root, device_type="cpu"):
     for i in range(len(CASES)):
         ref = _local(_global(i), _box(rank, ws, 0)).to(device)
         path = os.path.join(root, f"async{i}")
-        fut = dcp.async_save({"w": _wrap(ref, 0, ws)}, checkpoint_id=path,
-                             planner=ckptq.QuantizedSavePlanner())
+        fut = dcp.async_save({"w": _wrap(ref, 0, ws)}, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner())
         fut.result()
         got = []
         for dim in (0, 1):
@@ -186,8 +188,10 @@ def _async_worker(rank, ws, root, device_type="cpu"):
             tgt = {"w": _wrap(torch.empty_like(want), dim, ws)}
             dcp.load(tgt, checkpoint_id=path, planner=ckptq.QuantizedLoadPlanner())
             local = tgt["w"].to_local()
-            got.append(local.device == device
-                       and all(bit_exact(v, local.components()[k]) for k, v in want.components().items()))
+            got.append(
+                local.device == device
+                and all(bit_exact(v, local.components()[k]) for k, v in want.components().items())
+            )
         ok.append(got)
     return ok
 
@@ -225,29 +229,53 @@ def _grouped_worker(rank, ws, root):
     mesh = init_device_mesh("cpu", (ws,))
     members = _members()
     names = [f"experts.weight{i}" for i in range(2)]
-    stack = type(members[0])({k: torch.stack([m.components()[k] for m in members]) for k in members[0].components()},
-                             (2, 256, 128), torch.float32, members[0].recipe)
+    stack = type(members[0])(
+        {k: torch.stack([m.components()[k] for m in members]) for k in members[0].components()},
+        (2, 256, 128),
+        torch.float32,
+        members[0].recipe,
+    )
 
     def dt(local, placement, shape):
-        stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+        stride = tuple(int(torch.tensor(shape[i + 1 :]).prod()) for i in range(len(shape)))
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=stride)
 
     # members saved FSDP2-style Shard(0) (rows), loaded as the stack with Shard(1) (= member Shard(0))
-    sd = {n: dt(slice_box(m, ((128 * rank, 0), (128, 128))), Shard(0), (256, 128)) for n, m in zip(names, members)}
+    sd = {
+        n: dt(slice_box(m, ((128 * rank, 0), (128, 128))), Shard(0), (256, 128))
+        for n, m in zip(names, members, strict=False)
+    }
     dcp.save(sd, checkpoint_id=os.path.join(root, "members"), planner=ckptq.QuantizedSavePlanner())
     box3 = ((0, 128 * rank, 0), (2, 128, 128))
     target = dt(torch.empty_like(slice_box(stack, box3)), Shard(1), (2, 256, 128))
-    dcp.load({"experts.weight": target}, checkpoint_id=os.path.join(root, "members"),
-             planner=ckptq.QuantizedLoadPlanner(grouped={"experts.weight": names}))
-    ok_stack = all(bit_exact(v, target.to_local().components()[k]) for k, v in slice_box(stack, box3).components().items())
+    dcp.load(
+        {"experts.weight": target},
+        checkpoint_id=os.path.join(root, "members"),
+        planner=ckptq.QuantizedLoadPlanner(grouped={"experts.weight": names}),
+    )
+    ok_stack = all(
+        bit_exact(v, target.to_local().components()[k]) for k, v in slice_box(stack, box3).components().items()
+    )
     # the stack saved expert-parallel (Shard(0) over experts), loaded as members with Shard(1) (columns)
-    dcp.save({"experts.weight": dt(slice_box(stack, ((rank, 0, 0), (1, 256, 128))), Shard(0), (2, 256, 128))},
-             checkpoint_id=os.path.join(root, "stack"), planner=ckptq.QuantizedSavePlanner())
+    dcp.save(
+        {"experts.weight": dt(slice_box(stack, ((rank, 0, 0), (1, 256, 128))), Shard(0), (2, 256, 128))},
+        checkpoint_id=os.path.join(root, "stack"),
+        planner=ckptq.QuantizedSavePlanner(),
+    )
     box2 = ((0, 64 * rank), (256, 64))
-    tg = {n: dt(torch.empty_like(slice_box(m, box2)), Shard(1), (256, 128)) for n, m in zip(names, members)}
-    dcp.load(tg, checkpoint_id=os.path.join(root, "stack"), planner=ckptq.QuantizedLoadPlanner(grouped={"experts.weight": names}))
-    ok_split = all(bit_exact(v, tg[n].to_local().components()[k])
-                   for n, m in zip(names, members) for k, v in slice_box(m, box2).components().items())
+    tg = {
+        n: dt(torch.empty_like(slice_box(m, box2)), Shard(1), (256, 128)) for n, m in zip(names, members, strict=False)
+    }
+    dcp.load(
+        tg,
+        checkpoint_id=os.path.join(root, "stack"),
+        planner=ckptq.QuantizedLoadPlanner(grouped={"experts.weight": names}),
+    )
+    ok_split = all(
+        bit_exact(v, tg[n].to_local().components()[k])
+        for n, m in zip(names, members, strict=False)
+        for k, v in slice_box(m, box2).components().items()
+    )
     return ok_stack, ok_split
 
 
@@ -267,7 +295,7 @@ def _requantize_misaligned_worker(rank, ws, root):
     planner = ckptq.QuantizedLoadPlanner(requantize_misaligned=True)
     dcp.load({"w": target}, checkpoint_id=root, planner=planner)
     # the shard is re-encoded from the source values of its 48 columns as a local tensor
-    want = ckptq.quantize(src.dequantize()[:, 48 * rank:48 * rank + 48].contiguous(), "mxfp8")
+    want = ckptq.quantize(src.dequantize()[:, 48 * rank : 48 * rank + 48].contiguous(), "mxfp8")
     got = target.to_local()
     return all(bit_exact(v, got.components()[k]) for k, v in want.components().items()), planner.requantized
 
@@ -297,10 +325,19 @@ def _strided_wrong_order_worker(rank, ws, root):
 
     mesh = init_device_mesh("cpu", (2, 2))
     out = []
-    for name, local in (("plain", torch.zeros(2, 8)), ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(2, 8), "fp8_tensor")))):
+    for name, local in (
+        ("plain", torch.zeros(2, 8)),
+        ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(2, 8), "fp8_tensor"))),
+    ):
         # (Shard(0), _StridedShard(0, 2)): each rank holds two non-adjacent rows of the 8
-        target = DTensor.from_local(local, mesh, [Shard(0), _StridedShard(0, split_factor=2)], run_check=False,
-                                    shape=torch.Size((8, 8)), stride=(8, 1))
+        target = DTensor.from_local(
+            local,
+            mesh,
+            [Shard(0), _StridedShard(0, split_factor=2)],
+            run_check=False,
+            shape=torch.Size((8, 8)),
+            stride=(8, 1),
+        )
         try:
             dcp.load({name: target}, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner())
             out.append("loaded")
@@ -316,8 +353,11 @@ def test_non_contiguous_target_raises_instead_of_silent_corruption(tmp_path):
     import ckptq
 
     x = torch.arange(64.0).reshape(8, 8)
-    dcp.save({"plain": x, "quantized": ckptq.quantize(x, "fp8_tensor")}, checkpoint_id=str(tmp_path),
-             planner=ckptq.QuantizedSavePlanner())
+    dcp.save(
+        {"plain": x, "quantized": ckptq.quantize(x, "fp8_tensor")},
+        checkpoint_id=str(tmp_path),
+        planner=ckptq.QuantizedSavePlanner(),
+    )
     for out in run_distributed(4, _strided_wrong_order_worker, str(tmp_path)):
         assert out == [True, True]
 
@@ -330,8 +370,10 @@ def _per_rank_save_worker(rank, ws, root):
     full = torch.arange(64.0).reshape(8, 8)
     q = ckptq.quantize(full, "fp8_tensor")
     box = ((4 * rank, 0), (4, 8))
-    sd = {"plain": _wrap_any(full[4 * rank:4 * rank + 4].clone(), 0, ws, (8, 8)),
-          "quantized": _wrap_any(_local(q, box), 0, ws, (8, 8))}
+    sd = {
+        "plain": _wrap_any(full[4 * rank : 4 * rank + 4].clone(), 0, ws, (8, 8)),
+        "quantized": _wrap_any(_local(q, box), 0, ws, (8, 8)),
+    }
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(), use_collectives=False)
     return sorted(os.listdir(root))
 
@@ -343,8 +385,10 @@ def _per_rank_load_worker(rank, ws, root):
     import ckptq
 
     out = []
-    for name, local in (("plain", torch.zeros(8, 4)),
-                        ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(8, 4), "fp8_tensor")))):
+    for name, local in (
+        ("plain", torch.zeros(8, 4)),
+        ("quantized", torch.empty_like(ckptq.quantize(torch.zeros(8, 4), "fp8_tensor"))),
+    ):
         try:
             dcp.load({name: _wrap_any(local, 1, ws, (8, 8))}, checkpoint_id=root, planner=ckptq.QuantizedLoadPlanner())
             out.append("loaded")

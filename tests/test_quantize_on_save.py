@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist import NCCL, run_distributed, two_gpus
 
 import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.metrics import bit_exact
-
-from _dist import NCCL, run_distributed, two_gpus
 
 # fqn -> (shape, placement dim, format, recipe)
 TENSORS = {
@@ -76,11 +75,10 @@ def _save_sharded(rank, ws, root, use_async, device_type="cpu"):
     mesh = init_device_mesh(device_type, (ws,))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     sd = {}
-    for fqn, (shape, dim, _, _) in TENSORS.items():
+    for fqn, (_shape, dim, _, _) in TENSORS.items():
         full = _full(fqn)
         local = full.chunk(ws, dim=dim)[rank].contiguous().to(device)
-        sd[fqn] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape,
-                                     stride=full.stride())
+        sd[fqn] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=full.shape, stride=full.stride())
     sd["layers.0.bias"] = torch.arange(8.0)
     if use_async:
         staged = ckptq.quantize_state_dict(sd, RULES)  # quantized before staging: compact bytes staged
@@ -118,8 +116,11 @@ def _save_misaligned(rank, ws, root):
 
     mesh = init_device_mesh("cpu", (ws,))
     full = torch.randn(192, 128).to(torch.bfloat16)  # 96-row shards: cut inside a 128x128 block
-    sd = {"w": DTensor.from_local(full.chunk(ws)[rank].contiguous(), mesh, [Shard(0)], run_check=False,
-                                  shape=full.shape, stride=full.stride())}
+    sd = {
+        "w": DTensor.from_local(
+            full.chunk(ws)[rank].contiguous(), mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
+        )
+    }
     try:
         dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner(quantize={"w": "fp8_block"}))
     except CheckpointException as e:

@@ -70,7 +70,7 @@ def run_readme(path: Path) -> int:
     for lang, code, line in blocks(text):
         where = f"{path.name}:{line}"
         if code.lstrip().startswith(SKIP_MARK):
-            print(f"{where}: skipped ({code.lstrip()[len(SKIP_MARK):].splitlines()[0].strip()})", flush=True)
+            print(f"{where}: skipped ({code.lstrip()[len(SKIP_MARK) :].splitlines()[0].strip()})", flush=True)
             continue
         if lang == "python":
             t0 = time.perf_counter()
@@ -94,8 +94,10 @@ def run_readme(path: Path) -> int:
                     argv = _console_command() + shlex.split(variant)[1:]
                     r = subprocess.run(argv, capture_output=True, text=True)
                     status = "ok" if r.returncode == 0 else f"FAILED (exit {r.returncode})"
-                    print(f"{path.name}:{cmd_line}: $ {variant}  -> {status} ({time.perf_counter() - t0:.1f} s)",
-                          flush=True)
+                    print(
+                        f"{path.name}:{cmd_line}: $ {variant}  -> {status} ({time.perf_counter() - t0:.1f} s)",
+                        flush=True,
+                    )
                     if r.returncode != 0:
                         print(r.stdout[-3000:], r.stderr[-3000:], sep="\n", flush=True)
                         return 1
@@ -114,8 +116,9 @@ def _run(readme: Path, cwd: Path) -> subprocess.CompletedProcess:
     # the checkout importable without an install, as in conftest.py (the CLI then runs ckptq.cli:main)
     path = os.pathsep.join(filter(None, [str(README.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.run([sys.executable, __file__, str(readme)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, __file__, str(readme)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_readme_snippets_run(tmp_path):

@@ -8,16 +8,15 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _bounds import REENCODE_NVFP4
 from typer.testing import CliRunner
 
 import ckptq
-from _bounds import REENCODE_NVFP4
 from ckptq.checkpoint import CheckpointView
 from ckptq.cli import app
-from ckptq.formats.base import slice_box
 from ckptq.layout import LayoutPlan, MeshSpec, rank_boxes
-from ckptq.parse import parse_placement
 from ckptq.metrics import bit_exact
+from ckptq.parse import parse_placement
 from ckptq.reshard import plan_reshard, run_reshard
 from ckptq.verify import verify_checkpoints
 
@@ -71,7 +70,7 @@ def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
     placements = [parse_placement("SS(0,2)"), parse_placement("S(0)")]
     boxes = rank_boxes((512, 256), mesh, placements)
     infos = {tuple(k.offset): v.relative_path for k, v in md.storage_data.items() if k.fqn == f"{q}.data"}
-    for r, (off, size) in enumerate(boxes):
+    for r, (off, _size) in enumerate(boxes):
         assert infos[(off[0], off[1] // 2)] == f"__{r}_0.distcp"
     # reload on one process: every tensor bit-exact, plain entries too
     flat = sd["model"]
@@ -109,7 +108,9 @@ def test_misaligned_high_precision_export(src, tmp_path):
     out = CheckpointView(dst)
     e = out.entry("model.layers.0.mlp.weight")
     assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "fp8_block"
-    assert bit_exact(out.read("model.layers.0.mlp.weight"), sd["model"]["layers.0.mlp.weight"].dequantize(torch.bfloat16))
+    assert bit_exact(
+        out.read("model.layers.0.mlp.weight"), sd["model"]["layers.0.mlp.weight"].dequantize(torch.bfloat16)
+    )
 
 
 def test_existing_destination_needs_overwrite(src, tmp_path):
@@ -147,9 +148,13 @@ def test_convert_and_verify_cli(src, tmp_path):
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
     # SQNR of each re-encoded tensor vs its source values (the NVFP4 re-encode floor, tests/_bounds.py)
-    assert set(report["requantized"]) == {"model.layers.0.o_proj.weight", "model.layers.0.mlp.weight",
-                                          "model.experts.weight0", "model.experts.weight1",
-                                          "model.layers.0.q_proj.weight"}
+    assert set(report["requantized"]) == {
+        "model.layers.0.o_proj.weight",
+        "model.layers.0.mlp.weight",
+        "model.experts.weight0",
+        "model.experts.weight1",
+        "model.layers.0.q_proj.weight",
+    }
     assert all(s > REENCODE_NVFP4 for s in report["requantized"].values())
     conv = CheckpointView(dst).read("model.layers.0.mlp.weight")
     ref = ckptq.quantize(sd["model"]["layers.0.mlp.weight"].dequantize(), "nvfp4", two_d=True)
@@ -238,10 +243,20 @@ def _peak_rss_of_reshard(src, dst, report) -> int:
     import subprocess
     import sys
 
-    env = {**os.environ, "CKPTQ_DISABLE_PROGRESS_BARS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(ckptq.__file__)), os.environ.get("PYTHONPATH", "")])}
-    subprocess.run([sys.executable, "-c", _REPORT_HWM, str(report), "reshard", str(src), str(dst), "--mesh", "2"],
-                   env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "CKPTQ_DISABLE_PROGRESS_BARS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.dirname(ckptq.__file__)), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    subprocess.run(
+        [sys.executable, "-c", _REPORT_HWM, str(report), "reshard", str(src), str(dst), "--mesh", "2"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return int(open(report).read()) * 1024
 
 

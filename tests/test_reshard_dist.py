@@ -10,16 +10,15 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist import run_distributed
 
 import ckptq
-from ckptq.distributed import assign
-from ckptq.reshard import convert_checkpoint, reshard_checkpoint
-from ckptq.io import read_metadata
-from ckptq.contract import read_checksums
 from ckptq.checksums import checksum_key
+from ckptq.contract import read_checksums
+from ckptq.distributed import assign
+from ckptq.io import read_metadata
+from ckptq.reshard import convert_checkpoint, reshard_checkpoint
 from ckptq.verify import check_integrity, verify_checkpoints
-
-from _dist import run_distributed
 
 RULES = ["*.q_proj.weight=col", "*.o_proj.weight=row"]
 
@@ -50,8 +49,10 @@ def _worker(rank, world_size, command, src, dst, options, fail_rank):
     from ckptq.io import writer
 
     if rank == fail_rank:
+
         def broken(*args, **kwargs):
             raise OSError("No space left on device (injected)")
+
         writer.CheckpointDirWriter.add_encoded = broken
         writer.CheckpointDirWriter.add_chunk = broken
     counts = _count_work(r, writer)
@@ -94,12 +95,15 @@ def _one_process_work(fn, src, dst, options) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command,options", [
-    ("reshard", dict(mesh="dp_shard=2,tp=2", plan="fsdp2-tp", rules=RULES)),
-    ("reshard", dict(mesh="1", plan="replicate")),  # consolidation: both processes write the one file
-    ("convert", dict(to="nvfp4", mesh="3", plan="fsdp2")),
-    ("convert", dict(to="bfloat16", mesh="2", plan="fsdp2")),
-])
+@pytest.mark.parametrize(
+    "command,options",
+    [
+        ("reshard", dict(mesh="dp_shard=2,tp=2", plan="fsdp2-tp", rules=RULES)),
+        ("reshard", dict(mesh="1", plan="replicate")),  # consolidation: both processes write the one file
+        ("convert", dict(to="nvfp4", mesh="3", plan="fsdp2")),
+        ("convert", dict(to="bfloat16", mesh="2", plan="fsdp2")),
+    ],
+)
 def test_two_processes_write_the_one_process_checkpoint(src, tmp_path, command, options):
     one, two = tmp_path / "one", tmp_path / "two"
     fn = reshard_checkpoint if command == "reshard" else convert_checkpoint
@@ -126,7 +130,9 @@ def test_two_processes_write_the_one_process_checkpoint(src, tmp_path, command, 
     assert integrity["ok"] and integrity["unverified"] == 0  # every process's checksums reached .metadata
     md_one, md_two = read_metadata(one), read_metadata(two)
     assert set(md_one.storage_data) == set(md_two.storage_data)
-    assert {i.relative_path for i in md_two.storage_data.values()} == {i.relative_path for i in md_one.storage_data.values()}
+    assert {i.relative_path for i in md_two.storage_data.values()} == {
+        i.relative_path for i in md_one.storage_data.values()
+    }
     assert read_checksums(md_one.planner_data) == read_checksums(md_two.planner_data)
     assert set(read_checksums(md_two.planner_data)) == {checksum_key(i) for i in md_two.storage_data}
     assert sorted(os.listdir(tmp_path)) == ["one", "src", "two"]  # no staging folder left
@@ -151,12 +157,37 @@ def test_torchrun_cli_splits_the_work(src, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     reshard_checkpoint(src, one, mesh="dp_shard=2,tp=2", plan="fsdp2-tp", rules=RULES)
     root = os.path.dirname(os.path.dirname(os.path.abspath(ckptq.__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-           "CKPTQ_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+        "CKPTQ_DISABLE_PROGRESS_BARS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     rules = sum([["--rule", r] for r in RULES], [])
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "ckptq", "reshard", str(src), str(two), "--mesh", "dp_shard=2,tp=2", "--plan",
-                           "fsdp2-tp", *rules], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "ckptq",
+            "reshard",
+            str(src),
+            str(two),
+            "--mesh",
+            "dp_shard=2,tp=2",
+            "--plan",
+            "fsdp2-tp",
+            *rules,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("wrote ") == 1 and "by 2 processes" in proc.stderr
     summary = verify_checkpoints(one, two)["summary"]

@@ -13,6 +13,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import assert_same_bytes, raw_bytes
 
 import ckptq
 from ckptq.checkpoint import CheckpointView
@@ -23,8 +24,6 @@ from ckptq.io.records import locate_payload, payload_crc32, tensor_record
 from ckptq.io.writer import CheckpointDirWriter
 from ckptq.reshard import reshard_checkpoint
 from ckptq.verify import check_integrity, verify_checkpoints
-
-from conftest import assert_same_bytes, raw_bytes
 
 DTYPES_SHAPES = [
     (torch.uint8, (7, 33)),
@@ -39,9 +38,15 @@ DTYPES_SHAPES = [
 
 def _sample(dtype, shape, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g) if dtype == torch.uint8 else \
-        torch.randint(0, 256, (*shape, torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8,
-                      generator=g).view(dtype).reshape(shape)
+    return (
+        torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        if dtype == torch.uint8
+        else torch.randint(
+            0, 256, (*shape, torch.empty((), dtype=dtype).element_size()), dtype=torch.uint8, generator=g
+        )
+        .view(dtype)
+        .reshape(shape)
+    )
 
 
 def _record(t: torch.Tensor) -> bytes:
@@ -56,13 +61,15 @@ def _without_serialization_id(blob: bytes) -> tuple[bytes, list]:
     z = zipfile.ZipFile(io.BytesIO(blob))
     info = next(i for i in z.infolist() if i.filename.endswith("serialization_id"))
     out = bytearray(blob)
-    n_name, n_extra = int.from_bytes(blob[info.header_offset + 26:info.header_offset + 28], "little"), \
-        int.from_bytes(blob[info.header_offset + 28:info.header_offset + 30], "little")  # the local header's
+    n_name, n_extra = (
+        int.from_bytes(blob[info.header_offset + 26 : info.header_offset + 28], "little"),
+        int.from_bytes(blob[info.header_offset + 28 : info.header_offset + 30], "little"),
+    )  # the local header's
     start = info.header_offset + 30 + n_name + n_extra
-    out[start:start + info.file_size] = bytes(info.file_size)
+    out[start : start + info.file_size] = bytes(info.file_size)
     crc = info.CRC.to_bytes(4, "little")
     while (at := out.find(crc)) >= 0:
-        out[at:at + 4] = bytes(4)
+        out[at : at + 4] = bytes(4)
     return bytes(out), [i.filename for i in z.infolist()]
 
 
@@ -81,7 +88,7 @@ def test_record_is_torch_saves_bytes(dtype, shape):
     assert_same_bytes(back, t, f"{dtype} {shape}")
     at = locate_payload(io.BytesIO(ours), 0, len(ours), "record", dtype, tuple(shape))
     at = at[0]
-    assert ours[at:at + t.numel() * t.element_size()] == (bytes(raw_bytes(t).numpy()) if t.numel() else b"")
+    assert ours[at : at + t.numel() * t.element_size()] == (bytes(raw_bytes(t).numpy()) if t.numel() else b"")
 
 
 def test_locate_payload_refuses_what_the_metadata_does_not_say():
@@ -104,7 +111,7 @@ def _chunked_checkpoint(path, full: torch.Tensor, boxes) -> None:
     w = CheckpointDirWriter(path)
     for r, (off, size) in enumerate(boxes):
         piece = full
-        for d, (o, n) in enumerate(zip(off, size)):
+        for d, (o, n) in enumerate(zip(off, size, strict=False)):
             piece = piece.narrow(d, o, n)
         w.add_chunk(r % 3, "t", full.shape, off, piece)
     w.finish({})
@@ -126,11 +133,16 @@ def test_read_box_is_the_slice(tmp_path, dtype, monkeypatch):
     probes = boxes + [((0, 0), (37, 20)), ((5, 3), (30, 9)), ((11, 6), (3, 2)), ((36, 19), (1, 1))]
     for _ in range(20):
         r0, c0 = (int(x) for x in torch.randint(0, 20, (2,), generator=g))
-        probes.append(((r0, c0), (int(torch.randint(1, 38 - r0, (1,), generator=g)), int(torch.randint(1, 21 - c0, (1,), generator=g)))))
+        probes.append(
+            (
+                (r0, c0),
+                (int(torch.randint(1, 38 - r0, (1,), generator=g)), int(torch.randint(1, 21 - c0, (1,), generator=g))),
+            )
+        )
     for off, size in probes:
         out = torch.empty(size, dtype=dtype)
         view.read_box("t", (off, size), out)
-        assert_same_bytes(out, full[off[0]:off[0] + size[0], off[1]:off[1] + size[1]], f"box {off} {size}")
+        assert_same_bytes(out, full[off[0] : off[0] + size[0], off[1] : off[1] + size[1]], f"box {off} {size}")
     view.close()
 
 
@@ -141,9 +153,11 @@ def test_read_by_byte_range_is_dcps_load(tmp_path):
     from ckptq.io.reader import load_entries
 
     g = torch.Generator().manual_seed(3)
-    sd = {"w": ckptq.quantize(torch.randn(96, 64, generator=g), "nvfp4"),
-          "m": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp8", columnwise=True),
-          "b": torch.randn(40, generator=g)}
+    sd = {
+        "w": ckptq.quantize(torch.randn(96, 64, generator=g), "nvfp4"),
+        "m": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp8", columnwise=True),
+        "b": torch.randn(40, generator=g),
+    }
     path = tmp_path / "c"
     dcp.save(sd, checkpoint_id=str(path), planner=ckptq.QuantizedSavePlanner())
     view = CheckpointView(path)
@@ -199,7 +213,9 @@ def test_corrupt_record_header_is_a_format_error(tmp_path):
     at = data.index(b"_rebuild_tensor_v2", info.offset)
     data[at] ^= 1
     f.write_bytes(bytes(data))
-    with pytest.raises(CheckpointFormatError, match=f"'t' \\(chunk at offsets \\[8, 0\\]\\), record '{info.relative_path}'"):
+    with pytest.raises(
+        CheckpointFormatError, match=f"'t' \\(chunk at offsets \\[8, 0\\]\\), record '{info.relative_path}'"
+    ):
         reshard_checkpoint(tmp_path / "c", tmp_path / "dst", mesh="2", plan="fsdp2")
 
 
@@ -231,7 +247,7 @@ def test_fast_reshard_of_native_tensors_is_bit_exact_with_checksums(tmp_path):
             blob = (path / rel).read_bytes()
             for index, info in md.storage_data.items():
                 if info.relative_path == rel and index.offset is not None:
-                    rec = blob[info.offset:info.offset + info.length]
+                    rec = blob[info.offset : info.offset + info.length]
                     assert zipfile.ZipFile(io.BytesIO(rec)).testzip() is None
                     torch.load(io.BytesIO(rec), weights_only=True)
     targets = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}

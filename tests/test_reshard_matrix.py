@@ -19,7 +19,6 @@ import os
 
 import pytest
 import torch
-
 from _dist import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -55,7 +54,7 @@ def _ws(layout: str) -> int:
     return math.prod(LAYOUTS[layout][0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _global(shape_name: str, i: int):
     import ckptq
 
@@ -96,8 +95,9 @@ def _dtensor(local, shape, layout: str):
     if pl is None:
         return local
     mesh = init_device_mesh("cpu", mesh_shape)
-    return DTensor.from_local(local, mesh, [parse_placement(p) for p in pl], run_check=False,
-                              shape=torch.Size(shape), stride=(shape[1], 1))
+    return DTensor.from_local(
+        local, mesh, [parse_placement(p) for p in pl], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)
+    )
 
 
 def _save_worker(rank, ws, root):
@@ -120,13 +120,16 @@ def _save_worker(rank, ws, root):
                     continue
                 # a misaligned source: shards quantized locally (with the global amax) must not save
                 x = torch.randn(shape, generator=torch.Generator().manual_seed(7 + i))
-                part = x[box[0][0]:box[0][0] + box[1][0], box[0][1]:box[0][1] + box[1][1]]
+                part = x[box[0][0] : box[0][0] + box[1][0], box[0][1] : box[0][1] + box[1][1]]
                 fmt, recipe, _, _ = CASES[i]
                 kw = {"amax": x.abs().max()} if fmt in ("nvfp4", "fp8_tensor") else {}
                 local = ckptq.quantize(part.contiguous(), fmt, **recipe, **kw)
                 try:
-                    dcp.save({"w": _dtensor(local, shape, layout)}, checkpoint_id=os.path.join(root, "refused"),
-                             planner=ckptq.QuantizedSavePlanner())
+                    dcp.save(
+                        {"w": _dtensor(local, shape, layout)},
+                        checkpoint_id=os.path.join(root, "refused"),
+                        planner=ckptq.QuantizedSavePlanner(),
+                    )
                     refused.append((layout, sname, i, "saved"))
                 except CheckpointException as e:
                     refused.append((layout, sname, i, "ShardingError" in str(e)))
@@ -170,8 +173,11 @@ def _load_worker(rank, ws, root):
                 target = ckptq.quantize(torch.zeros(s0, s1), fmt, **recipe)
                 before = {k: v.clone() for k, v in target.components().items()}
                 try:
-                    dcp.load({f"w{i}": _dtensor(target, shape, layout)},
-                             checkpoint_id=os.path.join(root, f"{sname}-single"), planner=ckptq.QuantizedLoadPlanner())
+                    dcp.load(
+                        {f"w{i}": _dtensor(target, shape, layout)},
+                        checkpoint_id=os.path.join(root, f"{sname}-single"),
+                        planner=ckptq.QuantizedLoadPlanner(),
+                    )
                     failures.append((sname, "single", layout, CASES[i][:2], "loaded a misaligned target"))
                 except CheckpointException as e:
                     untouched = all(bit_exact(before[k], v) for k, v in target.components().items())

@@ -98,10 +98,20 @@ def test_allow_list_covers_what_dcp_writes(tmp_path, writer_kw):
 
 
 def test_allow_list_excludes_code_runners():
-    for bad in [("builtins", "eval"), ("builtins", "exec"), ("builtins", "getattr"), ("os", "system"),
-                ("posix", "system"), ("subprocess", "Popen"), ("torch", "load"), ("torch", "tensor"),
-                ("torch.storage", "_load_from_bytes"), ("torch._utils", "_rebuild_tensor_v2"),
-                ("copyreg", "_reconstructor"), ("pathlib", "Path.write_text")]:
+    for bad in [
+        ("builtins", "eval"),
+        ("builtins", "exec"),
+        ("builtins", "getattr"),
+        ("os", "system"),
+        ("posix", "system"),
+        ("subprocess", "Popen"),
+        ("torch", "load"),
+        ("torch", "tensor"),
+        ("torch.storage", "_load_from_bytes"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("copyreg", "_reconstructor"),
+        ("pathlib", "Path.write_text"),
+    ]:
         assert bad not in ALLOWED_GLOBALS
     assert ALLOWED_GLOBALS[("torch.serialization", "_get_layout")] is _get_layout
     assert _get_layout("torch.strided") is torch.strided
@@ -136,8 +146,10 @@ def test_refuses_payload_hidden_inside_real_metadata(tmp_path, many_dtypes_ckpt)
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("module,name", [("builtins", "eval"), ("torch", "load"), ("collections", "OrderedDict"),
-                                         ("torch._utils", "_rebuild_tensor_v2")])
+@pytest.mark.parametrize(
+    "module,name",
+    [("builtins", "eval"), ("torch", "load"), ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2")],
+)
 def test_refuses_any_other_global(module, name):
     data = b"\x80\x04" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.STOP
     with pytest.raises(UnsafeCheckpointError, match=f"'{module}.{name}'"):
@@ -157,9 +169,21 @@ def test_refuses_persistent_ids():
 
 def test_refuses_and_undoes_class_mutation():
     # GLOBAL StorageMeta; (None, {"evil": 1}); BUILD -> setattr(StorageMeta, "evil", 1) in plain pickle.
-    data = (b"\x80\x02" + pickle.GLOBAL + b"torch.distributed.checkpoint.metadata\nStorageMeta\n"
-            + pickle.NONE + pickle.EMPTY_DICT + pickle.SHORT_BINUNICODE + b"\x04evil" + pickle.BININT1 + b"\x01"
-            + pickle.SETITEM + pickle.TUPLE2 + pickle.BUILD + pickle.STOP)
+    data = (
+        b"\x80\x02"
+        + pickle.GLOBAL
+        + b"torch.distributed.checkpoint.metadata\nStorageMeta\n"
+        + pickle.NONE
+        + pickle.EMPTY_DICT
+        + pickle.SHORT_BINUNICODE
+        + b"\x04evil"
+        + pickle.BININT1
+        + b"\x01"
+        + pickle.SETITEM
+        + pickle.TUPLE2
+        + pickle.BUILD
+        + pickle.STOP
+    )
     pickle.loads(data)  # control: plain pickle does mutate the class
     assert StorageMeta.evil == 1
     del StorageMeta.evil
@@ -169,8 +193,16 @@ def test_refuses_and_undoes_class_mutation():
 
 
 def test_foreign_os_path_reads_as_pure_path():
-    data = (b"\x80\x02" + pickle.GLOBAL + b"pathlib\nWindowsPath\n" + pickle.SHORT_BINUNICODE + b"\x05C:\\ck"
-            + pickle.TUPLE1 + pickle.REDUCE + pickle.STOP)
+    data = (
+        b"\x80\x02"
+        + pickle.GLOBAL
+        + b"pathlib\nWindowsPath\n"
+        + pickle.SHORT_BINUNICODE
+        + b"\x05C:\\ck"
+        + pickle.TUPLE1
+        + pickle.REDUCE
+        + pickle.STOP
+    )
     got = safe_loads(data)
     assert isinstance(got, pathlib.PureWindowsPath) and str(got) == "C:\\ck"
 

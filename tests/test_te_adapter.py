@@ -48,23 +48,50 @@ def _x(shape, seed=0, dtype=torch.bfloat16):
 # id -> (kind, shape, factory kwargs, ckptq format, ckptq.quantize recipe, requantized columnwise?)
 CASES = {
     "f8_e4m3_T": ("float8", (200, 72), {}, "fp8_tensor", {}, False),
-    "f8_e5m2": ("float8", (200, 72), dict(fp8_dtype="E5M2", columnwise=False), "fp8_tensor",
-                dict(fp8_dtype=E5M2), False),
+    "f8_e5m2": (
+        "float8",
+        (200, 72),
+        dict(fp8_dtype="E5M2", columnwise=False),
+        "fp8_tensor",
+        dict(fp8_dtype=E5M2),
+        False,
+    ),
     "f8_colonly": ("float8", (72, 200), dict(rowwise=False), "fp8_tensor", {}, False),
-    "f8_pow2_eps": ("float8", (64, 40), dict(force_pow_2_scales=True, amax_epsilon=1e-3), "fp8_tensor",
-                    dict(pow2=True, eps=1e-3), False),
-    "f8_delayed": ("float8", (64, 40), dict(delayed=True, amax=3.0), "fp8_tensor",
-                   dict(scale=torch.tensor(448.0) / 3.0), False),
-    "f8_2974": ("float8", (200, 72), dict(flavor="2974", fp8_dtype="E5M2"), "fp8_tensor",
-                dict(fp8_dtype=E5M2), False),
+    "f8_pow2_eps": (
+        "float8",
+        (64, 40),
+        dict(force_pow_2_scales=True, amax_epsilon=1e-3),
+        "fp8_tensor",
+        dict(pow2=True, eps=1e-3),
+        False,
+    ),
+    "f8_delayed": (
+        "float8",
+        (64, 40),
+        dict(delayed=True, amax=3.0),
+        "fp8_tensor",
+        dict(scale=torch.tensor(448.0) / 3.0),
+        False,
+    ),
+    "f8_2974": ("float8", (200, 72), dict(flavor="2974", fp8_dtype="E5M2"), "fp8_tensor", dict(fp8_dtype=E5M2), False),
     "fb2d_e4m3": ("float8_blockwise", (200, 300), {}, "fp8_block", {}, False),
-    "fb2d_e5m2_row": ("float8_blockwise", (200, 300), dict(fp8_dtype="E5M2", columnwise=False), "fp8_block",
-                      dict(fp8_dtype=E5M2), False),
-    "fb1d_e4m3": ("float8_blockwise", (200, 300), dict(block_scaling_dim=1), "fp8_block",
-                  dict(block=(1, 128)), True),
-    "fb1d_e5m2_nopow2": ("float8_blockwise", (130, 257), dict(block_scaling_dim=1, fp8_dtype="E5M2",
-                                                               force_pow_2_scales=False),
-                         "fp8_block", dict(block=(1, 128), fp8_dtype=E5M2, pow2=False), True),
+    "fb2d_e5m2_row": (
+        "float8_blockwise",
+        (200, 300),
+        dict(fp8_dtype="E5M2", columnwise=False),
+        "fp8_block",
+        dict(fp8_dtype=E5M2),
+        False,
+    ),
+    "fb1d_e4m3": ("float8_blockwise", (200, 300), dict(block_scaling_dim=1), "fp8_block", dict(block=(1, 128)), True),
+    "fb1d_e5m2_nopow2": (
+        "float8_blockwise",
+        (130, 257),
+        dict(block_scaling_dim=1, fp8_dtype="E5M2", force_pow_2_scales=False),
+        "fp8_block",
+        dict(block=(1, 128), fp8_dtype=E5M2, pow2=False),
+        True,
+    ),
     "fb2d_2974": ("float8_blockwise", (130, 257), dict(flavor="2974"), "fp8_block", {}, False),
     "mx_compact": ("mxfp8", (96, 160), {}, "mxfp8", dict(columnwise=True), False),
     "mx_swizzled": ("mxfp8", (160, 288), dict(swizzled=True), "mxfp8", dict(columnwise=True), False),
@@ -74,10 +101,15 @@ CASES = {
     "nv1d_swizzled": ("nvfp4", (144, 208), dict(swizzled=True), "nvfp4", {}, True),
     "nv2d_compact": ("nvfp4", (48, 80), dict(two_d=True), "nvfp4", dict(two_d=True), False),
     "nv2d_swizzled": ("nvfp4", (144, 208), dict(two_d=True, swizzled=True), "nvfp4", dict(two_d=True), False),
-    "nv2d_row_amax": ("nvfp4", (144, 208), dict(two_d=True, columnwise=False, amax=20.0), "nvfp4",
-                      dict(two_d=True, amax=torch.tensor(20.0)), False),
-    "nv_2974": ("nvfp4", (144, 208), dict(flavor="2974", two_d=True, swizzled=True), "nvfp4",
-                dict(two_d=True), False),
+    "nv2d_row_amax": (
+        "nvfp4",
+        (144, 208),
+        dict(two_d=True, columnwise=False, amax=20.0),
+        "nvfp4",
+        dict(two_d=True, amax=torch.tensor(20.0)),
+        False,
+    ),
+    "nv_2974": ("nvfp4", (144, 208), dict(flavor="2974", two_d=True, swizzled=True), "nvfp4", dict(two_d=True), False),
     "nv1d_2974": ("nvfp4", (48, 80), dict(flavor="2974"), "nvfp4", {}, True),
 }
 IDS = list(CASES)
@@ -122,15 +154,25 @@ def test_producer_records_quantizer_fields():
     assert q["type"] == "NVFP4Quantizer" and q["dtype"] == "E2M1" and q["with_2d_quantization"] is True
     assert q["nvfp4_e4m3_max"] == 448 and q["rowwise_usage"] and q["columnwise_usage"]
     assert float.fromhex(p["amax_columnwise"]) == F.make_te_tensor(x, "nvfp4")._amax_columnwise.item()
-    _, p = te.to_canonical(F.make_te_tensor(x, "float8_blockwise", block_scaling_dim=1, fp8_dtype="E5M2",
-                                            amax_epsilon=0.5), FQN)
+    _, p = te.to_canonical(
+        F.make_te_tensor(x, "float8_blockwise", block_scaling_dim=1, fp8_dtype="E5M2", amax_epsilon=0.5), FQN
+    )
     assert p["fp8_dtype"] == "E5M2" and p["is_2D_scaled"] is False
-    assert p["quantizer"] == {"type": "Float8BlockQuantizer", "rowwise_usage": True, "columnwise_usage": True,
-                              "dtype": "E5M2", "force_pow_2_scales": True, "amax_epsilon": 0.5, "block_len": 128,
-                              "block_scaling_dim": 1}
+    assert p["quantizer"] == {
+        "type": "Float8BlockQuantizer",
+        "rowwise_usage": True,
+        "columnwise_usage": True,
+        "dtype": "E5M2",
+        "force_pow_2_scales": True,
+        "amax_epsilon": 0.5,
+        "block_len": 128,
+        "block_scaling_dim": 1,
+    }
     _, p = te.to_canonical(F.make_te_tensor(x, "float8", columnwise=False), FQN)
-    assert p["quantizer"]["type"] == "Float8CurrentScalingQuantizer" and p["usages"] == {"rowwise": True,
-                                                                                           "columnwise": False}
+    assert p["quantizer"]["type"] == "Float8CurrentScalingQuantizer" and p["usages"] == {
+        "rowwise": True,
+        "columnwise": False,
+    }
     import json
 
     json.dumps(p)
@@ -196,8 +238,10 @@ def test_insert_roundtrip_bit_exact(case):
     _, t = _make(case)
     qt, _ = te.to_canonical(t, FQN)
     target = F.garbage_like(t)
-    assert any(not torch.equal(raw_bytes(a), raw_bytes(b))
-               for a, b in zip(F.te_buffers(target).values(), F.te_buffers(t).values()))
+    assert any(
+        not torch.equal(raw_bytes(a), raw_bytes(b))
+        for a, b in zip(F.te_buffers(target).values(), F.te_buffers(t).values(), strict=False)
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sqnr = te.insert(target, qt, FQN)
@@ -231,8 +275,9 @@ def test_insert_mxfp8_requantizes_columnwise_without_columnwise_components(swizz
     t = F.make_te_tensor(x, "mxfp8", swizzled=swizzled)
     full, _ = te.to_canonical(t, FQN)
     c = full.components()
-    rowonly = ckptq.MXFP8Tensor.from_components({"data": c["data"], "scale": c["scale"]}, full.shape, full.dtype,
-                                                ckptq.MXFP8Tensor.Recipe(columnwise=False))
+    rowonly = ckptq.MXFP8Tensor.from_components(
+        {"data": c["data"], "scale": c["scale"]}, full.shape, full.dtype, ckptq.MXFP8Tensor.Recipe(columnwise=False)
+    )
     target = F.garbage_like(t)
     with pytest.warns(UserWarning, match=r"layers\.0\.mlp\.fc1\.weight.*MXFP8Tensor.*requantized.*SQNR"):
         sqnr = te.insert(target, rowonly, FQN)
@@ -305,8 +350,9 @@ RECONSTRUCTOR = {
     "float8": "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex",
     "mxfp8": "transformer_engine.pytorch.tensor.mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex",
     "nvfp4": "transformer_engine.pytorch.tensor.nvfp4_tensor._make_nvfp4_tensor_in_reduce_ex",
-    "float8_blockwise":
-        "transformer_engine.pytorch.tensor.float8_blockwise_tensor._make_float8_blockwise_tensor_in_reduce_ex",
+    "float8_blockwise": (
+        "transformer_engine.pytorch.tensor.float8_blockwise_tensor._make_float8_blockwise_tensor_in_reduce_ex"
+    ),
 }
 QUANTIZER_GLOBAL = {
     "mxfp8": "transformer_engine.pytorch.tensor.mxfp8_tensor.MXFP8Quantizer",
@@ -348,8 +394,9 @@ def test_pickle_globals_and_restricted_load(case):
     qt, prod = te.to_canonical(p, FQN)
     if kind == "float8":
         assert prod["quantizer"] is None  # the Float8Tensor pickle carries no quantizer
-        live = ckptq.Float8Tensor.from_components(live.components(), live.shape, live.dtype,
-                                                  ckptq.Float8Tensor.Recipe(fp8_dtype=live.recipe.fp8_dtype))
+        live = ckptq.Float8Tensor.from_components(
+            live.components(), live.shape, live.dtype, ckptq.Float8Tensor.Recipe(fp8_dtype=live.recipe.fp8_dtype)
+        )
         assert prod["fp8_dtype"] == prod_live["fp8_dtype"]
     else:
         assert prod == prod_live
@@ -393,8 +440,9 @@ def test_legacy_getattr_is_restricted():
     with pytest.raises(UnsafeCheckpointError, match="system"):
         te.legacy_getattr(os, "system")
     with pytest.raises(UnsafeCheckpointError):
-        te.legacy_getattr(te.PICKLE_GLOBALS[("transformer_engine.pytorch.tensor.float8_tensor", "Float8Tensor")],
-                          "__init__")
+        te.legacy_getattr(
+            te.PICKLE_GLOBALS[("transformer_engine.pytorch.tensor.float8_tensor", "Float8Tensor")], "__init__"
+        )
 
 
 def test_dtype_mapper_accepts_both_enums():
@@ -412,12 +460,29 @@ def test_dtype_mapper_accepts_both_enums():
 
 QUANTIZER_KEYS_MAIN = {
     "Float8Quantizer": ["scale", "amax", "dtype"],
-    "Float8CurrentScalingQuantizer": ["dtype", "with_amax_reduction", "amax_reduction_group", "force_pow_2_scales",
-                                      "amax_epsilon"],
+    "Float8CurrentScalingQuantizer": [
+        "dtype",
+        "with_amax_reduction",
+        "amax_reduction_group",
+        "force_pow_2_scales",
+        "amax_epsilon",
+    ],
     "MXFP8Quantizer": ["dtype", "with_2d_quantization"],
-    "NVFP4Quantizer": ["dtype", "with_rht", "with_post_rht_amax", "with_amax_reduction", "amax_reduction_group",
-                       "with_2d_quantization", "stochastic_rounding", "row_scaled_nvfp4", "nvfp4_use_4over6",
-                       "nvfp4_e4m3_max", "nvfp4_4over6_err_mode", "rht_matrix_random_sign_mask_t", "rht_matrix"],
+    "NVFP4Quantizer": [
+        "dtype",
+        "with_rht",
+        "with_post_rht_amax",
+        "with_amax_reduction",
+        "amax_reduction_group",
+        "with_2d_quantization",
+        "stochastic_rounding",
+        "row_scaled_nvfp4",
+        "nvfp4_use_4over6",
+        "nvfp4_e4m3_max",
+        "nvfp4_4over6_err_mode",
+        "rht_matrix_random_sign_mask_t",
+        "rht_matrix",
+    ],
     "Float8BlockQuantizer": ["dtype", "block_len", "force_pow_2_scales", "amax_epsilon", "block_scaling_dim"],
 }
 
@@ -473,8 +538,9 @@ def test_refuses_mxfp8_e5m2():
         te.empty_canonical(t, FQN)
 
 
-@pytest.mark.parametrize("kind,cls", [("mxfp8", "MXFP8Tensor"), ("nvfp4", "NVFP4Tensor"),
-                                      ("float8_blockwise", "Float8BlockwiseQTensor")])
+@pytest.mark.parametrize(
+    "kind,cls", [("mxfp8", "MXFP8Tensor"), ("nvfp4", "NVFP4Tensor"), ("float8_blockwise", "Float8BlockwiseQTensor")]
+)
 def test_refuses_missing_rowwise(kind, cls):
     _refused(F.make_te_tensor(_x((64, 96)), kind, rowwise=False), cls, "_rowwise_data")
 
@@ -487,8 +553,17 @@ def test_refuses_float8_without_data():
 
 def test_refuses_rank_other_than_2():
     u8 = torch.zeros(2 * 32, 64, dtype=torch.uint8)
-    p = te.make_mxfp8(u8.view(2, 32, 64), torch.zeros(256, 4, dtype=torch.uint8), None, None, 7, torch.bfloat16,
-                      torch.Size([2, 32, 64]), None, False)
+    p = te.make_mxfp8(
+        u8.view(2, 32, 64),
+        torch.zeros(256, 4, dtype=torch.uint8),
+        None,
+        None,
+        7,
+        torch.bfloat16,
+        torch.Size([2, 32, 64]),
+        None,
+        False,
+    )
     _refused(p, "MXFP8Tensor", "(2, 32, 64)", "2-D")
 
 
@@ -518,9 +593,17 @@ def test_insert_misfits_raise_checkpoint_format_error():
 def test_insert_mxfp8_target_not_holdable_by_te():
     """A target of logical shape (48, 64): TE's MXFP8 needs multiples of 32 (e.g. an odd reshard)."""
     x = _x((48, 64))
-    p = te.make_mxfp8(torch.zeros(48, 64, dtype=torch.uint8), torch.zeros(128, 4, dtype=torch.uint8),
-                      torch.zeros(48, 64, dtype=torch.uint8), torch.zeros(4, 128, dtype=torch.uint8), 7,
-                      torch.bfloat16, (48, 64), None, False)
+    p = te.make_mxfp8(
+        torch.zeros(48, 64, dtype=torch.uint8),
+        torch.zeros(128, 4, dtype=torch.uint8),
+        torch.zeros(48, 64, dtype=torch.uint8),
+        torch.zeros(4, 128, dtype=torch.uint8),
+        7,
+        torch.bfloat16,
+        (48, 64),
+        None,
+        False,
+    )
     with pytest.raises(ckptq.ShardingError, match="multiple of 32") as ei:
         te.insert(p, ckptq.quantize(x, "mxfp8", columnwise=True), FQN)
     assert FQN in str(ei.value)
@@ -553,8 +636,10 @@ def test_dtensor_local_and_dcp_save(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         mesh = DeviceMesh("cpu", [0])
-        dsd = {k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
-               for k, t in sd.items()}
+        dsd = {
+            k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+            for k, t in sd.items()
+        }
         for k, dt in dsd.items():
             assert type(dt.to_local()) is type(sd[k])
             assert_same_components(te.to_canonical(dt, FQN)[0], te.to_canonical(sd[k], FQN)[0], k)

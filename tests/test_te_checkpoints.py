@@ -15,11 +15,13 @@ import io
 import os
 import pickle
 import warnings
-import zipfile
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _bounds import REENCODE_NVFP4
+from _dist import run_distributed
+from _te import standin
 
 import ckptq
 from ckptq import adapters
@@ -27,10 +29,6 @@ from ckptq.checkpoint import CheckpointView
 from ckptq.inspect import inspect_checkpoint
 from ckptq.io import SafeFileSystemReader
 from ckptq.metrics import bit_exact
-
-from _bounds import REENCODE_NVFP4
-from _dist import run_distributed
-from _te import standin
 
 te = standin()
 
@@ -239,8 +237,12 @@ def _global_amax(x):
     return x.float().abs().max().item()
 
 
-KINDS = {"mx": ("mxfp8", {}), "nv": ("nvfp4", {"two_d": True}), "f8": ("float8", {}),
-         "bk": ("float8_blockwise", {"block_scaling_dim": 2})}
+KINDS = {
+    "mx": ("mxfp8", {}),
+    "nv": ("nvfp4", {"two_d": True}),
+    "f8": ("float8", {}),
+    "bk": ("float8_blockwise", {"block_scaling_dim": 2}),
+}
 
 
 def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2"):
@@ -249,13 +251,13 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
     ``Shard(0)``, TP row-parallel ``Shard(1)``, or FSDP2-over-TP ``(_StridedShard(0, 2), Shard(0))``
     on a (2, 2) mesh."""
     import torch.distributed.checkpoint as dcp
+    from _te import standin
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from _te import standin
-    from ckptq.layout import MeshSpec, rank_boxes
     from ckptq.chunks import narrow_box
+    from ckptq.layout import MeshSpec, rank_boxes
 
     tef = standin()
     if layout == "fsdp2-tp":
@@ -272,8 +274,9 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
         x = _x(3, shape)
         extra = {"amax": _global_amax(x)} if kind in ("nvfp4", "float8") else {}
         local = tef.make_te_tensor(narrow_box(x, box).contiguous(), kind, **opts, **extra)
-        sd[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                      stride=(256, 1))
+        sd[name] = DTensor.from_local(
+            local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=(256, 1)
+        )
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner() if native else None)
 
 
@@ -284,10 +287,11 @@ def _reference(name, rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("native, layout, ranks", [(False, "fsdp2", 2), (True, "fsdp2", 2), (True, "tp-row", 2),
-                                                   (False, "tp-row", 2), (True, "fsdp2-tp", 4)],
-                         ids=["te_pickles-fsdp2", "native-fsdp2", "native-tp_row", "te_pickles-tp_row",
-                              "native-fsdp2_tp_strided"])
+@pytest.mark.parametrize(
+    "native, layout, ranks",
+    [(False, "fsdp2", 2), (True, "fsdp2", 2), (True, "tp-row", 2), (False, "tp-row", 2), (True, "fsdp2-tp", 4)],
+    ids=["te_pickles-fsdp2", "native-fsdp2", "native-tp_row", "te_pickles-tp_row", "native-fsdp2_tp_strided"],
+)
 def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
     rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns: on every format's global grid
     names = ("mx", "nv", "f8") if layout == "fsdp2-tp" else tuple(KINDS)  # 64-row shards cut 128x128 blocks
@@ -298,8 +302,9 @@ def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
         assert view.entry(name).kind == "quantized", name
         assert _same_components(view.read(name), _canonical(want, name)), name
         target = te.garbage_like(want)
-        dcp.load({name: target}, storage_reader=SafeFileSystemReader(tmp_path / "ck"),
-                 planner=ckptq.QuantizedLoadPlanner())
+        dcp.load(
+            {name: target}, storage_reader=SafeFileSystemReader(tmp_path / "ck"), planner=ckptq.QuantizedLoadPlanner()
+        )
         assert bit_exact(target.dequantize(dtype=torch.float32), want.dequantize(dtype=torch.float32)), name
 
 
@@ -311,8 +316,14 @@ def test_two_rank_te_shards_off_the_global_grid_read_in_high_precision(tmp_path)
     e = view.entry("bk")
     assert e.kind == "tensor" and e.descriptor["mode"] == "high_precision" and "block grids" in e.descriptor["note"]
     x = _x(3, (rows, 256))
-    want = torch.cat([te.make_te_tensor(x[r * 48:(r + 1) * 48], "float8_blockwise", block_scaling_dim=2)
-                      .dequantize(dtype=torch.float32) for r in range(2)])
+    want = torch.cat(
+        [
+            te.make_te_tensor(x[r * 48 : (r + 1) * 48], "float8_blockwise", block_scaling_dim=2).dequantize(
+                dtype=torch.float32
+            )
+            for r in range(2)
+        ]
+    )
     assert bit_exact(view.read("bk"), want)  # each shard dequantized with its own scales
     with pytest.raises(ckptq.ShardingError, match=r"(?s)'bk'.*block grids.*--misaligned high-precision"):
         ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native")  # named, nothing written
@@ -359,6 +370,6 @@ def test_cuda_te_tensors_save_and_load_in_place(tmp_path, case, async_save):
         dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
     want = te.zero_padding(src.to("cpu"))
     got = te.zero_padding(target.to("cpu"))
-    for k in (want if not case[4] else _rowwise_buffers(want)):
+    for k in want if not case[4] else _rowwise_buffers(want):
         assert bit_exact(got[k], want[k]), k
     assert all(b.is_cuda for b in te.te_buffers(target).values())

@@ -31,16 +31,19 @@ pytest.importorskip("torchao")
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torchao.prototype.mx_formats.mx_tensor import MXTensor  # noqa: E402
-from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale  # noqa: E402
-from torchao.prototype.mx_formats.utils import from_blocked  # noqa: E402
+from _dist import run_distributed  # noqa: E402
 from torchao.float8.inference import Float8MMConfig  # noqa: E402
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
-from torchao.prototype.mx_formats.mx_tensor import QuantizeTensorToMXKwargs  # noqa: E402
-from torchao.prototype.mx_formats.nvfp4_tensor import QuantizeTensorToNVFP4Kwargs  # noqa: E402
+from torchao.prototype.mx_formats.mx_tensor import MXTensor, QuantizeTensorToMXKwargs  # noqa: E402
+from torchao.prototype.mx_formats.nvfp4_tensor import (  # noqa: E402
+    NVFP4Tensor,
+    QuantizeTensorToNVFP4Kwargs,
+    per_tensor_amax_to_scale,
+)
+from torchao.prototype.mx_formats.utils import from_blocked  # noqa: E402
 from torchao.quantization import Float8Tensor  # noqa: E402
-from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs  # noqa: E402
 from torchao.quantization.granularity import PerBlock, PerRow, PerTensor  # noqa: E402
+from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs  # noqa: E402
 
 import ckptq  # noqa: E402
 from ckptq import adapters  # noqa: E402
@@ -49,8 +52,6 @@ from ckptq.checkpoint import CheckpointView, open_checkpoint  # noqa: E402
 from ckptq.inspect import inspect_checkpoint  # noqa: E402
 from ckptq.io import SafeFileSystemReader  # noqa: E402
 from ckptq.metrics import bit_exact  # noqa: E402
-
-from _dist import run_distributed  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,8 +70,12 @@ def _nv(x, swizzled, pts=True):
 
 
 def _nv3(x):  # 3-D, per-expert global scales (E, 1, 1)
-    return NVFP4Tensor.to_nvfp4(x, per_tensor_scale=_pts(x).new_tensor(
-        [per_tensor_amax_to_scale(x[e].float().abs().max()).item() for e in range(x.shape[0])]).view(-1, 1, 1))
+    return NVFP4Tensor.to_nvfp4(
+        x,
+        per_tensor_scale=_pts(x)
+        .new_tensor([per_tensor_amax_to_scale(x[e].float().abs().max()).item() for e in range(x.shape[0])])
+        .view(-1, 1, 1),
+    )
 
 
 # name -> (factory(x), input shape, ckptq format, dequantize exact in fp32?)
@@ -79,31 +84,73 @@ CASES = {
     "nvfp4_plain": (lambda x: _nv(x, False), (200, 256), "nvfp4", False),
     "nvfp4_no_global": (lambda x: _nv(x, True, pts=False), (200, 256), "nvfp4", True),
     "nvfp4_experts": (_nv3, (3, 64, 128), "nvfp4", False),
-    "mxfp8_swizzled": (lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True), (200, 256),
-                       "mxfp8", True),
+    "mxfp8_swizzled": (
+        lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True),
+        (200, 256),
+        "mxfp8",
+        True,
+    ),
     "mxfp8_plain": (lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32), (200, 96), "mxfp8", True),
     "fp8_tensor": (lambda x: Float8Tensor.from_hp(x, granularity=PerTensor()), (200, 96), "fp8_tensor", True),
-    "fp8_tensor_e5m2": (lambda x: Float8Tensor.from_hp(x, float8_dtype=torch.float8_e5m2, granularity=PerTensor()),
-                        (72, 40), "fp8_tensor", True),
+    "fp8_tensor_e5m2": (
+        lambda x: Float8Tensor.from_hp(x, float8_dtype=torch.float8_e5m2, granularity=PerTensor()),
+        (72, 40),
+        "fp8_tensor",
+        True,
+    ),
     "fp8_row": (lambda x: Float8Tensor.from_hp(x, granularity=PerRow()), (200, 96), "fp8_block", True),
     "fp8_block": (lambda x: Float8Tensor.from_hp(x, granularity=PerBlock([128, 128])), (256, 384), "fp8_block", True),
     # 3-D (experts): one scale shared by all (ckptq holds it per matrix), blocks, a swizzle over E*M rows
     "fp8_tensor_3d": (lambda x: Float8Tensor.from_hp(x, granularity=PerTensor()), (2, 64, 96), "fp8_tensor", True),
-    "fp8_block_3d": (lambda x: Float8Tensor.from_hp(x, granularity=PerBlock([1, 128, 128])), (2, 128, 256),
-                     "fp8_block", True),
-    "mxfp8_3d_swizzled": (lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True),
-                          (2, 128, 256), "mxfp8", True),
+    "fp8_block_3d": (
+        lambda x: Float8Tensor.from_hp(x, granularity=PerBlock([1, 128, 128])),
+        (2, 128, 256),
+        "fp8_block",
+        True,
+    ),
+    "mxfp8_3d_swizzled": (
+        lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True),
+        (2, 128, 256),
+        "mxfp8",
+        True,
+    ),
     # what inference configs attach: activation kwargs (dataclasses, enums, granularities), mm_config
-    "mxfp8_act_kwargs": (lambda x: MXTensor.to_mx(
-        x, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL, is_swizzled_scales=True,
-        act_quant_kwargs=QuantizeTensorToMXKwargs(scaling_mode=ScaleCalculationMode.RCEIL, is_swizzled_scales=True)),
-        (128, 128), "mxfp8", True),
-    "fp8_row_act_kwargs": (lambda x: Float8Tensor.from_hp(
-        x, granularity=PerRow(), mm_config=Float8MMConfig(use_fast_accum=True),
-        act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow())), (128, 64), "fp8_block", True),
-    "nvfp4_act_kwargs": (lambda x: NVFP4Tensor.to_nvfp4(
-        x, per_tensor_scale=_pts(x), act_per_tensor_scale=_pts(x * 2), is_swizzled_scales=True,
-        act_quant_kwargs=QuantizeTensorToNVFP4Kwargs(is_swizzled_scales=True)), (128, 64), "nvfp4", False),
+    "mxfp8_act_kwargs": (
+        lambda x: MXTensor.to_mx(
+            x,
+            torch.float8_e4m3fn,
+            32,
+            scaling_mode=ScaleCalculationMode.RCEIL,
+            is_swizzled_scales=True,
+            act_quant_kwargs=QuantizeTensorToMXKwargs(scaling_mode=ScaleCalculationMode.RCEIL, is_swizzled_scales=True),
+        ),
+        (128, 128),
+        "mxfp8",
+        True,
+    ),
+    "fp8_row_act_kwargs": (
+        lambda x: Float8Tensor.from_hp(
+            x,
+            granularity=PerRow(),
+            mm_config=Float8MMConfig(use_fast_accum=True),
+            act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow()),
+        ),
+        (128, 64),
+        "fp8_block",
+        True,
+    ),
+    "nvfp4_act_kwargs": (
+        lambda x: NVFP4Tensor.to_nvfp4(
+            x,
+            per_tensor_scale=_pts(x),
+            act_per_tensor_scale=_pts(x * 2),
+            is_swizzled_scales=True,
+            act_quant_kwargs=QuantizeTensorToNVFP4Kwargs(is_swizzled_scales=True),
+        ),
+        (128, 64),
+        "nvfp4",
+        False,
+    ),
 }
 NV_ULP = 2  # the documented bound (fp32 ulp) for NVFP4 with a global scale
 
@@ -202,8 +249,7 @@ def test_nvfp4_global_scale_bound_over_many_scales():
 
 def test_nvfp4_scale_that_no_amax_gives_is_refused():
     # a per_tensor_scale torchao's amax/2688 never produces (mantissa gaps above 1.524)
-    p = next(v for v in (torch.tensor(1.9) + torch.arange(200) * 1e-7).tolist()
-             if ao.nvfp4_amax_for_scale(v)[1] < 0)
+    p = next(v for v in (torch.tensor(1.9) + torch.arange(200) * 1e-7).tolist() if ao.nvfp4_amax_for_scale(v)[1] < 0)
     t = _nv(_x(), False)
     t.per_tensor_scale = torch.tensor(p, dtype=torch.float32)
     with pytest.raises(ckptq.UnsupportedFormatError, match=r"(?s)'w'.*NVFP4Tensor.*per_tensor_scale"):
@@ -277,8 +323,14 @@ def ao_ckpt(tmp_path_factory):
 def _run_without_torchao(code: str) -> str:
     """Run ``code`` in a fresh interpreter that never imports torchao (asserted at the end)."""
     code += "\nimport sys\nassert not any(m.split('.')[0] == 'torchao' for m in sys.modules), 'torchao imported'\n"
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -364,8 +416,9 @@ def test_reading_needs_no_torchao(ao_ckpt, tmp_path):
     path, sd = ao_ckpt
     f = tmp_path / "m.pt"
     torch.save(sd, f)
-    torch.save({k: _canonical(v, k)[0].components() for k, v in sd.items() if k.endswith("weight")},
-               tmp_path / "want.pt")
+    torch.save(
+        {k: _canonical(v, k)[0].components() for k, v in sd.items() if k.endswith("weight")}, tmp_path / "want.pt"
+    )
     producers = {k: {**_canonical(v, k)[1], "version": None} for k, v in sd.items() if k.endswith("weight")}
     (tmp_path / "producers.json").write_text(json.dumps(producers))
     out = _run_without_torchao(f"""
@@ -373,13 +426,13 @@ import torch, ckptq
 from ckptq.checkpoint import CheckpointView, open_checkpoint
 from ckptq.inspect import inspect_checkpoint
 from ckptq.metrics import bit_exact
-want = torch.load({str(tmp_path / 'want.pt')!r})
-ckptq.convert_checkpoint({str(path)!r}, {str(tmp_path / 'n1')!r}, to="native")
-ckptq.convert_checkpoint({str(f)!r}, {str(tmp_path / 'n2')!r}, to="native")
+want = torch.load({str(tmp_path / "want.pt")!r})
+ckptq.convert_checkpoint({str(path)!r}, {str(tmp_path / "n1")!r}, to="native")
+ckptq.convert_checkpoint({str(f)!r}, {str(tmp_path / "n2")!r}, to="native")
 inspect_checkpoint({str(f)!r}); inspect_checkpoint({str(path)!r})
 import json
-producers = json.loads(open({str(tmp_path / 'producers.json')!r}).read())
-for root in ({str(tmp_path / 'n1')!r}, {str(tmp_path / 'n2')!r}):
+producers = json.loads(open({str(tmp_path / "producers.json")!r}).read())
+for root in ({str(tmp_path / "n1")!r}, {str(tmp_path / "n2")!r}):
     v = CheckpointView(root)
     for k, comps in want.items():
         got = v.read(k).components()
@@ -409,10 +462,22 @@ def test_pickle_globals_are_exactly_those_torchao_pickles_use():
         quantize_(m, cfg)
         objs.append(m.state_dict())
     for g, a in ((PerTensor(), PerTensor()), (PerRow(), PerRow()), (PerBlock([128, 128]), PerBlock([1, 128]))):
-        objs.append(Float8Tensor.from_hp(_x(shape=(256, 256)), granularity=g, mm_config=Float8MMConfig(),
-                                         act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=a)))
-    objs.append(NVFP4Tensor.to_nvfp4(_x(), per_tensor_scale=_pts(_x()), act_per_tensor_scale=_pts(_x()),
-                                     act_quant_kwargs=QuantizeTensorToNVFP4Kwargs()))
+        objs.append(
+            Float8Tensor.from_hp(
+                _x(shape=(256, 256)),
+                granularity=g,
+                mm_config=Float8MMConfig(),
+                act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=a),
+            )
+        )
+    objs.append(
+        NVFP4Tensor.to_nvfp4(
+            _x(),
+            per_tensor_scale=_pts(_x()),
+            act_per_tensor_scale=_pts(_x()),
+            act_quant_kwargs=QuantizeTensorToNVFP4Kwargs(),
+        )
+    )
     seen = set().union(*(_globals(o) for o in objs))
     foreign = {g for g in seen if g[0].split(".")[0] == "torchao"}
     mapped = set(ao.PICKLE_GLOBALS)
@@ -488,15 +553,19 @@ def _save_dtensors(rank, ws, root_native, root_pickles):
     amax = x.float().abs().max()
     local_x = x.chunk(ws)[rank].contiguous()
     locals_ = {
-        "nvfp4_swizzled": NVFP4Tensor.to_nvfp4(local_x, per_tensor_scale=per_tensor_amax_to_scale(amax),
-                                               is_swizzled_scales=True),
+        "nvfp4_swizzled": NVFP4Tensor.to_nvfp4(
+            local_x, per_tensor_scale=per_tensor_amax_to_scale(amax), is_swizzled_scales=True
+        ),
         "mxfp8_plain": MXTensor.to_mx(local_x, torch.float8_e4m3fn, 32),
-        "fp8_tensor": Float8Tensor.from_hp(local_x, granularity=PerTensor(), hp_value_lb=amax.item(),
-                                           hp_value_ub=amax.item()),
+        "fp8_tensor": Float8Tensor.from_hp(
+            local_x, granularity=PerTensor(), hp_value_lb=amax.item(), hp_value_ub=amax.item()
+        ),
         "fp8_block": Float8Tensor.from_hp(local_x, granularity=PerBlock([128, 128])),
     }
-    sd = {k: DTensor.from_local(v, mesh, (Shard(0),), run_check=False, shape=torch.Size((ROWS, 256)),
-                                stride=(256, 1)) for k, v in locals_.items()}
+    sd = {
+        k: DTensor.from_local(v, mesh, (Shard(0),), run_check=False, shape=torch.Size((ROWS, 256)), stride=(256, 1))
+        for k, v in locals_.items()
+    }
     dcp.save(sd, checkpoint_id=root_native, planner=ckptq.QuantizedSavePlanner())
     dcp.save(sd, checkpoint_id=root_pickles)
 
@@ -511,9 +580,14 @@ def test_two_rank_dtensor_shards_read_as_one_tensor(tmp_path):
             assert view.entry(name).kind == "quantized", (root, name)
             assert _same_components(view.read(name), _canonical(want, name)[0]), (root, name)
             target = _zeros_like(want)
-            dcp.load({name: target}, storage_reader=SafeFileSystemReader(tmp_path / root),
-                     planner=ckptq.QuantizedLoadPlanner())
-            assert all(bit_exact(a, b) for a, b in zip(_fields(target).values(), _fields(want).values())), name
+            dcp.load(
+                {name: target},
+                storage_reader=SafeFileSystemReader(tmp_path / root),
+                planner=ckptq.QuantizedLoadPlanner(),
+            )
+            assert all(
+                bit_exact(a, b) for a, b in zip(_fields(target).values(), _fields(want).values(), strict=False)
+            ), name
 
 
 def test_torch_save_source_reads_any_adapter(tmp_path):

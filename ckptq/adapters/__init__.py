@@ -14,7 +14,8 @@ producer-agnostic: no foreign class or module name appears outside this package.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class Adapter:
     classes: tuple[tuple[str, str], ...]
     to_canonical: Callable[[Any, str], tuple[QuantizedTensor, dict]]
     empty_canonical: Callable[[Any, str], QuantizedTensor]
-    insert: Callable[[Any, QuantizedTensor, str], Optional[float]]
+    insert: Callable[[Any, QuantizedTensor, str], float | None]
     pickle_globals: Mapping[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     payload_types: tuple[type, ...] = ()
     pickle_versions: str = ""
@@ -93,7 +94,7 @@ def registered() -> list[Adapter]:
     return list(_ADAPTERS)
 
 
-def adapter_for(obj: Any) -> Optional[Adapter]:
+def adapter_for(obj: Any) -> Adapter | None:
     """The adapter whose class list names ``type(obj)`` or one of its bases, or whose payload
     types ``obj`` is an instance of; else None."""
     for cls in type(obj).__mro__:
@@ -111,7 +112,7 @@ def _local(obj: Any) -> Any:
     return obj if local is None else local
 
 
-def local_quantized(obj: Any) -> Optional[tuple[Any, Optional[Adapter]]]:
+def local_quantized(obj: Any) -> tuple[Any, Adapter | None] | None:
     """The quantized tensor ``obj`` holds locally and the adapter it needs.
 
     Returns ``(local, None)`` for a ckptq :class:`QuantizedTensor` (plain or a DTensor's local
@@ -148,18 +149,22 @@ def check_fits(qt: Any, fmt: str, shape: tuple, recipe: Mapping[str, Any], where
     from ..errors import CheckpointFormatError
 
     if getattr(qt, "FORMAT", None) != fmt:
-        raise CheckpointFormatError(f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; "
-                                    f"the target holds {fmt}")
+        raise CheckpointFormatError(
+            f"{where}: cannot insert a {getattr(qt, 'FORMAT', type(qt).__name__)} tensor; the target holds {fmt}"
+        )
     if tuple(qt.shape) != tuple(shape):
-        raise CheckpointFormatError(f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, the target "
-                                    f"{tuple(shape)}")
+        raise CheckpointFormatError(
+            f"{where}: the loaded tensor has logical shape {tuple(qt.shape)}, the target {tuple(shape)}"
+        )
     for key in ("fp8_dtype", "block"):
         if key in recipe and getattr(qt.recipe, key) != recipe[key]:
-            raise CheckpointFormatError(f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
-                                        f"target {key}={recipe[key]}; requantize instead of a raw insert")
+            raise CheckpointFormatError(
+                f"{where}: the loaded tensor has {key}={getattr(qt.recipe, key)}, the "
+                f"target {key}={recipe[key]}; requantize instead of a raw insert"
+            )
 
 
-def describe_entry(fqn: str) -> Optional[str]:
+def describe_entry(fqn: str) -> str | None:
     """What a producer's auxiliary entry named ``fqn`` is (``"transformer_engine: ..."``), if any
     adapter knows its suffix; else None."""
     for a in _ADAPTERS:
@@ -180,15 +185,36 @@ def pickle_globals() -> dict[tuple[str, str], Any]:
 def _register_builtin() -> None:
     from . import te
 
-    register(Adapter("transformer_engine", tuple(te.TE_CLASSES), te.to_canonical, te.empty_canonical,
-                     te.insert, dict(te.PICKLE_GLOBALS), (te.TEPayload,),
-                     "TransformerEngine main (2026-08, d0067d0) and the #2974-era builds (transformer_engine_torch.DType)",
-                     {"._extra_state": "module extra state (FP8 recipe state as a uint8 tensor; empty for "
-                                       "stateless recipes; DelayedScaling pickles a dict that ckptq never unpickles)"}))
+    register(
+        Adapter(
+            "transformer_engine",
+            tuple(te.TE_CLASSES),
+            te.to_canonical,
+            te.empty_canonical,
+            te.insert,
+            dict(te.PICKLE_GLOBALS),
+            (te.TEPayload,),
+            "TransformerEngine main (2026-08, d0067d0) and the #2974-era builds (transformer_engine_torch.DType)",
+            {
+                "._extra_state": "module extra state (FP8 recipe state as a uint8 tensor; empty for "
+                "stateless recipes; DelayedScaling pickles a dict that ckptq never unpickles)"
+            },
+        )
+    )
     from . import torchao as ao  # noqa: E402  (torchao itself is never imported)
 
-    register(Adapter("torchao", tuple(ao.AO_CLASSES), ao.to_canonical, ao.empty_canonical, ao.insert,
-                     dict(ao.PICKLE_GLOBALS), ao.PAYLOAD_TYPES, "torchao 0.18.0"))
+    register(
+        Adapter(
+            "torchao",
+            tuple(ao.AO_CLASSES),
+            ao.to_canonical,
+            ao.empty_canonical,
+            ao.insert,
+            dict(ao.PICKLE_GLOBALS),
+            ao.PAYLOAD_TYPES,
+            "torchao 0.18.0",
+        )
+    )
 
 
 _register_builtin()

@@ -44,7 +44,8 @@ import dataclasses
 import fnmatch
 import re
 import struct
-from typing import Any, Callable, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -77,10 +78,22 @@ E4M3, U8 = torch.float8_e4m3fn, torch.uint8
 
 #: safetensors dtype strings <-> torch dtypes (the ones these layouts use, plus common plain ones)
 ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
 }
 
 #: default ``ignore`` globs of :func:`ckptq.export.export_checkpoint` (kept in bf16 as ModelOpt /
@@ -97,7 +110,7 @@ AUX_SUFFIXES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "outp
 ACT_SCALE = {"modelopt": ("input_scale", "decode", ()), "compressed-tensors": ("input_global_scale", "encode", (1,))}
 
 
-def convert_act_scale(name: str, target: str) -> Optional[tuple[str, Callable[[torch.Tensor], torch.Tensor]]]:
+def convert_act_scale(name: str, target: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]] | None:
     """``(new name, transform)`` of an activation-scale tensor ``name`` for layout ``target``; None
     when ``name`` is not one (or ``target`` has none: it is then dropped by the exporter)."""
     for suffix, semantic, _ in ACT_SCALE.values():
@@ -169,7 +182,7 @@ class HFLayout:
     #: ``(formats used {module: FormatMap}, ignored modules) -> {file name: json}``
     write_config: Callable[[Mapping[str, FormatMap], Sequence[str]], dict] = None  # type: ignore[assignment]
 
-    def format_map(self, fmt: str) -> Optional[FormatMap]:
+    def format_map(self, fmt: str) -> FormatMap | None:
         return next((f for f in self.formats if f.format == fmt), None)
 
 
@@ -193,16 +206,26 @@ def _modelopt_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> d
         quant.update({k: v for k, v in scheme.items() if k in ("quant_algo", "group_size")})
     else:
         quant["quant_algo"] = "MIXED_PRECISION"
-        quant["quantized_layers"] = {m: {k: v for k, v in s.items() if k in ("quant_algo", "group_size")}
-                                     for m, s in sorted(algos.items())}
+        quant["quantized_layers"] = {
+            m: {k: v for k, v in s.items() if k in ("quant_algo", "group_size")} for m, s in sorted(algos.items())
+        }
     hf_quant = {"producer": {"name": "modelopt", "version": f"ckptq-{_version()}"}, "quantization": quant}
     groups = {}
     for i, scheme in enumerate(sorted({json_key(s): s for s in algos.values()}.values(), key=json_key)):
         targets = ["Linear"] if len(distinct) == 1 else sorted(m for m, s in algos.items() if s == scheme)
-        groups[f"group_{i}"] = {"targets": targets, "weights": dict(scheme["weights"]),
-                                "input_activations": scheme.get("input_activations")}
-    qc = {"quant_method": "modelopt", "quant_algo": quant["quant_algo"], "producer": hf_quant["producer"],
-          "config_groups": groups, "ignore": quant["exclude_modules"], "kv_cache_scheme": None}
+        groups[f"group_{i}"] = {
+            "targets": targets,
+            "weights": dict(scheme["weights"]),
+            "input_activations": scheme.get("input_activations"),
+        }
+    qc = {
+        "quant_method": "modelopt",
+        "quant_algo": quant["quant_algo"],
+        "producer": hf_quant["producer"],
+        "config_groups": groups,
+        "ignore": quant["exclude_modules"],
+        "kv_cache_scheme": None,
+    }
     if "group_size" in quant:
         qc["group_size"] = quant["group_size"]
     return {"hf_quant_config.json": hf_quant, "config.json": {"quantization_config": qc}}
@@ -219,18 +242,35 @@ def _ct_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> dict:
     for i, key in enumerate(sorted(schemes)):
         s = schemes[key]
         targets = ["Linear"] if single else [f"re:^{re.escape(m)}$" for m in sorted(by_scheme[key])]
-        groups[f"group_{i}"] = {"targets": targets, "weights": dict(s["weights"]), "input_activations": None,
-                                "output_activations": None, "format": s["format"]}
+        groups[f"group_{i}"] = {
+            "targets": targets,
+            "weights": dict(s["weights"]),
+            "input_activations": None,
+            "output_activations": None,
+            "format": s["format"],
+        }
     fmt = next(iter(schemes.values()))["format"] if single else "mixed-precision"
-    qc = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-          "config_groups": groups, "ignore": _ignore_globs(ignored), "kv_cache_scheme": None,
-          "sparsity_config": {}, "global_compression_ratio": None}
+    qc = {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": _ignore_globs(ignored),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
     return {"config.json": {"quantization_config": qc}}
 
 
 def _deepseek_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> dict:
-    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
-          "modules_to_not_convert": _ignore_globs(ignored)}
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": _ignore_globs(ignored),
+    }
     return {"config.json": {"quantization_config": qc}}
 
 
@@ -251,60 +291,150 @@ def _register(lay: HFLayout) -> HFLayout:
     return lay
 
 
-_register(HFLayout(
-    "modelopt", "modelopt",
-    (
-        FormatMap("nvfp4", (HFTensor("weight", "data", U8), HFTensor("weight_scale", "scale", E4M3, "rows16"),
-                            HFTensor("weight_scale_2", "amax", _F32, "ws2")),
-                  {"quant_algo": "NVFP4", "group_size": 16,
-                   "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}}, k_multiple=16),
-        FormatMap("mxfp8", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
-                  {"quant_algo": "MXFP8", "group_size": 32,
-                   "weights": {"dynamic": False, "num_bits": 8, "type": "float", "group_size": 32}}, k_multiple=32),
-        FormatMap("fp8_tensor", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
-                  {"quant_algo": "FP8", "weights": {"dynamic": False, "num_bits": 8, "type": "float"}},
-                  {"fp8_dtype": _FP8_E4M3}),
-    ),
-    ("modelopt", "modelopt_fp4"), ("weight_scale_2",), _modelopt_config,
-))
+_register(
+    HFLayout(
+        "modelopt",
+        "modelopt",
+        (
+            FormatMap(
+                "nvfp4",
+                (
+                    HFTensor("weight", "data", U8),
+                    HFTensor("weight_scale", "scale", E4M3, "rows16"),
+                    HFTensor("weight_scale_2", "amax", _F32, "ws2"),
+                ),
+                {
+                    "quant_algo": "NVFP4",
+                    "group_size": 16,
+                    "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
+                },
+                k_multiple=16,
+            ),
+            FormatMap(
+                "mxfp8",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
+                {
+                    "quant_algo": "MXFP8",
+                    "group_size": 32,
+                    "weights": {"dynamic": False, "num_bits": 8, "type": "float", "group_size": 32},
+                },
+                k_multiple=32,
+            ),
+            FormatMap(
+                "fp8_tensor",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                {"quant_algo": "FP8", "weights": {"dynamic": False, "num_bits": 8, "type": "float"}},
+                {"fp8_dtype": _FP8_E4M3},
+            ),
+        ),
+        ("modelopt", "modelopt_fp4"),
+        ("weight_scale_2",),
+        _modelopt_config,
+    )
+)
 
-_register(HFLayout(
-    "compressed-tensors", "compressed-tensors",
-    (
-        FormatMap("nvfp4", (HFTensor("weight_packed", "data", U8), HFTensor("weight_scale", "scale", E4M3, "rows16"),
-                            HFTensor("weight_global_scale", "amax", _F32, "gs")),
-                  {"format": "nvfp4-pack-quantized",
-                   "weights": {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
-                               "group_size": 16, "dynamic": False, "observer": None,
-                               "scale_dtype": "torch.float8_e4m3fn"}}, k_multiple=16),
-        FormatMap("mxfp8", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
-                  {"format": "mxfp8-quantized",
-                   "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group",
-                               "group_size": 32, "dynamic": False, "observer": None, "scale_dtype": "torch.uint8"}}, k_multiple=32),
-        FormatMap("fp8_block", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
-                  {"format": "float-quantized",
-                   "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
-                               "block_structure": [128, 128], "dynamic": False, "observer": None}},
-                  {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "the scheme written is block [128, 128]")}),
-        FormatMap("fp8_tensor", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1")),
-                  {"format": "float-quantized",
-                   "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor",
-                               "dynamic": False, "observer": None}},
-                  {"fp8_dtype": _FP8_E4M3}),
-    ),
-    ("compressed-tensors",), ("weight_packed", "weight_global_scale"), _ct_config,
-))
+_register(
+    HFLayout(
+        "compressed-tensors",
+        "compressed-tensors",
+        (
+            FormatMap(
+                "nvfp4",
+                (
+                    HFTensor("weight_packed", "data", U8),
+                    HFTensor("weight_scale", "scale", E4M3, "rows16"),
+                    HFTensor("weight_global_scale", "amax", _F32, "gs"),
+                ),
+                {
+                    "format": "nvfp4-pack-quantized",
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "tensor_group",
+                        "group_size": 16,
+                        "dynamic": False,
+                        "observer": None,
+                        "scale_dtype": "torch.float8_e4m3fn",
+                    },
+                },
+                k_multiple=16,
+            ),
+            FormatMap(
+                "mxfp8",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
+                {
+                    "format": "mxfp8-quantized",
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "dynamic": False,
+                        "observer": None,
+                        "scale_dtype": "torch.uint8",
+                    },
+                },
+                k_multiple=32,
+            ),
+            FormatMap(
+                "fp8_block",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                {
+                    "format": "float-quantized",
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "block",
+                        "block_structure": [128, 128],
+                        "dynamic": False,
+                        "observer": None,
+                    },
+                },
+                {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "the scheme written is block [128, 128]")},
+            ),
+            FormatMap(
+                "fp8_tensor",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1")),
+                {
+                    "format": "float-quantized",
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "tensor",
+                        "dynamic": False,
+                        "observer": None,
+                    },
+                },
+                {"fp8_dtype": _FP8_E4M3},
+            ),
+        ),
+        ("compressed-tensors",),
+        ("weight_packed", "weight_global_scale"),
+        _ct_config,
+    )
+)
 
-_register(HFLayout(
-    "deepseek-fp8", "deepseek",
-    (
-        FormatMap("fp8_block", (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32)),
-                  {"quant_method": "fp8", "weight_block_size": [128, 128]},
-                  {"fp8_dtype": _FP8_E4M3,
-                   "block": (((128, 128),), "DeepSeek-V3 / HF 'fp8' weights use 128x128 blocks")}),
-    ),
-    ("fp8",), ("weight_scale_inv",), _deepseek_config,
-))
+_register(
+    HFLayout(
+        "deepseek-fp8",
+        "deepseek",
+        (
+            FormatMap(
+                "fp8_block",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32)),
+                {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "DeepSeek-V3 / HF 'fp8' weights use 128x128 blocks")},
+            ),
+        ),
+        ("fp8",),
+        ("weight_scale_inv",),
+        _deepseek_config,
+    )
+)
 
 
 def layout(name: str) -> HFLayout:
@@ -318,8 +448,9 @@ def layout(name: str) -> HFLayout:
 
 
 # ----------------------------------------------------------------------------- detection
-def detect_layout(config: Optional[Mapping], hf_quant: Optional[Mapping], names: Sequence[str],
-                  where: str) -> Optional[HFLayout]:
+def detect_layout(
+    config: Mapping | None, hf_quant: Mapping | None, names: Sequence[str], where: str
+) -> HFLayout | None:
     """The layout of a folder from its ``config.json`` / ``hf_quant_config.json`` and tensor names.
 
     The config decides when it names a layout; then tensor names of *another* layout's markers with
@@ -370,8 +501,9 @@ def group_modules(names: Sequence[str], lay: HFLayout) -> tuple[dict[str, dict[s
     return quantized, [n for n in names if n not in used]
 
 
-def match_formats(lay: HFLayout, module: str, group: Mapping[str, str], dtypes: Mapping[str, torch.dtype],
-                  where: str) -> list[FormatMap]:
+def match_formats(
+    lay: HFLayout, module: str, group: Mapping[str, str], dtypes: Mapping[str, torch.dtype], where: str
+) -> list[FormatMap]:
     """The format maps of ``lay`` whose tensors are exactly ``group`` with the right dtypes, in table
     order (the caller picks the first whose shapes fit: compressed-tensors' FP8 per-tensor and
     block formats differ only in the scale's shape).
@@ -379,20 +511,24 @@ def match_formats(lay: HFLayout, module: str, group: Mapping[str, str], dtypes: 
     Raises:
         CheckpointFormatError: no format of the layout has this set of tensors and dtypes.
     """
-    found = [fm for fm in lay.formats if set(fm.suffixes()) == set(group)
-             and all(dtypes[group[t.suffix]] == t.dtype for t in fm.tensors)]
+    found = [
+        fm
+        for fm in lay.formats
+        if set(fm.suffixes()) == set(group) and all(dtypes[group[t.suffix]] == t.dtype for t in fm.tensors)
+    ]
     if found:
         return found
     got = {s: dtype_to_str(dtypes[n]) for s, n in sorted(group.items())}
-    want = "; ".join(f"{fm.format}: " + ", ".join(f"{t.suffix} {dtype_to_str(t.dtype)}" for t in fm.tensors)
-                     for fm in lay.formats)
+    want = "; ".join(
+        f"{fm.format}: " + ", ".join(f"{t.suffix} {dtype_to_str(t.dtype)}" for t in fm.tensors) for fm in lay.formats
+    )
     raise CheckpointFormatError(
         f"{where}: module '{module}' has tensors {got}, which match no {lay.name} format ({want}); the "
         f"folder's config and tensors disagree or a tensor is missing; re-export it or fix the config"
     )
 
 
-def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Optional[Mapping]) -> dict:
+def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None) -> dict:
     """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two)."""
     rec: dict[str, Any] = {}
     if fm.format in ("fp8_block", "fp8_tensor"):
@@ -404,7 +540,7 @@ def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Opt
     return rec
 
 
-def _block_of(config: Optional[Mapping]) -> tuple[int, int]:
+def _block_of(config: Mapping | None) -> tuple[int, int]:
     qc = (config or {}).get("quantization_config") or {}
     if "weight_block_size" in qc:
         return tuple(int(b) for b in qc["weight_block_size"])
@@ -423,16 +559,32 @@ def logical_shape(fm: FormatMap, data_shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def descriptor(fm: FormatMap, lay: HFLayout, shape: Sequence[int], dtype: torch.dtype, recipe: Mapping,
-               keys: Mapping[str, str], producer_name: str) -> dict:
+def descriptor(
+    fm: FormatMap,
+    lay: HFLayout,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    recipe: Mapping,
+    keys: Mapping[str, str],
+    producer_name: str,
+) -> dict:
     """The ckptq (native) descriptor of an imported weight; components' ``fqn`` = their HF names."""
     cls = format_class(fm.format)
     rec = cls._recipe_from_json(dict(recipe))
-    comps = {s.name: {"dtype": dtype_to_str(s.dtype), "shape": list(s.shape(shape)), "fqn": keys[s.name]}
-             for s in cls.component_specs(shape, rec)}
-    return {"format": fm.format, "version": DESCRIPTOR_VERSION, "shape": [int(s) for s in shape],
-            "dtype": dtype_to_str(dtype), "recipe": cls._recipe_to_json(rec), "components": comps,
-            "mode": "native", "producer": {"name": producer_name, "layout": lay.name}}
+    comps = {
+        s.name: {"dtype": dtype_to_str(s.dtype), "shape": list(s.shape(shape)), "fqn": keys[s.name]}
+        for s in cls.component_specs(shape, rec)
+    }
+    return {
+        "format": fm.format,
+        "version": DESCRIPTOR_VERSION,
+        "shape": [int(s) for s in shape],
+        "dtype": dtype_to_str(dtype),
+        "recipe": cls._recipe_to_json(rec),
+        "components": comps,
+        "mode": "native",
+        "producer": {"name": producer_name, "layout": lay.name},
+    }
 
 
 def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Mapping) -> tuple[int, ...]:
@@ -467,7 +619,7 @@ def _neighbours(x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _ckptq_mult(s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    return (_E2M1[:, None] * ((s * amax) * _INV_2688)[None, :])
+    return _E2M1[:, None] * ((s * amax) * _INV_2688)[None, :]
 
 
 def _consumer_mult(codec: str, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -546,7 +698,7 @@ def encode_amax(amax: torch.Tensor) -> str:
     return ",".join(f"{b & 0xFFFFFFFF:08x}" for b in amax.reshape(-1).to(_F32).view(torch.int32).tolist())
 
 
-def decode_amax(text: str, shape: Sequence[int]) -> Optional[torch.Tensor]:
+def decode_amax(text: str, shape: Sequence[int]) -> torch.Tensor | None:
     try:
         vals = [struct.unpack("<f", struct.pack("<I", int(h, 16)))[0] for h in text.split(",")]
         return torch.tensor(vals, dtype=_F32).reshape(tuple(shape))
@@ -555,8 +707,9 @@ def decode_amax(text: str, shape: Sequence[int]) -> Optional[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- import / export
-def import_components(fm: FormatMap, stored: Mapping[str, torch.Tensor], shape: Sequence[int],
-                      amax_hint: Optional[torch.Tensor] = None) -> tuple[dict[str, torch.Tensor], dict]:
+def import_components(
+    fm: FormatMap, stored: Mapping[str, torch.Tensor], shape: Sequence[int], amax_hint: torch.Tensor | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
     """ckptq components of one weight from its HF tensors ``{suffix: tensor}``.
 
     ``amax_hint``: ckptq's amax recorded by the exporter; used when it maps back to the stored
@@ -588,8 +741,13 @@ def import_components(fm: FormatMap, stored: Mapping[str, torch.Tensor], shape: 
                 cand = amax_hint[idx]
                 back, _ = nvfp4_global_for_layout(t.codec, cand, s_i)
                 if bool(torch.equal(back.reshape(()), g[idx].reshape(()))):
-                    a, u = cand, _ulps(_ckptq_mult(_occurring_scales(s_i), cand),
-                                       _consumer_mult(t.codec, _occurring_scales(s_i), g[idx]))
+                    a, u = (
+                        cand,
+                        _ulps(
+                            _ckptq_mult(_occurring_scales(s_i), cand),
+                            _consumer_mult(t.codec, _occurring_scales(s_i), g[idx]),
+                        ),
+                    )
             if a is None:
                 a, u = amax_from_layout(t.codec, g[idx], s_i)
             amax[idx] = a
@@ -605,8 +763,9 @@ def _batch_indices(batch: tuple) -> list[tuple]:
     return [tuple(i) for i in itertools.product(*[range(b) for b in batch])] if batch else [()]
 
 
-def check_exportable(fm: Optional[FormatMap], lay: HFLayout, fqn: str, fmt: str, recipe: Mapping,
-                     shape: Sequence[int]) -> None:
+def check_exportable(
+    fm: FormatMap | None, lay: HFLayout, fqn: str, fmt: str, recipe: Mapping, shape: Sequence[int]
+) -> None:
     """Raise UnsupportedFormatError (naming the tensor and the fix) when ``lay`` cannot hold it."""
     if fm is None:
         raise UnsupportedFormatError(
@@ -626,18 +785,22 @@ def check_exportable(fm: Optional[FormatMap], lay: HFLayout, fqn: str, fmt: str,
     if shape[-1] % fm.k_multiple:
         raise UnsupportedFormatError(
             f"tensor '{fqn}' of shape {list(shape)}: {lay.name} {fmt} needs the last dim (K = {shape[-1]}) to be "
-            f"a multiple of {fm.k_multiple} (its consumers' group size{'; FP4 packs two values per byte' if fmt == 'nvfp4' else ''}); "
+            f"a multiple of {fm.k_multiple} (its consumers' group size"
+            f"{'; FP4 packs two values per byte' if fmt == 'nvfp4' else ''}); "
             f"--ignore '{fqn}' to keep it in bf16, pad K, or choose another --format"
         )
 
 
-def export_plan(fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping) -> list[tuple[str, torch.dtype, tuple]]:
+def export_plan(
+    fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping
+) -> list[tuple[str, torch.dtype, tuple]]:
     """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read)."""
     return [(f"{module}.{t.suffix}", t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
 
 
-def export_tensors(fm: FormatMap, module: str, comps: Mapping[str, torch.Tensor], shape: Sequence[int],
-                   recipe: Mapping) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
+def export_tensors(
+    fm: FormatMap, module: str, comps: Mapping[str, torch.Tensor], shape: Sequence[int], recipe: Mapping
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
     """The HF tensors of one canonical weight: ``({hf name: tensor}, {metadata key: text}, numerics)``.
 
     ``numerics``: ``{"max_ulps": n}`` for NVFP4 (fp32 ulps between the consumer's decode and ckptq's
@@ -669,8 +832,9 @@ def export_tensors(fm: FormatMap, module: str, comps: Mapping[str, torch.Tensor]
             meta[amax_metadata_key(name)] = encode_amax(x)
             info["max_ulps"] = worst
         if y.dtype != t.dtype:
-            raise CheckpointFormatError(f"tensor '{module}': component '{t.component}' is {y.dtype}, "
-                                        f"layout wants {t.dtype}")
+            raise CheckpointFormatError(
+                f"tensor '{module}': component '{t.component}' is {y.dtype}, layout wants {t.dtype}"
+            )
         out[name] = y.contiguous()
     return out, meta, info
 
@@ -697,7 +861,12 @@ def parse_rename_rules(rules: Any) -> list[tuple[str, str]]:
         return []
     if isinstance(rules, (str, bytes)) or hasattr(rules, "__fspath__"):
         rules = [rules]
-    if not isinstance(rules, Mapping) and len(rules) == 1 and str(rules[0]).endswith(".json") and "=" not in str(rules[0]):
+    if (
+        not isinstance(rules, Mapping)
+        and len(rules) == 1
+        and str(rules[0]).endswith(".json")
+        and "=" not in str(rules[0])
+    ):
         import json
 
         try:
@@ -714,8 +883,10 @@ def parse_rename_rules(rules: Any) -> list[tuple[str, str]]:
             items.append((src.strip(), dst.strip()))
     for src, dst in items:
         if not src or not dst or src.count("*") != dst.count("*"):
-            raise ValueError(f"rename rule '{src}={dst}': both sides must be non-empty with the same number "
-                             f"of '*' ({src.count('*')} vs {dst.count('*')})")
+            raise ValueError(
+                f"rename rule '{src}={dst}': both sides must be non-empty with the same number "
+                f"of '*' ({src.count('*')} vs {dst.count('*')})"
+            )
     return items
 
 

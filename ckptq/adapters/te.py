@@ -48,7 +48,8 @@ import dataclasses
 import enum
 import sys
 import warnings
-from typing import Any, Callable, ClassVar, Optional
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -119,7 +120,7 @@ _TORCH_FP8 = {7: torch.float8_e4m3fn, 8: torch.float8_e5m2}
 _FP8_CODE = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}
 
 
-def _code(value: Any) -> Optional[int]:
+def _code(value: Any) -> int | None:
     """int of a TE DType (IntEnum, pybind enum, TEDType); None when absent or not int-like."""
     try:
         return None if value is None else int(value)
@@ -134,9 +135,7 @@ class TEPayload:
 
     def __init__(self, te_class: str, shape: Any, dtype: Any, **fields: Any):
         if not isinstance(dtype, torch.dtype):
-            raise CheckpointFormatError(
-                f"TransformerEngine {te_class} payload: dtype {dtype!r} is not a torch dtype"
-            )
+            raise CheckpointFormatError(f"TransformerEngine {te_class} payload: dtype {dtype!r} is not a torch dtype")
         try:
             shape = torch.Size([int(s) for s in shape])
         except (TypeError, ValueError):
@@ -206,40 +205,108 @@ class Float8BlockQuantizerState(QuantizerState):
 def make_float8(data, fp8_dtype, fp8_scale_inv, dtype, shape, data_transpose=None) -> TEPayload:
     """``float8_tensor._make_float8_tensor_in_reduce_ex``: (data, fp8_dtype, scale_inv, dtype, shape
     [, data_transpose]); the transpose is pickled only when ``_data`` is None; no quantizer."""
-    return TEPayload("Float8Tensor", shape, dtype, _data=data, _fp8_dtype=fp8_dtype, _scale_inv=fp8_scale_inv,
-                     _transpose=data_transpose, _transpose_invalid=data_transpose is None, _quantizer=None)
+    return TEPayload(
+        "Float8Tensor",
+        shape,
+        dtype,
+        _data=data,
+        _fp8_dtype=fp8_dtype,
+        _scale_inv=fp8_scale_inv,
+        _transpose=data_transpose,
+        _transpose_invalid=data_transpose is None,
+        _quantizer=None,
+    )
 
 
-def make_mxfp8(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, fp8_dtype, dtype, shape,
-               quantizer=None, with_gemm_swizzled_scales=False) -> TEPayload:
+def make_mxfp8(
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    fp8_dtype,
+    dtype,
+    shape,
+    quantizer=None,
+    with_gemm_swizzled_scales=False,
+) -> TEPayload:
     """``mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex`` (9 positional fields)."""
-    return TEPayload("MXFP8Tensor", shape, dtype, _rowwise_data=rowwise_data, _columnwise_data=columnwise_data,
-                     _rowwise_scale_inv=rowwise_scale_inv, _columnwise_scale_inv=columnwise_scale_inv,
-                     _quantizer=quantizer, _fp8_dtype=fp8_dtype,
-                     _with_gemm_swizzled_scales=bool(with_gemm_swizzled_scales))
+    return TEPayload(
+        "MXFP8Tensor",
+        shape,
+        dtype,
+        _rowwise_data=rowwise_data,
+        _columnwise_data=columnwise_data,
+        _rowwise_scale_inv=rowwise_scale_inv,
+        _columnwise_scale_inv=columnwise_scale_inv,
+        _quantizer=quantizer,
+        _fp8_dtype=fp8_dtype,
+        _with_gemm_swizzled_scales=bool(with_gemm_swizzled_scales),
+    )
 
 
-def make_nvfp4(shape, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, amax_rowwise,
-               amax_columnwise, fp4_dtype, dtype, quantizer=None, with_gemm_swizzled_scales=False,
-               row_scaled_nvfp4=False, nvfp4_use_4over6=False, nvfp4_e4m3_max=448) -> TEPayload:
+def make_nvfp4(
+    shape,
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    amax_rowwise,
+    amax_columnwise,
+    fp4_dtype,
+    dtype,
+    quantizer=None,
+    with_gemm_swizzled_scales=False,
+    row_scaled_nvfp4=False,
+    nvfp4_use_4over6=False,
+    nvfp4_e4m3_max=448,
+) -> TEPayload:
     """``nvfp4_tensor._make_nvfp4_tensor_in_reduce_ex`` (14 fields on main, 11 in #2974-era pickles)."""
-    return TEPayload("NVFP4Tensor", shape, dtype, _rowwise_data=rowwise_data, _columnwise_data=columnwise_data,
-                     _fp4_dtype=fp4_dtype, _quantizer=quantizer, _rowwise_scale_inv=rowwise_scale_inv,
-                     _columnwise_scale_inv=columnwise_scale_inv, _amax_rowwise=amax_rowwise,
-                     _amax_columnwise=amax_columnwise, _with_gemm_swizzled_scales=bool(with_gemm_swizzled_scales),
-                     _row_scaled_nvfp4=bool(row_scaled_nvfp4), _nvfp4_use_4over6=bool(nvfp4_use_4over6),
-                     _nvfp4_e4m3_max=nvfp4_e4m3_max)
+    return TEPayload(
+        "NVFP4Tensor",
+        shape,
+        dtype,
+        _rowwise_data=rowwise_data,
+        _columnwise_data=columnwise_data,
+        _fp4_dtype=fp4_dtype,
+        _quantizer=quantizer,
+        _rowwise_scale_inv=rowwise_scale_inv,
+        _columnwise_scale_inv=columnwise_scale_inv,
+        _amax_rowwise=amax_rowwise,
+        _amax_columnwise=amax_columnwise,
+        _with_gemm_swizzled_scales=bool(with_gemm_swizzled_scales),
+        _row_scaled_nvfp4=bool(row_scaled_nvfp4),
+        _nvfp4_use_4over6=bool(nvfp4_use_4over6),
+        _nvfp4_e4m3_max=nvfp4_e4m3_max,
+    )
 
 
-def make_float8_blockwise(shape, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
-                          fp8_dtype, dtype, quantizer=None, is_2D_scaled=True, data_format=None) -> TEPayload:
+def make_float8_blockwise(
+    shape,
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    fp8_dtype,
+    dtype,
+    quantizer=None,
+    is_2D_scaled=True,
+    data_format=None,
+) -> TEPayload:
     """``float8_blockwise_tensor._make_float8_blockwise_tensor_in_reduce_ex``; the trailing
     ``data_format`` (removed field, always None since #2486) is ignored."""
     del data_format
-    return TEPayload("Float8BlockwiseQTensor", shape, dtype, _rowwise_data=rowwise_data,
-                     _columnwise_data=columnwise_data, _quantizer=quantizer, _fp8_dtype=fp8_dtype,
-                     _rowwise_scale_inv=rowwise_scale_inv, _columnwise_scale_inv=columnwise_scale_inv,
-                     _is_2D_scaled=bool(is_2D_scaled))
+    return TEPayload(
+        "Float8BlockwiseQTensor",
+        shape,
+        dtype,
+        _rowwise_data=rowwise_data,
+        _columnwise_data=columnwise_data,
+        _quantizer=quantizer,
+        _fp8_dtype=fp8_dtype,
+        _rowwise_scale_inv=rowwise_scale_inv,
+        _columnwise_scale_inv=columnwise_scale_inv,
+        _is_2D_scaled=bool(is_2D_scaled),
+    )
 
 
 class _LegacyClass:
@@ -324,8 +391,7 @@ def _swizzle(compact: torch.Tensor) -> torch.Tensor:
     return padded.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1)
 
 
-def _read_scales(buf: torch.Tensor, rows: int, cols: int, swizzled: bool, *,
-                 transposed: bool = False) -> torch.Tensor:
+def _read_scales(buf: torch.Tensor, rows: int, cols: int, swizzled: bool, *, transposed: bool = False) -> torch.Tensor:
     """Compact (rows, cols) scales of a TE scale buffer; a view of ``buf`` unless swizzled.
     ``transposed``: a swizzled buffer holds the (cols, rows) matrix (MXFP8 columnwise)."""
     if not swizzled:
@@ -399,8 +465,12 @@ def _held(obj: Any, desc: _Desc, specs: dict[str, tuple[tuple[int, ...], torch.d
 def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _Desc:
     shape = tuple(int(s) for s in obj.shape)
     if len(shape) != 2:
-        _refuse(fqn, te_class, f"logical shape {shape}",
-                "is not 2-D (TE flattens leading dims; ckptq's TE adapter maps (M, K) tensors only)")
+        _refuse(
+            fqn,
+            te_class,
+            f"logical shape {shape}",
+            "is not 2-D (TE flattens leading dims; ckptq's TE adapter maps (M, K) tensors only)",
+        )
     return _Desc(te_class, fmt, shape, obj.dtype, {}, bool(getattr(obj, "_with_gemm_swizzled_scales", False)))
 
 
@@ -408,8 +478,12 @@ def _fp8_code(obj: Any, fqn: str, te_class: str, allowed=(7, 8)) -> int:
     code = _code(getattr(obj, "_fp8_dtype", None))
     if code not in allowed:
         name = _DTYPE_NAMES.get(code, code)
-        _refuse(fqn, te_class, f"_fp8_dtype={name}", "is not an element type of ckptq's format for this class "
-                f"({'/'.join(_DTYPE_NAMES[c] for c in allowed)})")
+        _refuse(
+            fqn,
+            te_class,
+            f"_fp8_dtype={name}",
+            f"is not an element type of ckptq's format for this class ({'/'.join(_DTYPE_NAMES[c] for c in allowed)})",
+        )
     return code
 
 
@@ -434,8 +508,11 @@ def _f8_describe(obj, fqn):
     ):
         _refuse(fqn, d.te_class, "_data", "is None and no valid _transpose is held (no FP8 data)")
     q = getattr(obj, "_quantizer", None)
-    d.recipe = dict(fp8_dtype=_TORCH_FP8[code], pow2=bool(getattr(q, "force_pow_2_scales", False)),
-                    eps=float(getattr(q, "amax_epsilon", 0.0)))
+    d.recipe = dict(
+        fp8_dtype=_TORCH_FP8[code],
+        pow2=bool(getattr(q, "force_pow_2_scales", False)),
+        eps=float(getattr(q, "amax_epsilon", 0.0)),
+    )
     return d
 
 
@@ -483,12 +560,13 @@ def _mx_describe(obj, fqn):
 def _mx_extract(obj, d, fqn):
     b = _held(obj, d, _mx_specs(d), fqn)
     m, k = d.shape
-    out = {"data": b["_rowwise_data"].view(torch.float8_e4m3fn),
-           "scale": _read_scales(b["_rowwise_scale_inv"], m, _cdiv(k, 32), d.swizzled)}
+    out = {
+        "data": b["_rowwise_data"].view(torch.float8_e4m3fn),
+        "scale": _read_scales(b["_rowwise_scale_inv"], m, _cdiv(k, 32), d.swizzled),
+    }
     if d.recipe["columnwise"]:
         out["columnwise_data"] = b["_columnwise_data"].view(torch.float8_e4m3fn)
-        out["columnwise_scale"] = _read_scales(b["_columnwise_scale_inv"], _cdiv(m, 32), k, d.swizzled,
-                                               transposed=True)
+        out["columnwise_scale"] = _read_scales(b["_columnwise_scale_inv"], _cdiv(m, 32), k, d.swizzled, transposed=True)
     return out
 
 
@@ -534,13 +612,18 @@ def _nv_describe(obj, fqn):
     if getattr(obj, "_row_scaled_nvfp4", False):
         _refuse(fqn, te, "_row_scaled_nvfp4=True", "(one fp32 amax per row)")
     if getattr(obj, "_nvfp4_use_4over6", False) or int(getattr(obj, "_nvfp4_e4m3_max", 448)) != 448:
-        _refuse(fqn, te, f"_nvfp4_use_4over6/_nvfp4_e4m3_max={getattr(obj, '_nvfp4_e4m3_max', 448)}",
-                "(4over6 block selection, E4M3 bound other than 448)")
+        _refuse(
+            fqn,
+            te,
+            f"_nvfp4_use_4over6/_nvfp4_e4m3_max={getattr(obj, '_nvfp4_e4m3_max', 448)}",
+            "(4over6 block selection, E4M3 bound other than 448)",
+        )
     if getattr(obj, "_rowwise_data", None) is None:
         _refuse(fqn, te, "_rowwise_data", "is None (columnwise-only NVFP4)")
     if getattr(q, "with_rht", False) and getattr(obj, "_columnwise_data", None) is not None:
-        _refuse(fqn, te, "_columnwise_data (quantizer.with_rht=True)",
-                "holds Random-Hadamard-transformed columnwise data")
+        _refuse(
+            fqn, te, "_columnwise_data (quantizer.with_rht=True)", "holds Random-Hadamard-transformed columnwise data"
+        )
     if d.shape[1] % 2:
         raise CheckpointFormatError(f"{_where(fqn, te)}: K={d.shape[1]} is odd; NVFP4 packs two values per byte")
     d.recipe = dict(two_d=bool(getattr(q, "with_2d_quantization", False)))
@@ -557,8 +640,11 @@ def _nv_extract(obj, d, fqn):
             d.recipe["two_d"] = False  # not tile-constant: keep it exact as 1x16 scales
         else:
             scale = tiles
-    return {"data": b["_rowwise_data"], "scale": scale.view(torch.float8_e4m3fn),
-            "amax": b["_amax_rowwise"].reshape(())}
+    return {
+        "data": b["_rowwise_data"],
+        "scale": scale.view(torch.float8_e4m3fn),
+        "amax": b["_amax_rowwise"].reshape(()),
+    }
 
 
 def _nv_insert(obj, qt, d, fqn):
@@ -606,9 +692,12 @@ def _fb_describe(obj, fqn):
     if getattr(obj, "_rowwise_data", None) is None:
         _refuse(fqn, d.te_class, "_rowwise_data", "is None (columnwise-only FP8 block tensor)")
     q = getattr(obj, "_quantizer", None)
-    d.recipe = dict(block=(128, 128) if getattr(obj, "_is_2D_scaled", True) else (1, 128),
-                    fp8_dtype=_TORCH_FP8[code], pow2=bool(getattr(q, "force_pow_2_scales", True)),
-                    eps=float(getattr(q, "amax_epsilon", 0.0)))
+    d.recipe = dict(
+        block=(128, 128) if getattr(obj, "_is_2D_scaled", True) else (1, 128),
+        fp8_dtype=_TORCH_FP8[code],
+        pow2=bool(getattr(q, "force_pow_2_scales", True)),
+        eps=float(getattr(q, "amax_epsilon", 0.0)),
+    )
     return d
 
 
@@ -634,8 +723,14 @@ def _fb_insert(obj, qt, d, fqn):
     if two_d:  # exact: fp8_transpose + scale transpose (section 1.4)
         cdata, cscale = data.t(), scale.t()
     else:  # 1-D columnwise: x.T quantized with 1x128 blocks along M; requantize
-        cc, sqnr = _requantized(qt.dequantize(torch.float32), "fp8_block", block=(1, 128),
-                                fp8_dtype=d.recipe["fp8_dtype"], pow2=d.recipe["pow2"], eps=d.recipe["eps"])
+        cc, sqnr = _requantized(
+            qt.dequantize(torch.float32),
+            "fp8_block",
+            block=(1, 128),
+            fp8_dtype=d.recipe["fp8_dtype"],
+            pow2=d.recipe["pow2"],
+            eps=d.recipe["eps"],
+        )
         cdata, cscale = _u8(cc["data"]), cc["scale_inv"].t()  # stored (M/128, K)
     b["_columnwise_data"].copy_(cdata)
     _write_scales(b["_columnwise_scale_inv"], cscale, False)
@@ -647,23 +742,22 @@ class _Kind:
     qt_class: type
     describe: Callable[[Any, str], _Desc]
     extract: Callable[[Any, _Desc, str], dict]
-    insert: Callable[[Any, QuantizedTensor, _Desc, str], Optional[float]]
+    insert: Callable[[Any, QuantizedTensor, _Desc, str], float | None]
     columnwise_buffers: str  # named in the requantization warning
 
 
 _KINDS: dict[str, _Kind] = {
     "Float8Tensor": _Kind(Float8Tensor, _f8_describe, _f8_extract, _f8_insert, "_transpose"),
-    "MXFP8Tensor": _Kind(MXFP8Tensor, _mx_describe, _mx_extract, _mx_insert,
-                         "_columnwise_data/_columnwise_scale_inv"),
-    "NVFP4Tensor": _Kind(NVFP4Tensor, _nv_describe, _nv_extract, _nv_insert,
-                         "_columnwise_data/_columnwise_scale_inv"),
-    "Float8BlockwiseQTensor": _Kind(Float8BlockTensor, _fb_describe, _fb_extract, _fb_insert,
-                                    "_columnwise_data/_columnwise_scale_inv"),
+    "MXFP8Tensor": _Kind(MXFP8Tensor, _mx_describe, _mx_extract, _mx_insert, "_columnwise_data/_columnwise_scale_inv"),
+    "NVFP4Tensor": _Kind(NVFP4Tensor, _nv_describe, _nv_extract, _nv_insert, "_columnwise_data/_columnwise_scale_inv"),
+    "Float8BlockwiseQTensor": _Kind(
+        Float8BlockTensor, _fb_describe, _fb_extract, _fb_insert, "_columnwise_data/_columnwise_scale_inv"
+    ),
 }
 
 
 # ============================================================================ public functions
-def te_class_of(obj: Any) -> Optional[str]:
+def te_class_of(obj: Any) -> str | None:
     """TE's class name for a live TE tensor (class or base matched by module + qualname), a DTensor
     holding one, or a :class:`TEPayload`; None for anything else. Never imports TE."""
     obj = getattr(obj, "_local_tensor", obj)
@@ -680,26 +774,41 @@ def _kind(obj: Any, fqn: str) -> tuple[Any, _Kind, _Desc]:
     local = getattr(obj, "_local_tensor", obj)
     name = te_class_of(local)
     if name is None:
-        raise UnsupportedFormatError(f"tensor '{fqn}': {type(local).__name__} is not a TransformerEngine "
-                                     f"quantized tensor ({', '.join(TE_CLASSES.values())})")
+        raise UnsupportedFormatError(
+            f"tensor '{fqn}': {type(local).__name__} is not a TransformerEngine "
+            f"quantized tensor ({', '.join(TE_CLASSES.values())})"
+        )
     kind = _KINDS[name]
     return local, kind, kind.describe(local, fqn)
 
 
-def _te_version() -> Optional[str]:
+def _te_version() -> str | None:
     v = getattr(sys.modules.get("transformer_engine"), "__version__", None)
     return None if v is None else str(v)
 
 
 _QUANTIZER_FIELDS = (
-    "rowwise_usage", "columnwise_usage", "dtype", "with_amax_reduction", "force_pow_2_scales", "amax_epsilon",
-    "block_len", "block_scaling_dim", "with_2d_quantization", "with_rht", "with_post_rht_amax",
-    "stochastic_rounding", "row_scaled_nvfp4", "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode",
+    "rowwise_usage",
+    "columnwise_usage",
+    "dtype",
+    "with_amax_reduction",
+    "force_pow_2_scales",
+    "amax_epsilon",
+    "block_len",
+    "block_scaling_dim",
+    "with_2d_quantization",
+    "with_rht",
+    "with_post_rht_amax",
+    "stochastic_rounding",
+    "row_scaled_nvfp4",
+    "nvfp4_use_4over6",
+    "nvfp4_e4m3_max",
+    "nvfp4_4over6_err_mode",
     "rht_matrix_random_sign_mask_t",
 )
 
 
-def _quantizer_record(q: Any) -> Optional[dict]:
+def _quantizer_record(q: Any) -> dict | None:
     """The builtin-valued quantizer fields needed to rebuild it (process groups, tensors dropped)."""
     if q is None:
         return None
@@ -731,11 +840,15 @@ def _producer(obj: Any, d: _Desc) -> dict:
     rec["quantizer"] = _quantizer_record(getattr(obj, "_quantizer", None))
     rec["swizzled"] = d.swizzled
     if d.te_class == "Float8Tensor":
-        rec["usages"] = {"rowwise": getattr(obj, "_data", None) is not None,
-                         "columnwise": getattr(obj, "_transpose", None) is not None}
+        rec["usages"] = {
+            "rowwise": getattr(obj, "_data", None) is not None,
+            "columnwise": getattr(obj, "_transpose", None) is not None,
+        }
     else:
-        rec["usages"] = {"rowwise": getattr(obj, "_rowwise_data", None) is not None,
-                         "columnwise": getattr(obj, "_columnwise_data", None) is not None}
+        rec["usages"] = {
+            "rowwise": getattr(obj, "_rowwise_data", None) is not None,
+            "columnwise": getattr(obj, "_columnwise_data", None) is not None,
+        }
     if d.te_class == "Float8BlockwiseQTensor":
         rec["is_2D_scaled"] = d.recipe["block"] == (128, 128)
     amax_col = getattr(obj, "_amax_columnwise", None)
@@ -779,10 +892,14 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     _check_holdable(d, fqn)
     cls = kind.qt_class
     rec = cls.Recipe(**d.recipe)
-    dev = next(v.device for v in vars(local).values() if isinstance(v, torch.Tensor)) if isinstance(
-        local, TEPayload) else local.device
-    comps = {s.name: torch.empty(s.shape(d.shape), dtype=s.dtype, device=dev)
-             for s in cls.component_specs(d.shape, rec)}
+    dev = (
+        next(v.device for v in vars(local).values() if isinstance(v, torch.Tensor))
+        if isinstance(local, TEPayload)
+        else local.device
+    )
+    comps = {
+        s.name: torch.empty(s.shape(d.shape), dtype=s.dtype, device=dev) for s in cls.component_specs(d.shape, rec)
+    }
     return cls.from_components(comps, d.shape, d.dtype, rec, fqn=fqn)
 
 
@@ -801,7 +918,7 @@ def _check_holdable(d: _Desc, fqn: str) -> None:
         )
 
 
-def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
+def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
     """Write canonical ``qt`` into the TE object's buffers in place, in TE's layout.
 
     Padding is zeroed, scales are swizzled when the target's are, amaxes are set, and derived

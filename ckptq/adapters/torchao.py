@@ -84,7 +84,7 @@ import dataclasses
 import enum
 import math
 import sys
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 import torch
 
@@ -202,11 +202,11 @@ class _Record:
     type_name: ClassVar[str] = ""
     _fields: ClassVar[tuple[str, ...]] = ()  # NamedTuple field order (positional NEWOBJ args)
 
-    def __new__(cls, *args: Any) -> "_Record":
+    def __new__(cls, *args: Any) -> _Record:
         self = object.__new__(cls)
         if len(args) > len(cls._fields):
             raise CheckpointFormatError(f"torchao {cls.type_name} pickle: {len(args)} positional fields")
-        self.__dict__.update(zip(cls._fields, args))
+        self.__dict__.update(zip(cls._fields, args, strict=False))
         return self
 
     def __setstate__(self, state: Any) -> None:
@@ -224,9 +224,17 @@ def _record_type(name: str, fields: tuple[str, ...] = ()) -> type:
     return type(f"{name}Record", (_Record,), {"type_name": name, "_fields": fields, "__module__": __name__})
 
 
-_KWARG_RECORDS = {n: _record_type(n) for n in (
-    "QuantizeTensorToNVFP4Kwargs", "QuantizeTensorToMXKwargs", "QuantizeTensorToFloat8Kwargs",
-    "PerTensor", "PerRow", "PerBlock")}
+_KWARG_RECORDS = {
+    n: _record_type(n)
+    for n in (
+        "QuantizeTensorToNVFP4Kwargs",
+        "QuantizeTensorToMXKwargs",
+        "QuantizeTensorToFloat8Kwargs",
+        "PerTensor",
+        "PerRow",
+        "PerBlock",
+    )
+}
 _MM_CONFIG = _record_type("Float8MMConfig", ("emulate", "use_fast_accum", "pad_inner_dim"))
 
 #: Every torchao global a pickled torchao 0.18 tensor references -> ckptq's stand-in.
@@ -261,8 +269,10 @@ def _plain(v: Any, depth: int = 0) -> Any:
     if isinstance(v, _Record):
         return {"type": v.type_name, **{k: _plain(x, depth + 1) for k, x in v.__dict__.items()}}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {"type": type(v).__name__,
-                **{f.name: _plain(getattr(v, f.name, None), depth + 1) for f in dataclasses.fields(v)}}
+        return {
+            "type": type(v).__name__,
+            **{f.name: _plain(getattr(v, f.name, None), depth + 1) for f in dataclasses.fields(v)},
+        }
     if isinstance(v, tuple) and hasattr(v, "_asdict"):
         return {"type": type(v).__name__, **{k: _plain(x, depth + 1) for k, x in v._asdict().items()}}
     if isinstance(v, (list, tuple)):
@@ -316,7 +326,7 @@ def _refuse(fqn: str, ao_class: str, field: str, why: str) -> None:
     refuse(_where(fqn, ao_class), fqn, field, why)
 
 
-def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = False) -> Optional[torch.Tensor]:
+def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = False) -> torch.Tensor | None:
     t = getattr(obj, name, None)
     if t is None and optional:
         return None
@@ -384,7 +394,7 @@ def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
         return 0.0, 0
     a0 = (p * _NV_AMAX_IDENTITY).view(torch.int32)
     want = (p * _E4M3_POS).view(torch.int32)
-    best: Optional[tuple[int, float]] = None
+    best: tuple[int, float] | None = None
     for k in sorted(range(-4, 5), key=abs):
         a = (a0 + k).view(_F32)
         if not torch.isfinite(a) or not torch.equal(a / _NV_AMAX_IDENTITY, p):
@@ -397,7 +407,7 @@ def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
 
 
 # ============================================================================ per-class logic
-def _version() -> Optional[str]:
+def _version() -> str | None:
     v = getattr(sys.modules.get("torchao"), "__version__", None)
     return None if v is None else str(v)
 
@@ -427,15 +437,23 @@ def _nv_amax(obj: Any, d: _Desc, fqn: str) -> tuple[torch.Tensor, int]:
     if pts is None:
         return torch.full(lead, _NV_AMAX_IDENTITY, dtype=_F32, device=dev), 0
     if pts.dtype != _F32 or pts.numel() not in (1, math.prod(lead)):
-        _refuse(fqn, d.ao_class, f"per_tensor_scale {pts.dtype} {tuple(pts.shape)}",
-                f"is not fp32 with one value (or one per expert of {lead})")
+        _refuse(
+            fqn,
+            d.ao_class,
+            f"per_tensor_scale {pts.dtype} {tuple(pts.shape)}",
+            f"is not fp32 with one value (or one per expert of {lead})",
+        )
     vals = pts.detach().to("cpu").reshape(-1).tolist()
     amax, worst = [], 0
     for v in vals:
         a, ulp = nvfp4_amax_for_scale(v)
         if ulp < 0:
-            _refuse(fqn, d.ao_class, f"per_tensor_scale={v!r} ({float(v).hex()})",
-                    "is not amax/2688 of any fp32 amax (ckptq's nvfp4 stores amax)")
+            _refuse(
+                fqn,
+                d.ao_class,
+                f"per_tensor_scale={v!r} ({float(v).hex()})",
+                "is not amax/2688 of any fp32 amax (ckptq's nvfp4 stores amax)",
+            )
         amax.append(a)
         worst = max(worst, ulp)
     out = torch.tensor(amax, dtype=_F32, device=dev)
@@ -477,8 +495,10 @@ def _nv_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
         new = amax / _NV_AMAX_IDENTITY  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
         if pts.numel() == 1 and new.numel() > 1:
             if not bool((new == new.reshape(-1)[0]).all()):
-                raise CheckpointFormatError(f"{_where(fqn, d.ao_class)}: the target holds one per_tensor_scale, "
-                                            f"the loaded tensor one amax per expert")
+                raise CheckpointFormatError(
+                    f"{_where(fqn, d.ao_class)}: the target holds one per_tensor_scale, "
+                    f"the loaded tensor one amax per expert"
+                )
             new = new.reshape(-1)[:1]
         pts.copy_(new.reshape(pts.shape))
     obj.qdata.copy_(c["data"])
@@ -504,9 +524,12 @@ def _mx_describe(obj: Any, fqn: str) -> _Desc:
 
 def _mx_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
     scale = _read_block_scales(obj, d, d.shape[-1] // 32, torch.float8_e8m0fnu, fqn).view(_U8)
-    extra = {"elem_dtype": "float8_e4m3fn", "block_size": 32,
-             "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
-             "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None))}
+    extra = {
+        "elem_dtype": "float8_e4m3fn",
+        "block_size": 32,
+        "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
+        "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
+    }
     return {"data": obj.qdata, "scale": scale}, extra
 
 
@@ -532,10 +555,17 @@ def _f8_describe(obj: Any, fqn: str) -> _Desc:
         return d
     # torchao infers the block as shape // scale.shape (_maybe_expand_scale_to_tensor_shape)
     lead = d.shape[:-2]
-    if s.dim() != len(d.shape) or tuple(s.shape[:-2]) != lead or any(
-            n % b for n, b in zip(d.shape[-2:], s.shape[-2:])):
-        _refuse(fqn, d.ao_class, f"scale {tuple(s.shape)}",
-                f"is not a block grid dividing the shape {d.shape} with one grid per leading index")
+    if (
+        s.dim() != len(d.shape)
+        or tuple(s.shape[:-2]) != lead
+        or any(n % b for n, b in zip(d.shape[-2:], s.shape[-2:], strict=False))
+    ):
+        _refuse(
+            fqn,
+            d.ao_class,
+            f"scale {tuple(s.shape)}",
+            f"is not a block grid dividing the shape {d.shape} with one grid per leading index",
+        )
     block = (d.shape[-2] // s.shape[-2], d.shape[-1] // s.shape[-1])
     d.fmt, d.recipe = "fp8_block", dict(block=block, fp8_dtype=q.dtype, pow2=False, eps=0.0)
     return d
@@ -549,13 +579,17 @@ def _f8_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
     else:
         scale_inv = s
     bs = getattr(obj, "block_size", None)
-    gran = ("per_tensor" if d.fmt == "fp8_tensor" else
-            "per_row" if d.recipe["block"] == (1, d.shape[-1]) else "per_block")
-    extra = {"granularity": gran, "block_size": _plain(bs),
-             "fp8_dtype": str(obj.qdata.dtype).replace("torch.", ""),
-             "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
-             "mm_config": _plain(getattr(obj, "mm_config", None)),
-             "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None))}
+    gran = (
+        "per_tensor" if d.fmt == "fp8_tensor" else "per_row" if d.recipe["block"] == (1, d.shape[-1]) else "per_block"
+    )
+    extra = {
+        "granularity": gran,
+        "block_size": _plain(bs),
+        "fp8_dtype": str(obj.qdata.dtype).replace("torch.", ""),
+        "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
+        "mm_config": _plain(getattr(obj, "mm_config", None)),
+        "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
+    }
     return {"data": obj.qdata, "scale_inv": scale_inv}, extra
 
 
@@ -564,8 +598,9 @@ def _f8_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
     s = c["scale_inv"]
     if d.fmt == "fp8_tensor" and s.numel() > 1:
         if not bool((s == s.reshape(-1)[0]).all()):
-            raise CheckpointFormatError(f"{_where(fqn, d.ao_class)}: the target holds one scale, the loaded "
-                                        f"tensor one per leading index")
+            raise CheckpointFormatError(
+                f"{_where(fqn, d.ao_class)}: the target holds one scale, the loaded tensor one per leading index"
+            )
         s = s.reshape(-1)[:1]
     obj.scale.copy_(s.reshape(obj.scale.shape))
     obj.qdata.view(_U8).copy_(c["data"].view(_U8))
@@ -580,7 +615,7 @@ _QT = {"nvfp4": NVFP4Tensor, "mxfp8": MXFP8Tensor, "fp8_tensor": Float8Tensor, "
 
 
 # ============================================================================ public functions
-def ao_class_of(obj: Any) -> Optional[str]:
+def ao_class_of(obj: Any) -> str | None:
     """torchao's class name of a live torchao tensor (matched by module + qualname, bases too), a
     DTensor holding one, or a :class:`TorchAOPayload`; None otherwise. Never imports torchao."""
     obj = getattr(obj, "_local_tensor", obj)
@@ -597,8 +632,10 @@ def _kind(obj: Any, fqn: str):
     local = getattr(obj, "_local_tensor", obj)
     name = ao_class_of(local)
     if name is None:
-        raise UnsupportedFormatError(f"tensor '{fqn}': {type(local).__name__} is not a torchao quantized tensor "
-                                     f"(NVFP4Tensor, MXTensor, Float8Tensor)")
+        raise UnsupportedFormatError(
+            f"tensor '{fqn}': {type(local).__name__} is not a torchao quantized tensor "
+            f"(NVFP4Tensor, MXTensor, Float8Tensor)"
+        )
     describe, extract, ins = _KINDS[name]
     return local, describe(local, fqn), extract, ins
 
@@ -626,8 +663,14 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
     cls = _QT[d.fmt]
     qt = cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
     version = None if isinstance(local, TorchAOPayload) else _version()  # a pickle's writer version is unknown
-    producer = {"name": PRODUCER, "version": version, "class": d.ao_class,
-                "orig_dtype": str(d.dtype).replace("torch.", ""), "swizzled": d.swizzled, **extra}
+    producer = {
+        "name": PRODUCER,
+        "version": version,
+        "class": d.ao_class,
+        "orig_dtype": str(d.dtype).replace("torch.", ""),
+        "swizzled": d.swizzled,
+        **extra,
+    }
     return qt, producer
 
 
@@ -638,12 +681,13 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     cls = _QT[d.fmt]
     rec = cls.Recipe(**d.recipe)
     dev = local.qdata.device
-    comps = {s.name: torch.empty(s.shape(d.shape), dtype=s.dtype, device=dev)
-             for s in cls.component_specs(d.shape, rec)}
+    comps = {
+        s.name: torch.empty(s.shape(d.shape), dtype=s.dtype, device=dev) for s in cls.component_specs(d.shape, rec)
+    }
     return cls.from_components(comps, d.shape, d.dtype, rec, fqn=fqn)
 
 
-def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> Optional[float]:
+def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
     """Write canonical ``qt`` into the torchao tensor's buffers in place: ``qdata``, ``scale``
     (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` =
     ``fl32(amax / 2688)``. Nothing is requantized: returns None.

@@ -6,7 +6,8 @@ import functools
 import os
 import sys
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -46,7 +47,7 @@ def _root(
     """Inspect, reshard, convert and verify checkpoints of quantized tensors (FP8, MXFP8, NVFP4)."""
 
 
-def command(name: Optional[str] = None, **kwargs: Any) -> Callable[[Callable], Callable]:
+def command(name: str | None = None, **kwargs: Any) -> Callable[[Callable], Callable]:
     """Register a function as ``ckptq <name>`` behind the CLI's error boundary.
 
     Inside the command, a :class:`ckptq.UsageError` (option text that does not parse) prints

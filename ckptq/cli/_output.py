@@ -8,7 +8,8 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import typer
 from tabulate import tabulate
@@ -81,7 +82,7 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def usage_error(message: str, command: Optional[str] = None) -> NoReturn:
+def usage_error(message: str, command: str | None = None) -> NoReturn:
     """Report a usage error (``Error: <message>``, then typer's ``Try '<command> --help' for help.``
     when ``command`` is given) to stderr and exit 2."""
     error(message)
@@ -90,7 +91,7 @@ def usage_error(message: str, command: Optional[str] = None) -> NoReturn:
     raise typer.Exit(2)
 
 
-def format_bytes(n: Optional[int]) -> str:
+def format_bytes(n: int | None) -> str:
     """``1536`` -> ``"1.50 KiB"`` (binary units); ``None`` -> ``"-"``."""
     if n is None:
         return "-"
@@ -116,7 +117,11 @@ def format_number(x: Any, spec: str = ".4g") -> str:
         vals = [v for v in x if v is not None]
         if not vals:
             return "-"
-        return format_number(vals[0], spec) if len(vals) == 1 else f"{format_number(min(vals), spec)}..{format_number(max(vals), spec)}"
+        return (
+            format_number(vals[0], spec)
+            if len(vals) == 1
+            else f"{format_number(min(vals), spec)}..{format_number(max(vals), spec)}"
+        )
     return str(x)
 
 
@@ -127,10 +132,8 @@ def progress_enabled() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
-
-
 @contextlib.contextmanager
-def byte_progress(desc: str, total: Optional[int] = None) -> Iterator[Callable[[int], None]]:
+def byte_progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
     """A tqdm bar of bytes done and bytes/s on stderr (when :func:`progress_enabled`); yields the
     function to call with each amount of bytes done (a no-op without a bar)."""
     if not progress_enabled():

@@ -25,8 +25,12 @@ def doctor(json_output: JsonOpt = False) -> None:
         out.echo_json(report)
     else:
         out.echo_table(
-            [["ckptq", report["ckptq"]], ["torch", report["torch"]], ["python", report["python"]],
-             ["forced backend", report.get("forced") or "-"]],
+            [
+                ["ckptq", report["ckptq"]],
+                ["torch", report["torch"]],
+                ["python", report["python"]],
+                ["forced backend", report.get("forced") or "-"],
+            ],
             ["ENVIRONMENT", ""],
         )
         out.echo()

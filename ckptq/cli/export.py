@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,14 +16,49 @@ __all__ = ["export"]
 
 @command("export")
 def export(
-    src: Annotated[Path, typer.Argument(help="Source checkpoint (DCP directory, safetensors folder or file; only read).", metavar="SRC", show_default=False)],
-    dst: Annotated[Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)],
+    src: Annotated[
+        Path,
+        typer.Argument(
+            help="Source checkpoint (DCP directory, safetensors folder or file; only read).",
+            metavar="SRC",
+            show_default=False,
+        ),
+    ],
+    dst: Annotated[
+        Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
+    ],
     layout: Annotated[str, typer.Option("--layout", help="modelopt, compressed-tensors or deepseek-fp8.")],
-    format: Annotated[Optional[str], typer.Option("--format", help="Requantize quantized tensors and plain *.weight matrices to nvfp4, mxfp8, fp8_block or fp8_tensor first (default: keep each tensor's format).")] = None,
-    ignore: Annotated[Optional[list[str]], typer.Option("--ignore", help="FQN / module glob kept in bf16 (repeatable; replaces the default lm_head, embeddings, norms, routers).")] = None,
+    format: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help=(
+                "Requantize quantized tensors and plain *.weight matrices to nvfp4, mxfp8, fp8_block "
+                "or fp8_tensor first (default: keep each tensor's format)."
+            ),
+        ),
+    ] = None,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--ignore",
+            help=(
+                "FQN / module glob kept in bf16 (repeatable; replaces the default lm_head, embeddings, norms, routers)."
+            ),
+        ),
+    ] = None,
     max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Bytes per shard, e.g. 5GB, 500MB.")] = "5GB",
-    rename: Annotated[Optional[list[str]], typer.Option("--rename", help="Rename rule FQN glob -> HF name, SRC=DST, e.g. '*=model.*' (repeatable; first match wins).")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", help="Base config.json to add quantization_config to (default: the source folder's).")] = None,
+    rename: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--rename",
+            help="Rename rule FQN glob -> HF name, SRC=DST, e.g. '*=model.*' (repeatable; first match wins).",
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", help="Base config.json to add quantization_config to (default: the source folder's)."),
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
     json_output: JsonOpt = False,
 ) -> None:
@@ -31,17 +66,35 @@ def export(
     from ..adapters.hf import DEFAULT_IGNORE
     from ..export import export_checkpoint
 
-    result = export_checkpoint(src, dst, layout=layout, format=format,
-                               ignore=DEFAULT_IGNORE if ignore is None else tuple(ignore),
-                               max_shard_size=max_shard_size, names=rename or None, config=config,
-                               overwrite=overwrite, progress=out.progress_enabled())
+    result = export_checkpoint(
+        src,
+        dst,
+        layout=layout,
+        format=format,
+        ignore=DEFAULT_IGNORE if ignore is None else tuple(ignore),
+        max_shard_size=max_shard_size,
+        names=rename or None,
+        config=config,
+        overwrite=overwrite,
+        progress=out.progress_enabled(),
+    )
     if json_output:
         out.echo_json(result)
         return
-    rows = [[fqn, fmt, "requantized" if fqn in result["requantized"] else "",
-             "" if fqn not in result["numerics"] else ("exact" if result["numerics"][fqn] == 0 else f"{result['numerics'][fqn]} ulp")]
-            for fqn, fmt in result["quantized"].items()]
+    rows = [
+        [
+            fqn,
+            fmt,
+            "requantized" if fqn in result["requantized"] else "",
+            ""
+            if fqn not in result["numerics"]
+            else ("exact" if result["numerics"][fqn] == 0 else f"{result['numerics'][fqn]} ulp"),
+        ]
+        for fqn, fmt in result["quantized"].items()
+    ]
     out.echo_table(rows, ["FQN", "FORMAT", "", "DECODE VS CKPTQ"], empty="No quantized tensors.")
-    out.log(f"wrote {result['path']} ({result['layout']}): {len(result['files'])} shard(s), "
-            f"{out.format_bytes(result['bytes'])}, {result['tensors']} tensors, "
-            f"{len(result['high_precision'])} kept in high precision")
+    out.log(
+        f"wrote {result['path']} ({result['layout']}): {len(result['files'])} shard(s), "
+        f"{out.format_bytes(result['bytes'])}, {result['tensors']} tensors, "
+        f"{len(result['high_precision'])} kept in high precision"
+    )

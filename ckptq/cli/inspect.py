@@ -76,8 +76,11 @@ def _print_summary(s: dict) -> None:
     if s["world_size_source"] == "files":
         world += " (from file names)"
     lines = [
-        ["tensors", f"{s['tensors']} (+ {s['objects']} non-tensor {'entry' if s['objects'] == 1 else 'entries'}, "
-                    f"{out.format_bytes(s['object_bytes'])})"],
+        [
+            "tensors",
+            f"{s['tensors']} (+ {s['objects']} non-tensor {'entry' if s['objects'] == 1 else 'entries'}, "
+            f"{out.format_bytes(s['object_bytes'])})",
+        ],
         ["total size", f"{out.format_bytes(s['total_bytes'])} ({s['total_bytes']} bytes)"],
         ["vs bf16", f"{ratio} of {out.format_bytes(s['bf16_bytes'])}"],
         ["formats", ", ".join(f"{k}: {v}" for k, v in s["formats"].items()) or "-"],
@@ -87,7 +90,11 @@ def _print_summary(s: dict) -> None:
     ]
     if s.get("checksums") is not None:
         have, records = s["checksums"]
-        lines.append(["checksums", f"crc32c, {have} of {records} records" if have else "none (ckptq verify cannot "
-                                                                                      "check the data)"])
+        lines.append(
+            [
+                "checksums",
+                f"crc32c, {have} of {records} records" if have else "none (ckptq verify cannot check the data)",
+            ]
+        )
     out.echo()
     out.echo_table(lines, ["SUMMARY", ""])

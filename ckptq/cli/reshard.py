@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,17 +14,41 @@ from ._options import JsonOpt
 
 __all__ = ["reshard", "convert"]
 
-SrcArg = Annotated[Path, typer.Argument(help="Source DCP checkpoint directory (only read).", metavar="SRC", show_default=False)]
-DstArg = Annotated[Path, typer.Argument(help="Destination directory (written atomically).", metavar="DST", show_default=False)]
+SrcArg = Annotated[
+    Path, typer.Argument(help="Source DCP checkpoint directory (only read).", metavar="SRC", show_default=False)
+]
+DstArg = Annotated[
+    Path, typer.Argument(help="Destination directory (written atomically).", metavar="DST", show_default=False)
+]
 MeshOpt = Annotated[str, typer.Option("--mesh", help="Target mesh, e.g. 'dp_shard=4,tp=2' or '8'.")]
-PlanOpt = Annotated[str, typer.Option("--plan", help="Preset (replicate, fsdp2, fsdp2-tp) or a JSON/YAML file of FQN glob -> placements.")]
-RuleOpt = Annotated[Optional[list[str]], typer.Option("--rule", help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col'. Repeatable.")]
+PlanOpt = Annotated[
+    str,
+    typer.Option("--plan", help="Preset (replicate, fsdp2, fsdp2-tp) or a JSON/YAML file of FQN glob -> placements."),
+]
+RuleOpt = Annotated[
+    list[str] | None, typer.Option("--rule", help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col'. Repeatable.")
+]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
-DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the per-rank plan and alignment problems; write nothing.")]
-GroupedOpt = Annotated[Optional[str], typer.Option("--grouped", help="'stack' X0..X{N-1} into one (N, ...) X, or 'split' 3-D X into X0..X{N-1}.")]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print the per-rank plan and alignment problems; write nothing.")
+]
+GroupedOpt = Annotated[
+    str | None,
+    typer.Option("--grouped", help="'stack' X0..X{N-1} into one (N, ...) X, or 'split' 3-D X into X0..X{N-1}."),
+]
 GroupedGlobOpt = Annotated[str, typer.Option("--grouped-glob", help="Which stems --grouped applies to (fnmatch).")]
-MisalignedOpt = Annotated[str, typer.Option("--misaligned", help="'error' (write nothing) or 'high-precision' (export tensors whose target cuts split blocks, dequantized).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")]
+MisalignedOpt = Annotated[
+    str,
+    typer.Option(
+        "--misaligned",
+        help=(
+            "'error' (write nothing) or 'high-precision' (export tensors whose target cuts split blocks, dequantized)."
+        ),
+    ),
+]
+DtypeOpt = Annotated[
+    str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")
+]
 
 
 def _distributed() -> bool:
@@ -57,13 +81,23 @@ def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
 
 
 def _print_plan(summary: dict) -> None:
-    rows = [[t["fqn"], t["out"], t["format"], "(" + ", ".join(map(str, t["shape"])) + ")", t["placements"],
-             "MISALIGNED" if t["problem"] else ("high precision" if t["note"] else "")]
-            for t in summary["tensors"]]
+    rows = [
+        [
+            t["fqn"],
+            t["out"],
+            t["format"],
+            "(" + ", ".join(map(str, t["shape"])) + ")",
+            t["placements"],
+            "MISALIGNED" if t["problem"] else ("high precision" if t["note"] else ""),
+        ]
+        for t in summary["tensors"]
+    ]
     out.echo_table(rows, ["FQN", "OUT", "FORMAT", "SHAPE", "PLACEMENTS", "PROBLEM"], empty="No entries.")
     out.echo()
-    out.echo_table([[r["rank"], r["file"], out.format_bytes(r["bytes"]), r["chunks"]] for r in summary["ranks"]],
-                   ["RANK", "FILE", "BYTES", "CHUNKS"])
+    out.echo_table(
+        [[r["rank"], r["file"], out.format_bytes(r["bytes"]), r["chunks"]] for r in summary["ranks"]],
+        ["RANK", "FILE", "BYTES", "CHUNKS"],
+    )
     for p in summary["problems"]:
         out.warning(p)
     for t in summary["tensors"]:
@@ -78,7 +112,12 @@ def reshard(
     mesh: MeshOpt = "1",
     plan: PlanOpt = "fsdp2",
     rule: RuleOpt = None,
-    mode: Annotated[Optional[str], typer.Option("--mode", help="native or high-precision for every quantized tensor (default: keep each tensor's mode).")] = None,
+    mode: Annotated[
+        str | None,
+        typer.Option(
+            "--mode", help="native or high-precision for every quantized tensor (default: keep each tensor's mode)."
+        ),
+    ] = None,
     dtype: DtypeOpt = "bfloat16",
     grouped: GroupedOpt = None,
     grouped_glob: GroupedGlobOpt = "*weight",
@@ -93,10 +132,22 @@ def reshard(
     """
     from ..reshard import reshard_checkpoint
 
-    result = reshard_checkpoint(src, dst, mesh=mesh, plan=plan, rules=rule or (), mode=mode, dtype=dtype,
-                                grouped=grouped, grouped_glob=grouped_glob, misaligned=misaligned,
-                                overwrite=overwrite, dry_run=dry_run, progress=out.progress_enabled(),
-                                distributed=_distributed() and not dry_run)
+    result = reshard_checkpoint(
+        src,
+        dst,
+        mesh=mesh,
+        plan=plan,
+        rules=rule or (),
+        mode=mode,
+        dtype=dtype,
+        grouped=grouped,
+        grouped_glob=grouped_glob,
+        misaligned=misaligned,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        progress=out.progress_enabled(),
+        distributed=_distributed() and not dry_run,
+    )
     _report(result, dry_run=dry_run, json_output=json_output)
 
 
@@ -104,12 +155,24 @@ def reshard(
 def convert(
     src: SrcArg,
     dst: DstArg,
-    to: Annotated[str, typer.Option("--to", help="Target: native (each quantized tensor in its own format, e.g. a TransformerEngine checkpoint's as ckptq components), nvfp4, mxfp8, fp8_block, fp8_tensor, or bfloat16/float16/float32 (high precision).")],
-    block: Annotated[Optional[str], typer.Option("--block", help="fp8_block block, e.g. 1x128 (default 128x128).")] = None,
-    two_d: Annotated[Optional[bool], typer.Option("--two-d/--one-d", help="nvfp4: 16x16 blocks instead of 1x16.")] = None,
-    columnwise: Annotated[Optional[bool], typer.Option("--columnwise/--no-columnwise", help="mxfp8: also store the columnwise copy.")] = None,
-    fp8_dtype: Annotated[Optional[str], typer.Option("--fp8-dtype", help="fp8 formats: e4m3 or e5m2.")] = None,
-    pow2: Annotated[Optional[bool], typer.Option("--pow2/--no-pow2", help="fp8 formats: power-of-2 scales.")] = None,
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            help=(
+                "Target: native (each quantized tensor in its own format, e.g. a TransformerEngine "
+                "checkpoint's as ckptq components), nvfp4, mxfp8, fp8_block, fp8_tensor, or "
+                "bfloat16/float16/float32 (high precision)."
+            ),
+        ),
+    ],
+    block: Annotated[str | None, typer.Option("--block", help="fp8_block block, e.g. 1x128 (default 128x128).")] = None,
+    two_d: Annotated[bool | None, typer.Option("--two-d/--one-d", help="nvfp4: 16x16 blocks instead of 1x16.")] = None,
+    columnwise: Annotated[
+        bool | None, typer.Option("--columnwise/--no-columnwise", help="mxfp8: also store the columnwise copy.")
+    ] = None,
+    fp8_dtype: Annotated[str | None, typer.Option("--fp8-dtype", help="fp8 formats: e4m3 or e5m2.")] = None,
+    pow2: Annotated[bool | None, typer.Option("--pow2/--no-pow2", help="fp8 formats: power-of-2 scales.")] = None,
     mesh: MeshOpt = "1",
     plan: PlanOpt = "fsdp2",
     rule: RuleOpt = None,
@@ -118,14 +181,29 @@ def convert(
     dry_run: DryRunOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Write every quantized tensor of a checkpoint natively, in another format, or in high precision (streaming), optionally resharding.
+    """Write every quantized tensor of a checkpoint natively, in another format, or in high precision
+    (streaming), optionally resharding.
 
     Under torchrun (more than one process) the tensors are split over the processes.
     """
     from ..reshard import convert_checkpoint
 
-    result = convert_checkpoint(src, dst, to=to, block=block, two_d=two_d, columnwise=columnwise,
-                                fp8_dtype=fp8_dtype, pow2=pow2, mesh=mesh, plan=plan, rules=rule or (),
-                                misaligned=misaligned, overwrite=overwrite, dry_run=dry_run,
-                                progress=out.progress_enabled(), distributed=_distributed() and not dry_run)
+    result = convert_checkpoint(
+        src,
+        dst,
+        to=to,
+        block=block,
+        two_d=two_d,
+        columnwise=columnwise,
+        fp8_dtype=fp8_dtype,
+        pow2=pow2,
+        mesh=mesh,
+        plan=plan,
+        rules=rule or (),
+        misaligned=misaligned,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        progress=out.progress_enabled(),
+        distributed=_distributed() and not dry_run,
+    )
     _report(result, dry_run=dry_run, json_output=json_output)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from .. import ops
 from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
-from .base import DESCRIPTOR_VERSION, FORMATS, QuantizedTensor, dtype_to_str, str_to_dtype
+from .base import DESCRIPTOR_VERSION, FORMATS, QuantizedTensor, str_to_dtype
 from .fp8 import Float8BlockRecipe, Float8BlockTensor, Float8Recipe, Float8Tensor
 from .mxfp8 import MXFP8Recipe, MXFP8Tensor
 from .nvfp4 import NVFP4Recipe, NVFP4Tensor
@@ -39,9 +40,7 @@ def format_class(fmt: str) -> type[QuantizedTensor]:
     try:
         return FORMATS[fmt]
     except KeyError:
-        raise UnsupportedFormatError(
-            f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}"
-        ) from None
+        raise UnsupportedFormatError(f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}") from None
 
 
 def make_recipe(fmt: str, **options: Any):
@@ -63,8 +62,8 @@ def quantize(
     x: torch.Tensor,
     fmt: str,
     *,
-    amax: Optional[Any] = None,
-    scale: Optional[Any] = None,
+    amax: Any | None = None,
+    scale: Any | None = None,
     **recipe: Any,
 ) -> QuantizedTensor:
     """Quantize a high-precision tensor.
@@ -108,8 +107,8 @@ def requantize(
     src: torch.Tensor,
     fmt: str,
     *,
-    amax: Optional[Any] = None,
-    scale: Optional[Any] = None,
+    amax: Any | None = None,
+    scale: Any | None = None,
     **recipe: Any,
 ) -> QuantizedTensor:
     """Convert ``src`` (quantized or high precision) to ``fmt`` with ``recipe``.

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, ClassVar, Mapping, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,7 +37,7 @@ _DTYPES = {
 }
 
 #: format name -> QuantizedTensor subclass (filled by ``__init_subclass__``).
-FORMATS: dict[str, type["QuantizedTensor"]] = {}
+FORMATS: dict[str, type[QuantizedTensor]] = {}
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -49,9 +50,7 @@ def str_to_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name.removeprefix("torch.")]
     except KeyError:
-        raise CheckpointFormatError(
-            f"unknown dtype '{name}' in a ckptq descriptor; known: {sorted(_DTYPES)}"
-        ) from None
+        raise CheckpointFormatError(f"unknown dtype '{name}' in a ckptq descriptor; known: {sorted(_DTYPES)}") from None
 
 
 class QuantizedTensor(torch.Tensor):
@@ -79,7 +78,7 @@ class QuantizedTensor(torch.Tensor):
     #: :func:`ckptq.requantize` accept for this target: those of a per-tensor value
     PER_TENSOR_OVERRIDES: ClassVar[frozenset[str]] = frozenset()
     #: the rowwise block-scale component that :meth:`decode_scale` decodes (None: none)
-    SCALE_COMPONENT: ClassVar[Optional[str]] = None
+    SCALE_COMPONENT: ClassVar[str | None] = None
     _OPS: ClassVar[dict[Any, Callable]] = {}
 
     _components: dict[str, torch.Tensor]
@@ -133,7 +132,7 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def recipe_from_kernel_args(
-        cls, block: Sequence[int], fp8_dtype: Optional[torch.dtype], pow2: bool, eps: float, columnwise: bool
+        cls, block: Sequence[int], fp8_dtype: torch.dtype | None, pow2: bool, eps: float, columnwise: bool
     ) -> Any:
         """Inverse of :meth:`kernel_args`: the recipe the op arguments describe (the fake kernels'
         output shapes). Raises UnsupportedFormatError as the recipe does for invalid values."""
@@ -177,7 +176,7 @@ class QuantizedTensor(torch.Tensor):
         """Per logical dim, the granularity a cut must respect (lcm of all component divisors)."""
         return chunks.alignment(self.specs, self.ndim)
 
-    def descriptor(self, shape: Optional[Sequence[int]] = None) -> dict:
+    def descriptor(self, shape: Sequence[int] | None = None) -> dict:
         """JSON-serializable description: format, version, logical shape, dtype, recipe, components.
 
         ``ckptq.from_components(qt.descriptor(), qt.components())`` rebuilds the tensor exactly.
@@ -230,8 +229,8 @@ class QuantizedTensor(torch.Tensor):
         orig_dtype: torch.dtype,
         recipe: Any,
         *,
-        fqn: Optional[str] = None,
-    ) -> "QuantizedTensor":
+        fqn: str | None = None,
+    ) -> QuantizedTensor:
         """Wrap existing component tensors; checks names, shapes and dtypes against the specs.
 
         Raises:
@@ -255,11 +254,11 @@ class QuantizedTensor(torch.Tensor):
                 )
         return cls(components, shape, orig_dtype, recipe)
 
-    def _rebuild(self, fn: Callable[[str, torch.Tensor], torch.Tensor], shape=None) -> "QuantizedTensor":
+    def _rebuild(self, fn: Callable[[str, torch.Tensor], torch.Tensor], shape=None) -> QuantizedTensor:
         comps = {k: fn(k, v) for k, v in self._components.items()}
         return type(self)(comps, self.shape if shape is None else shape, self.dtype, self.recipe)
 
-    def same_layout(self, other: "QuantizedTensor") -> bool:
+    def same_layout(self, other: QuantizedTensor) -> bool:
         """Same format, recipe, logical shape and component set (so a raw byte copy is exact)."""
         return (
             type(self) is type(other)
@@ -275,10 +274,7 @@ class QuantizedTensor(torch.Tensor):
 
     def __repr__(self) -> str:
         comps = ", ".join(f"{k}={v.dtype}{tuple(v.shape)}" for k, v in self._components.items())
-        return (
-            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"recipe={self.recipe}, {comps})"
-        )
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, recipe={self.recipe}, {comps})"
 
     # Traceable-wrapper-subclass protocol: the names __tensor_flatten__ returns must be attributes
     # (torch reads them with getattr, e.g. transform_subclass). A component "data" would collide
@@ -288,8 +284,8 @@ class QuantizedTensor(torch.Tensor):
     def __getattr__(self, name: str):
         if name.startswith(QuantizedTensor._INNER_PREFIX):
             comps = self.__dict__.get("_components")
-            if comps is not None and name[len(QuantizedTensor._INNER_PREFIX):] in comps:
-                return comps[name[len(QuantizedTensor._INNER_PREFIX):]]
+            if comps is not None and name[len(QuantizedTensor._INNER_PREFIX) :] in comps:
+                return comps[name[len(QuantizedTensor._INNER_PREFIX) :]]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __tensor_flatten__(self):
@@ -372,8 +368,7 @@ def _to_copy(func, args, kwargs):
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != self.dtype:
         raise NotImplementedError(
-            f"{type(self).__name__}.to(dtype={dtype}) would dequantize; call "
-            f".dequantize({dtype}) explicitly."
+            f"{type(self).__name__}.to(dtype={dtype}) would dequantize; call .dequantize({dtype}) explicitly."
         )
     kw = _device_kw(kwargs)
     pin = kwargs.get("pin_memory", False)
@@ -402,7 +397,7 @@ def _pin_memory(func, args, kwargs):
     return args[0]._rebuild(lambda k, v: v.pin_memory())
 
 
-def _empty_like_layout(self: QuantizedTensor, size, kwargs, fill: Optional[float]) -> QuantizedTensor:
+def _empty_like_layout(self: QuantizedTensor, size, kwargs, fill: float | None) -> QuantizedTensor:
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != self.dtype:
         raise NotImplementedError(
@@ -479,7 +474,7 @@ def _slice(func, args, kwargs):
     return slice_box(self, (tuple(offsets), tuple(sizes)))
 
 
-def slice_box(qt: QuantizedTensor, box: chunks.Box, *, fqn: Optional[str] = None) -> QuantizedTensor:
+def slice_box(qt: QuantizedTensor, box: chunks.Box, *, fqn: str | None = None) -> QuantizedTensor:
     """The sub-tensor of ``qt`` at logical ``box`` (views of the components; raw bytes kept).
 
     Raises:
@@ -494,7 +489,7 @@ def slice_box(qt: QuantizedTensor, box: chunks.Box, *, fqn: Optional[str] = None
     return type(qt)(comps, box[1], qt.dtype, qt.recipe)
 
 
-def unwrap_quantized(x: Any) -> Optional[QuantizedTensor]:
+def unwrap_quantized(x: Any) -> QuantizedTensor | None:
     """The QuantizedTensor in ``x`` (itself, or a DTensor's local tensor), else None."""
     if isinstance(x, QuantizedTensor):
         return x
@@ -504,9 +499,7 @@ def unwrap_quantized(x: Any) -> Optional[QuantizedTensor]:
 
 def check_recipe_value(fmt: str, name: str, value, allowed) -> None:
     if value not in allowed:
-        raise UnsupportedFormatError(
-            f"{fmt}: {name}={value!r} is not supported; choose one of {list(allowed)}."
-        )
+        raise UnsupportedFormatError(f"{fmt}: {name}={value!r} is not supported; choose one of {list(allowed)}.")
 
 
 def check_recipe_flag(recipe, fmt: str, name: str) -> None:

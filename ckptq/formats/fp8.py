@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -150,9 +150,7 @@ class Float8BlockTensor(QuantizedTensor):
 
     @classmethod
     def _reference_quantize(cls, x, recipe: Float8BlockRecipe, amax=None, scale=None):
-        return numerics.quantize_fp8_block(
-            x, recipe.block, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps
-        )
+        return numerics.quantize_fp8_block(x, recipe.block, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps)
 
     @classmethod
     def _reference_dequantize(cls, comps, recipe, dtype):

@@ -8,8 +8,8 @@ Numerics: :func:`ckptq.numerics.quantize_mxfp8` (TE ``float_to_e8m0`` scale roun
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -8,8 +8,8 @@ Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -82,6 +82,4 @@ class NVFP4Tensor(QuantizedTensor):
 
     @classmethod
     def _reference_dequantize(cls, comps, recipe, dtype):
-        return numerics.dequantize_nvfp4(
-            comps["data"], comps["scale"], comps["amax"], dtype, two_d=recipe.two_d
-        )
+        return numerics.dequantize_nvfp4(comps["data"], comps["scale"], comps["amax"], dtype, two_d=recipe.two_d)

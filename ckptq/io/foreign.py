@@ -28,7 +28,7 @@ import pickle
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -65,10 +65,10 @@ class _Expect:
     """What every shard record of one foreign tensor must agree on."""
 
     fqn: str
-    format: Optional[str]
+    format: str | None
     recipe: Any
     per_tensor: dict  # component name -> bytes of the first shard's value
-    problem: Optional[str] = None  # set: high-precision values (why)
+    problem: str | None = None  # set: high-precision values (why)
 
 
 @dataclasses.dataclass
@@ -83,7 +83,7 @@ class ForeignLocation:
     relative_path: str
     offset: int
     length: int
-    component: Optional[str]
+    component: str | None
     box: chunks.Box
     expect: _Expect
     transform_descriptors: Any = None
@@ -143,7 +143,7 @@ def _only_ours(globs: list):
         ser.add_safe_globals(saved)
 
 
-def _read_bytes(root: Path, info: Any, length: Optional[int] = None) -> bytes:
+def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
     """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
     location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
     path = root / str(info.relative_path)
@@ -161,8 +161,11 @@ def _read_bytes(root: Path, info: Any, length: Optional[int] = None) -> bytes:
 
 def _per_tensor(qt) -> dict:
     m, k = qt.ndim - 2, qt.ndim - 1
-    return {s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
-            for s in qt.specs if not (s.follows(m) or s.follows(k))}
+    return {
+        s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
+        for s in qt.specs
+        if not (s.follows(m) or s.follows(k))
+    }
 
 
 def virtualize(metadata: Metadata, root: Path) -> Metadata:
@@ -212,9 +215,10 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
         except CkptqError as e:  # not storable canonically: its reads raise this
             expect = _Expect(fqn, None, None, {}, problem=str(e))
             sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
-            for box, inf in zip(boxes, infos):
+            for box, inf in zip(boxes, infos, strict=False):
                 new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
-                    inf.relative_path, inf.offset, inf.length, None, box, expect)
+                    inf.relative_path, inf.offset, inf.length, None, box, expect
+                )
             continue
         if qt0.dtype != md.properties.dtype:
             raise CheckpointFormatError(
@@ -238,9 +242,10 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
         if expect.problem is not None:
             descriptors[fqn] = {**high_precision_descriptor(desc, torch.float32), "note": expect.problem}
             sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
-            for box, inf in zip(boxes, infos):
+            for box, inf in zip(boxes, infos, strict=False):
                 new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
-                    inf.relative_path, inf.offset, inf.length, None, box, expect)
+                    inf.relative_path, inf.offset, inf.length, None, box, expect
+                )
             continue
         del sdm[fqn]
         descriptors[fqn] = desc
@@ -252,7 +257,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                     f"'{key}', which is already an entry of the checkpoint"
                 )
             cmd = TensorStorageMetadata(TensorProperties(spec.dtype), torch.Size(spec.shape(shape)), [])
-            for box, inf in zip(boxes, infos):
+            for box, inf in zip(boxes, infos, strict=False):
                 cbox = chunks.component_box(spec, shape, box, fqn=fqn, fmt=qt0.FORMAT)
                 index = MetadataIndex(key, torch.Size(cbox[0]))
                 if index in new_storage:
@@ -294,7 +299,9 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
         payload = load_record(_read_bytes(root, loc0), source=where)
         adapter = adapters.adapter_for(payload)
         if adapter is None:
-            raise CheckpointFormatError(f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard")
+            raise CheckpointFormatError(
+                f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
+            )
         qt, _ = adapter.to_canonical(payload, exp.fqn)
         if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
             raise CheckpointFormatError(
@@ -321,6 +328,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
             src = narrow_tensor_by_index(src, it.storage_offsets, it.lengths)
             target = planner.resolve_tensor(it).detach()
             if target.size() != src.size():
-                raise CheckpointFormatError(f"{where}: read item of size {tuple(src.size())} for a target of {tuple(target.size())}")
+                raise CheckpointFormatError(
+                    f"{where}: read item of size {tuple(src.size())} for a target of {tuple(target.size())}"
+                )
             target.copy_(src)
             planner.commit_tensor(it, target)

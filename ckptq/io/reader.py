@@ -27,16 +27,16 @@ import dataclasses
 import io
 import math
 import os
-import warnings
 import pickle
 import re
 import threading
+import warnings
 from collections.abc import Mapping
-from torch.futures import Future
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from ..checksums import check, checksum_key
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
@@ -118,18 +118,25 @@ class SafeFileSystemReader(FileSystemReader):
         UnsafeCheckpointError: an item cannot be loaded with ``weights_only=True``.
     """
 
-    def __init__(self, path: PathLike, *, metadata: Optional[Metadata] = None, verify_storage: bool = True,
-                 verify_checksums: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        *,
+        metadata: Metadata | None = None,
+        verify_storage: bool = True,
+        verify_checksums: bool = True,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(path, **kwargs)
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
         self._verifying = verify_checksums
-        self._checksums: Optional[dict] = None
+        self._checksums: dict | None = None
         self._md: Mapping = {}
-        self._chunk_sizes: Optional[dict] = None
+        self._chunk_sizes: dict | None = None
 
-    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+    def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id and Path(checkpoint_id) != Path(self.path):
             self._cached_metadata = None
         super().reset(checkpoint_id)
@@ -154,7 +161,7 @@ class SafeFileSystemReader(FileSystemReader):
                 _LAST_METADATA_ERROR.error = e  # dcp.load hides it in an AssertionError: see dcp_failure
             raise
 
-    def _read_checked(self, path: Any, rank: Optional[int]) -> Metadata:
+    def _read_checked(self, path: Any, rank: int | None) -> Metadata:
         try:
             with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
@@ -176,8 +183,7 @@ class SafeFileSystemReader(FileSystemReader):
             ) from e
         if not isinstance(metadata, Metadata):
             raise CheckpointFormatError(
-                f"{path}: holds a pickled {type(metadata).__name__}, not DCP Metadata; this is not "
-                f"a DCP checkpoint"
+                f"{path}: holds a pickled {type(metadata).__name__}, not DCP Metadata; this is not a DCP checkpoint"
             )
         # per-rank metadata (use_collectives=False) lists only that rank's chunks: no coverage check
         complete = rank is None
@@ -267,8 +273,7 @@ class SafeFileSystemReader(FileSystemReader):
                 stream_cm = self.fs.create_stream(file, "rb")
             except OSError as e:
                 raise CheckpointFormatError(
-                    f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint "
-                    f"directory"
+                    f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
             with stream_cm as stream:
                 for req in reqs:
@@ -276,16 +281,18 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _read_item(self, stream: Any, rel: str, size: int, req: Any, planner: Any) -> None:
         where = self._where(req.storage_index, rel)
-        value = self._load_record(stream, rel, size, req.storage_index, req.type == LoadItemType.BYTE_IO,
-                                  verify=self._verifying)
+        value = self._load_record(
+            stream, rel, size, req.storage_index, req.type == LoadItemType.BYTE_IO, verify=self._verifying
+        )
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, value)
             return
         try:
             tensor = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
         except Exception as e:
-            raise CheckpointFormatError(f"{where}: the read request does not fit the record ({e}); the "
-                                        f"metadata is inconsistent") from e
+            raise CheckpointFormatError(
+                f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
+            ) from e
         try:
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -306,12 +313,13 @@ class SafeFileSystemReader(FileSystemReader):
     def _where(self, index: MetadataIndex, rel: str) -> str:
         info = self.storage_data[index]
         start, end = int(info.offset), int(info.offset) + int(info.length)
-        return (f"{self.path}: '{index.fqn}'"
-                + (f" (chunk at offsets {list(index.offset)})" if index.offset is not None else "")
-                + f", record '{rel}' bytes {start}..{end}")
+        return (
+            f"{self.path}: '{index.fqn}'"
+            + (f" (chunk at offsets {list(index.offset)})" if index.offset is not None else "")
+            + f", record '{rel}' bytes {start}..{end}"
+        )
 
-    def _load_record(self, stream: Any, rel: str, size: int, index: MetadataIndex, is_bytes: bool,
-                     verify: bool) -> Any:
+    def _load_record(self, stream: Any, rel: str, size: int, index: MetadataIndex, is_bytes: bool, verify: bool) -> Any:
         """One whole record, checked: a CPU tensor of the chunk's dtype and size, or the
         ``io.BytesIO`` of a bytes entry; its checksum compared with the metadata's when ``verify``
         and the checkpoint has one for it.
@@ -341,8 +349,9 @@ class SafeFileSystemReader(FileSystemReader):
             if transforms is not None:
                 file_slice = transforms.transform_load_stream(_ReadIndex(index), descriptors, file_slice)
             elif descriptors:
-                raise CheckpointFormatError(f"{where}: stored with stream transforms {descriptors} this "
-                                            f"torch cannot undo")
+                raise CheckpointFormatError(
+                    f"{where}: stored with stream transforms {descriptors} this torch cannot undo"
+                )
             if is_bytes:
                 value = io.BytesIO(file_slice.read(-1))
                 if verify:
@@ -367,7 +376,9 @@ class SafeFileSystemReader(FileSystemReader):
     def _check_sum(self, index: MetadataIndex, payload: Any, where: str) -> None:
         check(payload, (self._checksums or {}).get(checksum_key(index)), where)
 
-    def check_records(self, progress: Optional[Any] = None) -> tuple[list[tuple[MetadataIndex, str, int, int, str]], int, int]:
+    def check_records(
+        self, progress: Any | None = None
+    ) -> tuple[list[tuple[MetadataIndex, str, int, int, str]], int, int]:
         """Read every record of the checkpoint once and compare its checksum (``ckptq verify PATH``).
 
         Call after :meth:`read_metadata` and :meth:`set_up_storage_reader`. Records are read one at
@@ -398,8 +409,15 @@ class SafeFileSystemReader(FileSystemReader):
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
-                    problems.append((index, rel, int(info.offset), int(info.offset) + int(info.length),
-                                     f"cannot open the data file ({e})"))
+                    problems.append(
+                        (
+                            index,
+                            rel,
+                            int(info.offset),
+                            int(info.offset) + int(info.length),
+                            f"cannot open the data file ({e})",
+                        )
+                    )
                 continue
             with stream_cm as stream:
                 for index in indices:
@@ -411,8 +429,15 @@ class SafeFileSystemReader(FileSystemReader):
                         self._load_record(stream, rel, size, index, is_bytes, verify=True)
                     except CkptqError as e:
                         where = self._where(index, rel) + ": "
-                        problems.append((index, rel, int(info.offset), int(info.offset) + int(info.length),
-                                         str(e)[len(where):] if str(e).startswith(where) else str(e)))
+                        problems.append(
+                            (
+                                index,
+                                rel,
+                                int(info.offset),
+                                int(info.offset) + int(info.length),
+                                str(e)[len(where) :] if str(e).startswith(where) else str(e),
+                            )
+                        )
                         continue
                     if self._checksums and checksum_key(index) in self._checksums:
                         checked += 1
@@ -483,7 +508,9 @@ def dcp_failure(exc: BaseException, where: str) -> Exception:
         where: how the message names the checkpoint (its path).
     """
     failures = getattr(exc, "failures", None)
-    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, Mapping) else [exc]
+    causes = (
+        [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, Mapping) else [exc]
+    )
     for cause in causes:
         if isinstance(cause, CkptqError):
             return cause
@@ -495,8 +522,7 @@ def dcp_failure(exc: BaseException, where: str) -> Exception:
         return last
     cause = causes[0] if causes else exc
     return CheckpointFormatError(
-        f"{where}: reading the checkpoint failed ({type(cause).__name__}: {cause}); the data files "
-        f"may be corrupt"
+        f"{where}: reading the checkpoint failed ({type(cause).__name__}: {cause}); the data files may be corrupt"
     )
 
 
@@ -534,7 +560,7 @@ class _Window(ReadView):
         n = max(0, min(len(b), self.size - self.pos))
         self._base.seek(self._start + self.pos)
         data = self._base.read(n)
-        b[:len(data)] = data
+        b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -555,7 +581,7 @@ def load_weights_only(stream: Any, where: str, map_location: Any) -> Any:
         ) from None
 
 
-def check_chunk_tensor(t: Any, want: Optional[tuple], where: str) -> None:
+def check_chunk_tensor(t: Any, want: tuple | None, where: str) -> None:
     """What a record holds must be a plain tensor of the chunk's ``(dtype, sizes)`` from the metadata
     (``want``; None: only that it is a tensor).
 
@@ -630,10 +656,10 @@ def _check_pickle_memo(data: bytes, source: str) -> None:
         if k is None or code == 0x2E:  # unknown opcode, or STOP
             return
         if k >= 0:
-            if code == 0x72 and frm(data[i:i + 4], "little") >= n:  # LONG_BINPUT
+            if code == 0x72 and frm(data[i : i + 4], "little") >= n:  # LONG_BINPUT
                 raise CheckpointFormatError(
                     f"{source}: the DCP metadata file is corrupt (a pickle memo index "
-                    f"{frm(data[i:i + 4], 'little')} in a {n}-byte file); restore the file or re-save the checkpoint"
+                    f"{frm(data[i : i + 4], 'little')} in a {n}-byte file); restore the file or re-save the checkpoint"
                 )
             i += k
         elif k == -1:  # up to a newline; GLOBAL and INST take two lines
@@ -658,12 +684,12 @@ def _check_pickle_memo(data: bytes, source: str) -> None:
         elif k == -2:  # one length byte
             i += 1 + (data[i] if i < n else 0)
         elif k in (-3, -4):  # four length bytes
-            length = frm(data[i:i + 4], "little", signed=(k == -3))
+            length = frm(data[i : i + 4], "little", signed=(k == -3))
             if length < 0:
                 return
             i += 4 + length
         elif k == -5:  # eight length bytes
-            i += 8 + frm(data[i:i + 8], "little")
+            i += 8 + frm(data[i : i + 8], "little")
         else:
             return
 
@@ -777,15 +803,17 @@ def check_storage(metadata: Metadata, path: PathLike, *, files: bool = True, com
 
 
 def _fail(root: Path, msg: str) -> CheckpointFormatError:
-    return CheckpointFormatError(f"{root}: {msg}; the metadata is corrupt or does not belong to these "
-                                 f"files: restore '{METADATA_FILE}' or re-save the checkpoint")
+    return CheckpointFormatError(
+        f"{root}: {msg}; the metadata is corrupt or does not belong to these "
+        f"files: restore '{METADATA_FILE}' or re-save the checkpoint"
+    )
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _ints(x: Any) -> Optional[tuple[int, ...]]:
+def _ints(x: Any) -> tuple[int, ...] | None:
     if not isinstance(x, (tuple, list)) or not all(_is_int(v) for v in x):
         return None
     return tuple(x)
@@ -821,8 +849,11 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
     if not all(with_path):
         raise _fail(root, "some storage locations have no file")
     for fqn, md in sdm.items():
-        keys = [MetadataIndex(fqn, c.offsets) for c in md.chunks] if isinstance(md, TensorStorageMetadata) \
+        keys = (
+            [MetadataIndex(fqn, c.offsets) for c in md.chunks]
+            if isinstance(md, TensorStorageMetadata)
             else [MetadataIndex(fqn)]
+        )
         for key in keys:
             if key not in storage:
                 where = f" chunk at offsets {list(key.offset)}" if key.offset is not None else ""
@@ -831,8 +862,9 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
                     f"the checkpoint is incomplete"
                 )
     ranges: dict[str, list] = {}
-    chunk_keys = {(fqn, tuple(c.offsets)) for fqn, md in sdm.items() if isinstance(md, TensorStorageMetadata)
-                  for c in md.chunks}
+    chunk_keys = {
+        (fqn, tuple(c.offsets)) for fqn, md in sdm.items() if isinstance(md, TensorStorageMetadata) for c in md.chunks
+    }
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
         if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
@@ -843,13 +875,24 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
             known = (fqn, tuple(index.offset)) in chunk_keys
         if not known:  # DCP writes a location for each chunk of its entries, nothing else
             where = f" at offsets {list(index.offset)}" if index.offset is not None else ""
-            raise _fail(root, f"the storage location of '{fqn}'{where} belongs to no entry or chunk of the "
-                              f"metadata (an entry or chunk was removed)")
+            raise _fail(
+                root,
+                f"the storage location of '{fqn}'{where} belongs to no entry or chunk of the "
+                f"metadata (an entry or chunk was removed)",
+            )
         rel, off, length = info.relative_path, getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(rel, (str, os.PathLike)) or not str(rel) or Path(str(rel)).name.endswith(METADATA_FILE) \
-                or not _is_int(off) or not _is_int(length) or off < 0 or length < 0:
-            raise _fail(root, f"'{fqn}' has a malformed storage location (file {rel!r}, offset {off!r}, "
-                              f"length {length!r})")
+        if (
+            not isinstance(rel, (str, os.PathLike))
+            or not str(rel)
+            or Path(str(rel)).name.endswith(METADATA_FILE)
+            or not _is_int(off)
+            or not _is_int(length)
+            or off < 0
+            or length < 0
+        ):
+            raise _fail(
+                root, f"'{fqn}' has a malformed storage location (file {rel!r}, offset {off!r}, length {length!r})"
+            )
         ranges.setdefault(str(rel), []).append((off, off + length, fqn, info))
     for rel, spans in sorted(ranges.items()):
         spans.sort(key=lambda s: (s[0], s[1]))
@@ -860,9 +903,12 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
             if prev is not None and span[0] < prev[1]:
                 shared = (span[0], span[1]) == (prev[0], prev[1]) and _shares_record(span[3], prev[3])
                 if not shared:
-                    raise _fail(root, f"in data file '{rel}', the records of '{prev[2]}' (bytes "
-                                      f"{prev[0]}..{prev[1]}) and '{span[2]}' (bytes {span[0]}..{span[1]}) "
-                                      f"overlap")
+                    raise _fail(
+                        root,
+                        f"in data file '{rel}', the records of '{prev[2]}' (bytes "
+                        f"{prev[0]}..{prev[1]}) and '{span[2]}' (bytes {span[0]}..{span[1]}) "
+                        f"overlap",
+                    )
             if prev is None or span[1] > prev[1]:
                 prev = span
         if not files:
@@ -871,8 +917,7 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
         target = root / rel
         if not target.is_file():
             raise CheckpointFormatError(
-                f"{root}: data file '{rel}' (holding '{fqn}') is missing; copy the whole "
-                f"checkpoint directory"
+                f"{root}: data file '{rel}' (holding '{fqn}') is missing; copy the whole checkpoint directory"
             )
         size = target.stat().st_size
         if size < end:
@@ -930,16 +975,20 @@ def _check_chunks(root: Path, fqn: str, md: TensorStorageMetadata, complete: boo
         sz = _ints(getattr(c, "sizes", None)) if isinstance(c, ChunkStorageMetadata) else None
         if off is None or sz is None or len(off) != len(size) or len(sz) != len(size):
             raise _fail(root, f"tensor '{fqn}' of size {list(size)} has a malformed chunk {c!r}")
-        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, size)):
-            raise _fail(root, f"tensor '{fqn}' of size {list(size)} has a chunk at offsets {list(off)} of "
-                              f"sizes {list(sz)}, outside the tensor")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(off, sz, size, strict=False)):
+            raise _fail(
+                root,
+                f"tensor '{fqn}' of size {list(size)} has a chunk at offsets {list(off)} of "
+                f"sizes {list(sz)}, outside the tensor",
+            )
         if math.prod(sz):
             boxes.append((off, sz))
     _check_disjoint(root, fqn, size, boxes)
     covered = sum(math.prod(s) for _, s in boxes)
     if complete and covered != math.prod(size):
-        raise _fail(root, f"the chunks of tensor '{fqn}' (size {list(size)}) cover {covered} of its "
-                          f"{math.prod(size)} elements")
+        raise _fail(
+            root, f"the chunks of tensor '{fqn}' (size {list(size)}) cover {covered} of its {math.prod(size)} elements"
+        )
 
 
 def _check_disjoint(root: Path, fqn: str, size: tuple, boxes: list) -> None:
@@ -954,9 +1003,12 @@ def _check_disjoint(root: Path, fqn: str, size: tuple, boxes: list) -> None:
     for off, sz in boxes:
         active = [a for a in active if a[0][dim] + a[1][dim] > off[dim]]
         for aoff, asz in active:
-            if all(o < ao + asz_ and ao < o + s for o, s, ao, asz_ in zip(off, sz, aoff, asz)):
-                raise _fail(root, f"tensor '{fqn}': chunks at offsets {list(aoff)} (sizes {list(asz)}) and "
-                                  f"{list(off)} (sizes {list(sz)}) overlap")
+            if all(o < ao + asz_ and ao < o + s for o, s, ao, asz_ in zip(off, sz, aoff, asz, strict=False)):
+                raise _fail(
+                    root,
+                    f"tensor '{fqn}': chunks at offsets {list(aoff)} (sizes {list(asz)}) and "
+                    f"{list(off)} (sizes {list(sz)}) overlap",
+                )
         active.append((off, sz))
 
 
@@ -984,10 +1036,13 @@ def _check_record_sizes(metadata: Metadata, root: Path) -> None:
                 continue
             need = _record_bytes_needed(md, tuple(c.sizes), info)
             if int(info.length) < need:
-                raise _fail(root, f"tensor '{fqn}' ({str(md.properties.dtype).removeprefix('torch.')} "
-                                  f"{list(md.size)}): its chunk at offsets {list(c.offsets)} of sizes "
-                                  f"{list(c.sizes)} needs at least {need} bytes, but its record in "
-                                  f"'{info.relative_path}' has {int(info.length)}")
+                raise _fail(
+                    root,
+                    f"tensor '{fqn}' ({str(md.properties.dtype).removeprefix('torch.')} "
+                    f"{list(md.size)}): its chunk at offsets {list(c.offsets)} of sizes "
+                    f"{list(c.sizes)} needs at least {need} bytes, but its record in "
+                    f"'{info.relative_path}' has {int(info.length)}",
+                )
 
 
 def load_entries(reader: SafeFileSystemReader, metadata: Metadata, keys: list[str]) -> dict[str, torch.Tensor]:

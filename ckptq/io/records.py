@@ -31,7 +31,7 @@ import io
 import struct
 import sys
 import zlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -67,7 +67,7 @@ class TensorRecord:
         t = bytearray(self.trailer)
         packed = struct.pack("<I", crc32 & 0xFFFFFFFF)
         for at in self.crc_at:
-            t[at:at + 4] = packed
+            t[at : at + 4] = packed
         return bytes(t)
 
 
@@ -104,7 +104,7 @@ def tensor_record(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorRecord:
         pos = trailer.find(b"PK\x01\x02")
         while pos >= 0:  # central directory entries: find the payload member's
             name_len = struct.unpack_from("<H", trailer, pos + 28)[0]
-            name = trailer[pos + 46:pos + 46 + name_len]
+            name = trailer[pos + 46 : pos + 46 + name_len]
             if name.endswith(b"/data/0"):
                 crc_at.append(pos + 16)
                 break
@@ -161,14 +161,16 @@ class _Sparse(ReadView):
         for i0, i1, src, base in ((0, h, self.head, 0), (h, g, None, h), (g, self.size, self.tail, g)):
             lo, hi = max(self.pos, i0), min(self.pos + n, i1)  # the part of this read in this run
             if lo < hi:
-                out[lo - self.pos:hi - self.pos] = src[lo - base:hi - base] if src is not None else bytes(hi - lo)
+                out[lo - self.pos : hi - self.pos] = src[lo - base : hi - base] if src is not None else bytes(hi - lo)
         self.pos += n
         return n
 
 
 def _unknown_layout(what: str) -> CkptqError:
-    return CkptqError(f"torch {torch.__version__}: torch.save records have an unknown layout ({what}); "
-                      f"ckptq's record writer cannot be used with this torch: upgrade ckptq")
+    return CkptqError(
+        f"torch {torch.__version__}: torch.save records have an unknown layout ({what}); "
+        f"ckptq's record writer cannot be used with this torch: upgrade ckptq"
+    )
 
 
 def _meta_offset(f: Any) -> int:
@@ -186,7 +188,7 @@ def payload_crc32(payload: Any, value: int = 0) -> int:
 _END_BYTES = 16 << 10
 
 
-def _ends(stream: Any, start: int, length: int) -> "_Sparse":
+def _ends(stream: Any, start: int, length: int) -> _Sparse:
     """The record at ``start .. start + length`` of ``stream`` as a file holding its first and last
     :data:`_END_BYTES` (zeros between): two reads instead of one per zip or pickle field."""
     head_n = min(length, _END_BYTES)
@@ -200,8 +202,9 @@ def _ends(stream: Any, start: int, length: int) -> "_Sparse":
     return _Sparse(head, length - head_n - tail_n, tail)
 
 
-def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torch.dtype,
-                   sizes: tuple[int, ...]) -> Optional[tuple[int, Optional[int]]]:
+def locate_payload(
+    stream: Any, start: int, length: int, where: str, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> tuple[int, int | None] | None:
     """``(offset, crc32)``: the offset (from ``start``) of the payload of the ``torch.save`` record
     at bytes ``start .. start + length`` of ``stream`` (a seekable binary file), and the zip CRC-32
     its directory records for the payload member (None if the tensor's storage holds more than the
@@ -223,8 +226,10 @@ def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torc
     try:
         window = _ends(stream, start, length)
     except (EOFError, OSError) as e:
-        raise CheckpointFormatError(f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
-                                    f"restore the file or re-save the checkpoint") from e
+        raise CheckpointFormatError(
+            f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
+            f"restore the file or re-save the checkpoint"
+        ) from e
     check_record_header(window, where)
     try:
         with zipfile.ZipFile(window) as z:
@@ -236,8 +241,10 @@ def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torc
     except CkptqError:
         raise
     except Exception as e:  # zip / EOF / pickle errors of a damaged record
-        raise CheckpointFormatError(f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
-                                    f"restore the file or re-save the checkpoint") from e
+        raise CheckpointFormatError(
+            f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
+            f"restore the file or re-save the checkpoint"
+        ) from e
     check_chunk_tensor(t, (dtype, sizes), where)
     storage = t.untyped_storage()
     offset = getattr(storage, "_checkpoint_offset", None)
@@ -246,7 +253,9 @@ def locate_payload(stream: Any, start: int, length: int, where: str, dtype: torc
         return None
     begin = int(offset) + t.storage_offset() * t.element_size()
     if begin < 0 or begin + nbytes > length or storage.nbytes() < t.storage_offset() * t.element_size() + nbytes:
-        raise CheckpointFormatError(f"{where}: the record's payload (bytes {begin}..{begin + nbytes}) does "
-                                    f"not lie inside it; the data file is corrupt: restore it or re-save")
+        raise CheckpointFormatError(
+            f"{where}: the record's payload (bytes {begin}..{begin + nbytes}) does "
+            f"not lie inside it; the data file is corrupt: restore it or re-save"
+        )
     whole = len(members) == 1 and members[0].file_size == nbytes and begin == int(offset)
     return begin, (members[0].CRC if whole else None)

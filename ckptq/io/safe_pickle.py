@@ -38,7 +38,7 @@ import io
 import os
 import pathlib
 import pickle
-from typing import IO, Any, Optional
+from typing import IO, Any
 
 import torch
 
@@ -49,9 +49,7 @@ __all__ = ["SafeUnpickler", "safe_load", "safe_loads", "ALLOWED_GLOBALS"]
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 
-_LAYOUTS: dict[str, torch.layout] = {
-    str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)
-}
+_LAYOUTS: dict[str, torch.layout] = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
 
 
 def _get_layout(name: str) -> torch.layout:
@@ -132,7 +130,7 @@ class SafeUnpickler(pickle.Unpickler):
         file: IO[bytes],
         *,
         source: str = "<pickle>",
-        allowed: Optional[dict[tuple[str, str], Any]] = None,
+        allowed: dict[tuple[str, str], Any] | None = None,
     ) -> None:
         super().__init__(file)
         self.source = source
@@ -152,8 +150,7 @@ class SafeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafeCheckpointError(
-            f"{self.source}: refusing a pickle persistent id ({type(pid).__name__}); DCP metadata "
-            f"never contains one."
+            f"{self.source}: refusing a pickle persistent id ({type(pid).__name__}); DCP metadata never contains one."
         )
 
     def load(self) -> Any:
@@ -169,7 +166,7 @@ _MISSING = object()
 
 def _check_classes_untouched(before: list[dict], source: str) -> None:
     changed = []
-    for cls, snapshot in zip(_MUTABLE_CLASSES, before):
+    for cls, snapshot in zip(_MUTABLE_CLASSES, before, strict=False):
         now = vars(cls)
         if now.keys() == snapshot.keys() and all(now[k] is snapshot[k] for k in snapshot):
             continue
@@ -182,10 +179,8 @@ def _check_classes_untouched(before: list[dict], source: str) -> None:
         changed.append(f"{cls.__module__}.{cls.__qualname__}")
     if changed:
         raise UnsafeCheckpointError(
-            f"{source}: the pickle tried to modify the class(es) {changed}; the change was undone "
-            f"and the file refused."
+            f"{source}: the pickle tried to modify the class(es) {changed}; the change was undone and the file refused."
         )
-
 
 
 def safe_load(file: IO[bytes], *, source: str = "<pickle>") -> Any:
@@ -202,4 +197,3 @@ def safe_load(file: IO[bytes], *, source: str = "<pickle>") -> Any:
 def safe_loads(data: bytes, *, source: str = "<pickle>") -> Any:
     """:func:`safe_load` from bytes."""
     return safe_load(io.BytesIO(data), source=source)
-

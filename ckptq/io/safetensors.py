@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -46,7 +46,7 @@ def is_safetensors_source(path: Path) -> bool:
     return False
 
 
-def _read_json(p: Path) -> Optional[dict]:
+def _read_json(p: Path) -> dict | None:
     if not p.is_file():
         return None
     try:
@@ -73,7 +73,7 @@ class SafetensorsView(EntryTable):
 
     world_size = None
 
-    def __init__(self, path: Union[str, Path], *, names: Any = None):
+    def __init__(self, path: str | Path, *, names: Any = None):
         from safetensors import safe_open
 
         self.path = Path(path)
@@ -111,14 +111,18 @@ class SafetensorsView(EntryTable):
                         sl = h.get_slice(name)
                         dt = hf.ST_DTYPES.get(sl.get_dtype())
                         if dt is None:
-                            raise CheckpointFormatError(f"{f}: tensor '{name}' has safetensors dtype "
-                                                        f"{sl.get_dtype()}, which ckptq does not read")
+                            raise CheckpointFormatError(
+                                f"{f}: tensor '{name}' has safetensors dtype "
+                                f"{sl.get_dtype()}, which ckptq does not read"
+                            )
                         self._meta[name] = (dt, tuple(int(s) for s in sl.get_shape()))
                         self._where.setdefault(name, f)
             except CheckpointFormatError:
                 raise
             except Exception as e:  # safetensors raises its own error types for truncated headers
-                raise CheckpointFormatError(f"{f}: not a readable safetensors file ({e}); re-copy or re-export it") from e
+                raise CheckpointFormatError(
+                    f"{f}: not a readable safetensors file ({e}); re-copy or re-export it"
+                ) from e
         if index is not None:
             for name, fname in index["weight_map"].items():
                 f = folder / fname
@@ -146,23 +150,29 @@ class SafetensorsView(EntryTable):
         self._plain: dict[str, str] = {}  # fqn -> HF name
         self._quant: dict[str, tuple[hf.FormatMap, dict[str, str]]] = {}
         names = list(self._meta)
-        groups, rest = (hf.group_modules(names, self.layout) if self.layout else ({}, names))
+        groups, rest = hf.group_modules(names, self.layout) if self.layout else ({}, names)
         dtype = self._logical_dtype()
         producer = self.layout.producer if self.layout else None
         if self.layout is not None and self.layout.name == "modelopt" and isinstance(self.hf_quant_config, dict):
             producer = str((self.hf_quant_config.get("producer") or {}).get("name", producer))
         for module, group in groups.items():
             where = f"{self._where[next(iter(group.values()))]}"
-            candidates = hf.match_formats(self.layout, module, group,
-                                          {n: self._meta[n][0] for n in group.values()}, where)
+            candidates = hf.match_formats(
+                self.layout, module, group, {n: self._meta[n][0] for n in group.values()}, where
+            )
             problem = None
             for fm in candidates:
                 data_name = group[fm.data.suffix]
                 shape = hf.logical_shape(fm, self._meta[data_name][1])
                 recipe = self._recipe_for(fm, group)
-                problem = next(((t, hf.expected_shape(t, fm, shape, recipe)) for t in fm.tensors
-                                if tuple(self._meta[group[t.suffix]][1]) != hf.expected_shape(t, fm, shape, recipe)),
-                               None)
+                problem = next(
+                    (
+                        (t, hf.expected_shape(t, fm, shape, recipe))
+                        for t in fm.tensors
+                        if tuple(self._meta[group[t.suffix]][1]) != hf.expected_shape(t, fm, shape, recipe)
+                    ),
+                    None,
+                )
                 if problem is None:
                     break
             if problem is not None:
@@ -185,8 +195,10 @@ class SafetensorsView(EntryTable):
             fqn = hf.rename(name, self._rules, inverse=True)
             dt, shape = self._meta[name]
             if fqn in self._entries:
-                raise CheckpointFormatError(f"{self._where[name]}: tensor '{name}' maps to '{fqn}', which another "
-                                            f"tensor already maps to; fix the rename rules")
+                raise CheckpointFormatError(
+                    f"{self._where[name]}: tensor '{name}' maps to '{fqn}', which another "
+                    f"tensor already maps to; fix the rename rules"
+                )
             self._entries[fqn] = Entry(fqn, "tensor", shape, dt, None, {fqn: fqn})
             self._plain[fqn] = name
 
@@ -210,7 +222,7 @@ class SafetensorsView(EntryTable):
         fm, group = self._quant[fqn]
         return group[fm.data.suffix]
 
-    def read(self, fqn: str) -> Union[QuantizedTensor, torch.Tensor]:
+    def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
         """The whole logical tensor: a QuantizedTensor for quantized weights, else the stored tensor."""
         e = self.entry(fqn)
         if e.kind == "tensor":
@@ -229,7 +241,7 @@ class SafetensorsView(EntryTable):
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         raise CheckpointFormatError(f"{self.path}: safetensors sources have no non-tensor entries ('{fqn}')")
 
-    def mapping(self, key: str) -> Optional[tuple]:
+    def mapping(self, key: str) -> tuple | None:
         return None
 
 
@@ -237,7 +249,7 @@ class SafetensorsView(EntryTable):
 SOURCE = ("Hugging Face safetensors", is_safetensors_source, SafetensorsView)
 
 
-def _load_checked(f: Path, name: str, table: Optional[dict]) -> torch.Tensor:
+def _load_checked(f: Path, name: str, table: dict | None) -> torch.Tensor:
     """Tensor ``name`` of safetensors file ``f``; compared with ``table[name]`` when present.
 
     Raises:
@@ -268,7 +280,7 @@ def _byte_range(f: Path, name: str) -> tuple[int, int]:
     return 8 + n + int(start), 8 + n + int(end)
 
 
-def check_safetensors_records(path: Union[str, Path], progress: Any = None) -> tuple[list, int, int]:
+def check_safetensors_records(path: str | Path, progress: Any = None) -> tuple[list, int, int]:
     """Read every tensor of a safetensors file or folder once and check it (``ckptq verify PATH``).
 
     Returns:
@@ -298,7 +310,9 @@ def check_safetensors_records(path: Union[str, Path], progress: Any = None) -> t
                 _load_checked(f, name, table)
             except CheckpointFormatError as e:
                 text = str(e)
-                problems.append((name, f.name, start, end, text.split(": ", 2)[-1] if text.startswith(str(f)) else text))
+                problems.append(
+                    (name, f.name, start, end, text.split(": ", 2)[-1] if text.startswith(str(f)) else text)
+                )
                 continue
             if table is not None and name in table:
                 verified += 1

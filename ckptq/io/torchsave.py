@@ -24,7 +24,7 @@ import os
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -121,7 +121,7 @@ class TorchSaveView(EntryTable):
         UnsupportedFormatError: an adapter refuses a foreign tensor (names FQN, class and field).
     """
 
-    def __init__(self, path: Union[str, "os.PathLike[str]"]):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.files = [self.path]
         self.source = NAME
@@ -138,7 +138,7 @@ class TorchSaveView(EntryTable):
         flat: dict[str, Any] = {}
         self.skipped: list[str] = []
         _flatten(obj, "", flat, self.skipped, where)
-        self._values: dict[str, Union[torch.Tensor, QuantizedTensor]] = {}
+        self._values: dict[str, torch.Tensor | QuantizedTensor] = {}
         self._entries: dict[str, Entry] = {}
         for fqn, v in flat.items():
             adapter = adapters.adapter_for(v)
@@ -158,7 +158,7 @@ class TorchSaveView(EntryTable):
                     f"registered adapter reads"
                 )
 
-    def read(self, fqn: str) -> Union[QuantizedTensor, torch.Tensor]:
+    def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
         """The whole logical tensor: the canonical QuantizedTensor of a quantized entry (views of the
         loaded buffers where the layout allows), else the plain tensor."""
         self.entry(fqn)
@@ -168,7 +168,7 @@ class TorchSaveView(EntryTable):
         """Not available: a torch.save file's entries are all tensors (non-tensor values are skipped)."""
         raise CheckpointFormatError(f"{self.path}: '{fqn}' is not a non-tensor record ({NAME}s have none)")
 
-    def mapping(self, key: str) -> Optional[tuple]:
+    def mapping(self, key: str) -> tuple | None:
         """None: a torch.save file has no DCP flatten mapping."""
         return None
 

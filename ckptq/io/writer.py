@@ -3,7 +3,8 @@
 DCP's ``FileSystemWriter`` writes the files of the ranks of a running process group; ``ckptq reshard``
 and ``ckptq convert`` need one storage file per *target* rank written from one process, so
 :class:`CheckpointDirWriter` writes DCP's own on-disk format directly: one ``torch.save``-format record
-per chunk (framed by :mod:`ckptq.io.records`, no pickling per record) appended to ``__{rank}_0.distcp``, ``_StorageInfo`` locations, and ``.metadata`` (a pickle of
+per chunk (framed by :mod:`ckptq.io.records`, no pickling per record) appended to
+``__{rank}_0.distcp``, ``_StorageInfo`` locations, and ``.metadata`` (a pickle of
 DCP's ``Metadata``, as ``FileSystemWriter.finish`` writes it) last. The output is read by stock
 ``dcp.load``.
 
@@ -23,12 +24,10 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -38,6 +37,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from ..checksums import Hasher, checksum, checksum_key
 from ..contract import with_checksums
@@ -117,7 +118,7 @@ class EncodedChunk:
     checksum: int
 
 
-def encode_chunk(tensor: torch.Tensor, *, known: Optional[tuple[int, int]] = None) -> EncodedChunk:
+def encode_chunk(tensor: torch.Tensor, *, known: tuple[int, int] | None = None) -> EncodedChunk:
     """Everything :meth:`CheckpointDirWriter.add_encoded` needs to append ``tensor`` as a
     ``torch.save``-format record: the framing for its dtype and shape
     (:func:`ckptq.io.records.tensor_record`), its bytes (copied to row-major CPU memory only if
@@ -147,10 +148,10 @@ class CheckpointDirWriter:
     shape) around the chunk's bytes, with no pickling per record; the zip CRC-32 and the checksum
     (:mod:`ckptq.checksums`) of each chunk are computed by :meth:`add_chunk` itself, so the caller
     may reuse the tensor's memory as soon as it returns (:func:`encode_chunk` and
-    :meth:`add_encoded` split that work, e.g. hashing on one thread, appending on another). Once ``sync_every`` bytes were appended to
-    a file, its data is flushed to disk (``fdatasync``) on a background thread while writing goes
-    on. :meth:`finish` stores the checksums in the ckptq record of ``.metadata``, which it writes
-    last. ``path`` should be a new, empty directory.
+    :meth:`add_encoded` split that work, e.g. hashing on one thread, appending on another).
+    Once ``sync_every`` bytes were appended to a file, its data is flushed to disk (``fdatasync``)
+    on a background thread while writing goes on. :meth:`finish` stores the checksums in the ckptq
+    record of ``.metadata``, which it writes last. ``path`` should be a new, empty directory.
 
     Several processes may write the files of one checkpoint into one directory: each its own
     ranks' files, or records of any file at byte positions laid out in advance (the ``at`` of the
@@ -187,7 +188,7 @@ class CheckpointDirWriter:
             self._unsynced[rank] = 0
         return self._fds[rank]
 
-    def _append(self, rank: int, parts: list, at: Optional[int] = None) -> tuple[int, int]:
+    def _append(self, rank: int, parts: list, at: int | None = None) -> tuple[int, int]:
         """Write ``parts`` (bytes-like) into ``rank``'s file at byte ``at`` (None: after the last
         write); returns (start, length)."""
         fd = self._fd(rank)
@@ -226,27 +227,41 @@ class CheckpointDirWriter:
         md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(shape)))
         return offsets
 
-    def add_chunk(self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor, *,
-                  at: Optional[int] = None) -> None:
+    def add_chunk(
+        self, rank: int, key: str, global_size, offsets, tensor: torch.Tensor, *, at: int | None = None
+    ) -> None:
         """Append ``tensor`` (any layout; CPU or not) as the chunk at ``offsets`` of entry ``key``
         (global ``global_size``), with its checksum; with ``at``, write its record at that byte of
         the file instead (records laid out in advance). ``tensor`` is not referenced after this returns."""
         self.add_encoded(rank, key, global_size, offsets, encode_chunk(tensor), at=at)
 
-    def add_encoded(self, rank: int, key: str, global_size, offsets, chunk: "EncodedChunk", *,
-                    at: Optional[int] = None) -> None:
+    def add_encoded(
+        self, rank: int, key: str, global_size, offsets, chunk: EncodedChunk, *, at: int | None = None
+    ) -> None:
         """Append a chunk :func:`encode_chunk` prepared (possibly on another thread) as the chunk
         at ``offsets`` of entry ``key`` (global ``global_size``), with its checksum (``at``: as
         :meth:`add_chunk`)."""
         offsets = self._add_entry_chunk(key, global_size, offsets, chunk.dtype, chunk.shape)
         self._sums[(key, tuple(offsets))] = chunk.checksum
-        start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)],
-                                     at)
+        start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)], at)
         self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + len(chunk.data)
 
-    def add_copy(self, rank: int, key: str, global_size, offsets, dtype: torch.dtype, shape, src_fd: int,
-                 src_offset: int, checksum: int, crc32: int, *, at: Optional[int] = None) -> None:
+    def add_copy(
+        self,
+        rank: int,
+        key: str,
+        global_size,
+        offsets,
+        dtype: torch.dtype,
+        shape,
+        src_fd: int,
+        src_offset: int,
+        checksum: int,
+        crc32: int,
+        *,
+        at: int | None = None,
+    ) -> None:
         """Append the chunk at ``offsets`` of entry ``key`` (global ``global_size``) whose payload,
         a contiguous ``dtype`` tensor of ``shape``, is bytes ``src_offset ..`` of the open file
         ``src_fd``: copied in the kernel (``os.copy_file_range``; a read/write loop where the
@@ -262,18 +277,20 @@ class CheckpointDirWriter:
         while done < record.nbytes:
             n = _copy_range(src_fd, src_offset + done, fd, pos + done, record.nbytes - done)
             if n <= 0:
-                raise CkptqError(f"{self.path}: copying '{key}' ({record.nbytes} bytes at {src_offset}) stopped "
-                                 f"after {done} bytes: the source file is shorter than its metadata says")
+                raise CkptqError(
+                    f"{self.path}: copying '{key}' ({record.nbytes} bytes at {src_offset}) stopped "
+                    f"after {done} bytes: the source file is shorter than its metadata says"
+                )
             done += n
         self._unsynced[rank] += done
         self._append(rank, [record.trailer_for(crc32)], pos + done)
         self._sums[(key, tuple(offsets))] = checksum
-        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start,
-                                                                        record.length)
+        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, record.length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + record.nbytes
 
-    def add_bytes(self, rank: int, key: str, record: bytes, transform_descriptors=None, *,
-                  at: Optional[int] = None) -> None:
+    def add_bytes(
+        self, rank: int, key: str, record: bytes, transform_descriptors=None, *, at: int | None = None
+    ) -> None:
         """Append a verbatim non-tensor record (as read by ``CheckpointView.read_raw_bytes``;
         ``at``: as :meth:`add_chunk`)."""
         start, length = self._append(rank, [record], at)
@@ -310,8 +327,11 @@ class CheckpointDirWriter:
             if mine is None:
                 self._md[key] = m
             elif isinstance(m, TensorStorageMetadata):
-                assert isinstance(mine, TensorStorageMetadata) and mine.properties.dtype == m.properties.dtype \
-                    and tuple(mine.size) == tuple(m.size), key
+                assert (
+                    isinstance(mine, TensorStorageMetadata)
+                    and mine.properties.dtype == m.properties.dtype
+                    and tuple(mine.size) == tuple(m.size)
+                ), key
                 mine.chunks.extend(m.chunks)
         self._storage.update(storage)
         self._sums.update(sums)
@@ -326,8 +346,12 @@ class CheckpointDirWriter:
         for md in self._md.values():
             if isinstance(md, TensorStorageMetadata):
                 md.chunks.sort(key=lambda c: tuple(c.offsets))
-        metadata = Metadata(state_dict_metadata=self._md, planner_data=planner_data,
-                            storage_data=self._storage, storage_meta=StorageMeta())
+        metadata = Metadata(
+            state_dict_metadata=self._md,
+            planner_data=planner_data,
+            storage_data=self._storage,
+            storage_meta=StorageMeta(),
+        )
         metadata.version = self._version
         tmp = self.path / ".metadata.tmp"
         with open(tmp, "wb") as f:
@@ -352,7 +376,7 @@ class _Checked:
     """A ``WriteResult.storage_data`` on its way to the coordinator: DCP's location + checksum."""
 
     info: Any
-    checksum: Optional[int]
+    checksum: int | None
 
 
 class _HashingPlanner:
@@ -402,8 +426,12 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         finally:
             hasher.close()
         out: Future = Future()
-        out.set_result([dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
-                        for r in results])
+        out.set_result(
+            [
+                dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
+                for r in results
+            ]
+        )
         return out
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -449,7 +477,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         self.target = Path(path)
         super().__init__(_staging(self.target), **kwargs)
 
-    def reset(self, checkpoint_id: Optional[PathLike] = None) -> None:
+    def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id:
             self.target = Path(checkpoint_id)
         super().reset(_staging(self.target))
@@ -533,7 +561,7 @@ def staging_dir(dst: Path) -> Path:
 
     prefix = f".{dst.name}.ckptq-tmp-"
     for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix):]
+        pid = p.name[len(prefix) :]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:

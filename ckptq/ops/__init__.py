@@ -20,7 +20,8 @@ package never imports :mod:`ckptq.formats`. Override validation is the caller's
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -68,15 +69,21 @@ def make_kernel_args(
     fmt: str,
     *,
     block: Sequence[int] = (),
-    fp8_dtype: Optional[torch.dtype] = None,
+    fp8_dtype: torch.dtype | None = None,
     pow2: bool = False,
     eps: float = 0.0,
     columnwise: bool = False,
 ) -> dict:
     """The ``ckptq::requantize`` arguments describing one side (source or target) of the op:
     ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}``, unused ones at their defaults."""
-    return {"format": fmt, "block": [int(b) for b in block], "fp8_dtype": fp8_dtype, "pow2": bool(pow2),
-            "eps": float(eps), "columnwise": bool(columnwise)}
+    return {
+        "format": fmt,
+        "block": [int(b) for b in block],
+        "fp8_dtype": fp8_dtype,
+        "pow2": bool(pow2),
+        "eps": float(eps),
+        "columnwise": bool(columnwise),
+    }
 
 
 def kernel_args(fmt: str, recipe: Any = None) -> dict:
@@ -126,8 +133,17 @@ def _per_matrix(value: Any, batch: tuple, device: torch.device) -> torch.Tensor:
 
 def _run(src_list, src: dict, dst: dict, *, amax=None, scale=None) -> list[torch.Tensor]:
     return torch.ops.ckptq.requantize(
-        src_list, src["format"], src["block"], dst["format"], dst["block"], dst["fp8_dtype"], dst["pow2"],
-        dst["eps"], dst["columnwise"], amax, scale,
+        src_list,
+        src["format"],
+        src["block"],
+        dst["format"],
+        dst["block"],
+        dst["fp8_dtype"],
+        dst["pow2"],
+        dst["eps"],
+        dst["columnwise"],
+        amax,
+        scale,
     )
 
 
@@ -144,7 +160,7 @@ def _encode(cls, src_list, src: dict, recipe: Any, shape, device, amax, scale) -
     a = None if amax is None or scale is not None else _per_matrix(amax, batch, device)
     s = None if scale is None else _per_matrix(scale, batch, device)
     outs = _run(src_list, src, cls.kernel_args(recipe), amax=a, scale=s)
-    return {spec.name: t for spec, t in zip(cls.component_specs(shape, recipe), outs)}
+    return {spec.name: t for spec, t in zip(cls.component_specs(shape, recipe), outs, strict=False)}
 
 
 def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dict[str, torch.Tensor]:

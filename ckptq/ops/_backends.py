@@ -21,7 +21,7 @@ import importlib
 import os
 import threading
 import warnings
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -35,12 +35,12 @@ _MODULES = {"cpu": "ckptq._C", "cuda": "ckptq._C_cuda"}
 _DISPATCH_KEY = {"cpu": "CPU", "cuda": "CUDA"}
 
 _lock = threading.Lock()
-_state: dict[str, tuple[bool, str, Optional[str]]] = {}  # name -> (active, reason, path)
+_state: dict[str, tuple[bool, str, str | None]] = {}  # name -> (active, reason, path)
 _warned: set[str] = set()
 _local = threading.local()
 
 
-def _try_load(name: str) -> tuple[bool, str, Optional[str]]:
+def _try_load(name: str) -> tuple[bool, str, str | None]:
     if name == "cuda":
         if torch.version.cuda is None:
             return False, f"PyTorch {torch.__version__} is not a CUDA build", None
@@ -49,11 +49,15 @@ def _try_load(name: str) -> tuple[bool, str, Optional[str]]:
     except ImportError as e:
         msg = str(e)
         if "No module named" in msg:
-            return False, (
-                f"extension {_MODULES[name]} is not built (build with `pip install --no-build-isolation -e .`"
-                f"{'' if name == 'cpu' else ' on a machine with a CUDA torch and nvcc'}; "
-                f"CKPTQ_NO_EXT=1 skips it)"
-            ), None
+            return (
+                False,
+                (
+                    f"extension {_MODULES[name]} is not built (build with `pip install --no-build-isolation -e .`"
+                    f"{'' if name == 'cpu' else ' on a machine with a CUDA torch and nvcc'}; "
+                    f"CKPTQ_NO_EXT=1 skips it)"
+                ),
+                None,
+            )
         return False, f"extension {_MODULES[name]} failed to load: {msg}", None
     except Exception as e:  # a broken .so can raise OSError and friends
         return False, f"extension {_MODULES[name]} failed to load: {type(e).__name__}: {e}", None
@@ -67,7 +71,7 @@ def _try_load(name: str) -> tuple[bool, str, Optional[str]]:
     return True, f"C++ kernels loaded from {path}{extra}", path
 
 
-def status(name: str) -> tuple[bool, str, Optional[str]]:
+def status(name: str) -> tuple[bool, str, str | None]:
     """``(active, reason, path)`` of backend ``name`` (loads it on first call)."""
     if name == "reference":
         return True, "pure PyTorch (ckptq.numerics), always available; the spec", None
@@ -84,7 +88,7 @@ def reset() -> None:
         _warned.clear()
 
 
-def forced() -> Optional[str]:
+def forced() -> str | None:
     """The forced backend: :func:`force` context, else ``CKPTQ_BACKEND``, else None."""
     name = getattr(_local, "forced", None) or os.environ.get("CKPTQ_BACKEND") or None
     if name is not None and name not in BACKENDS:
@@ -93,7 +97,7 @@ def forced() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def force(name: Optional[str]) -> Iterator[None]:
+def force(name: str | None) -> Iterator[None]:
     """Force backend ``name`` (or clear a force with None) in this thread for the ``with`` body."""
     if name is not None and name not in BACKENDS:
         raise CkptqError(f"unknown backend {name!r}; choose one of {list(BACKENDS)}")

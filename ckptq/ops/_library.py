@@ -26,7 +26,7 @@ Tensor? scale=None) -> Tensor[]``
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -69,7 +69,7 @@ def register_format(cls: type) -> type:
     return cls
 
 
-def format_class(fmt: str) -> Optional[type]:
+def format_class(fmt: str) -> type | None:
     """The registered QuantizedTensor subclass of quantized format ``fmt``; None for the
     high-precision formats and unknown names."""
     return _FORMATS.get(fmt)
@@ -104,8 +104,15 @@ def logical_shape(
 
 
 def output_specs(
-    batch: tuple, m, k, dst_format: str, dst_block: Sequence[int], fp8_dtype: Optional[torch.dtype], columnwise: bool,
-    pow2: bool = False, eps: float = 0.0,
+    batch: tuple,
+    m,
+    k,
+    dst_format: str,
+    dst_block: Sequence[int],
+    fp8_dtype: torch.dtype | None,
+    columnwise: bool,
+    pow2: bool = False,
+    eps: float = 0.0,
 ) -> list[tuple[tuple, torch.dtype]]:
     """Shapes and dtypes of the target components, canonical order (the format's ``component_specs``)."""
     shape = tuple(batch) + (m, k)
@@ -118,20 +125,31 @@ def output_specs(
     return [(s.shape(shape), s.dtype) for s in cls.component_specs(shape, rec)]
 
 
-_lib = torch.library.Library("ckptq", "DEF")  # noqa: referenced to keep the registration alive
+_lib = torch.library.Library("ckptq", "DEF")  # referenced to keep the registration alive
 _lib.define(REQUANTIZE_SCHEMA)
 _lib.define(AMAX_SCHEMA)
 
 
 @torch.library.register_fake("ckptq::requantize")
 def _requantize_fake(
-    src, src_format, src_block, dst_format, dst_block, fp8_dtype=None, pow2=False, eps=0.0,
-    columnwise=False, amax=None, scale=None,
+    src,
+    src_format,
+    src_block,
+    dst_format,
+    dst_block,
+    fp8_dtype=None,
+    pow2=False,
+    eps=0.0,
+    columnwise=False,
+    amax=None,
+    scale=None,
 ):
     batch, m, k = logical_shape(src, src_format, src_block)
     dev = src[0].device
-    return [src[0].new_empty(shape, dtype=dt, device=dev) for shape, dt in
-            output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise, pow2, eps)]
+    return [
+        src[0].new_empty(shape, dtype=dt, device=dev)
+        for shape, dt in output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise, pow2, eps)
+    ]
 
 
 @torch.library.register_fake("ckptq::amax")

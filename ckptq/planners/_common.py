@@ -6,7 +6,7 @@ The checkpoint contract they write and read is :mod:`ckptq.contract`.
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,7 +17,7 @@ from ..layout import dtensor_box
 __all__ = ["local_box", "local_tensor", "mode_for"]
 
 
-def local_box(obj: torch.Tensor, fqn: Optional[str] = None) -> Box:
+def local_box(obj: torch.Tensor, fqn: str | None = None) -> Box:
     """The logical box this process holds of ``obj``: a DTensor's shard (the box DCP stores; raises
     ShardingError when the shard is not one contiguous box, see :func:`ckptq.layout.shard_box`),
     or the whole of a plain tensor."""
@@ -31,7 +31,7 @@ def local_tensor(obj: torch.Tensor) -> torch.Tensor:
     return obj._local_tensor if isinstance(obj, DTensor) else obj
 
 
-def mode_for(fqn: str, default: str, rules: Optional[Mapping[str, str]]) -> str:
+def mode_for(fqn: str, default: str, rules: Mapping[str, str] | None) -> str:
     """Mode of ``fqn``: the first glob in ``rules`` (insertion order) that matches, else ``default``."""
     for pattern, mode in (rules or {}).items():
         if fnmatch.fnmatchcase(fqn, pattern):

@@ -6,7 +6,8 @@ import dataclasses
 import io
 import logging
 import math
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -43,8 +44,8 @@ class _Buffer:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
-    tensor: Optional[torch.Tensor] = None  # preset for raw loads into a target's component
-    route: Optional["_Route"] = None
+    tensor: torch.Tensor | None = None  # preset for raw loads into a target's component
+    route: _Route | None = None
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
@@ -64,8 +65,8 @@ class _Target:
     fqn: str
     obj: torch.Tensor
     local: torch.Tensor
-    qt: Optional[QuantizedTensor]
-    adapter: Optional[adapters.Adapter]
+    qt: QuantizedTensor | None
+    adapter: adapters.Adapter | None
     global_shape: tuple[int, ...]
     box: chunks.Box
 
@@ -74,7 +75,7 @@ class _Route:
     """One read strategy for one target: :meth:`plan` returns its read items; :meth:`complete`
     runs once the last of them is committed (then a foreign target gets its canonical bytes)."""
 
-    def __init__(self, planner: "QuantizedLoadPlanner", t: _Target, entry: Optional[Entry]):
+    def __init__(self, planner: QuantizedLoadPlanner, t: _Target, entry: Entry | None):
         self.p, self.t, self.entry = planner, t, entry
         self.pending = 0
 
@@ -135,7 +136,7 @@ class _Decode(_Route):
             self.src_cls = format_class(e.format)
             self.src_recipe = self.src_cls._recipe_from_json(e.descriptor.get("recipe", {}))
             src_specs = self.src_cls.component_specs(t.global_shape, self.src_recipe)
-            align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim))]
+            align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim), strict=False)]
         full = ((0,) * ndim, t.global_shape)
         if t.qt is not None and t.qt.per_tensor_names() and t.box != full:
             self.region = full
@@ -166,8 +167,9 @@ class _Decode(_Route):
         if not self.native:
             return self.buffers["values"].get()
         comps = {k: b.get() for k, b in self.buffers.items()}
-        return self.src_cls.from_components(comps, self.region[1], str_to_dtype(self.entry.descriptor["dtype"]),
-                                            self.src_recipe, fqn=self.t.fqn)
+        return self.src_cls.from_components(
+            comps, self.region[1], str_to_dtype(self.entry.descriptor["dtype"]), self.src_recipe, fqn=self.t.fqn
+        )
 
     def values(self, src: Any) -> torch.Tensor:
         return src.dequantize(torch.float32) if self.native else src
@@ -202,7 +204,10 @@ class _Requantize(_Decode):
         new = requantize(src, target.FORMAT, **dataclasses.asdict(target.recipe))
         logger.info(
             "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
-            self.t.fqn, self.entry.format if self.native else "high-precision", target.FORMAT, target.recipe,
+            self.t.fqn,
+            self.entry.format if self.native else "high-precision",
+            target.FORMAT,
+            target.recipe,
         )
         part = slice_box(new, rel, fqn=self.t.fqn)
         for name, t in target._components.items():
@@ -225,7 +230,10 @@ class _LocalEncode(_Decode):
         logger.warning(
             "ckptq: tensor '%s': shard box %s cuts %s blocks of the global grid; re-encoded "
             "as a local tensor (requantize_misaligned=True), SQNR %.2f dB",
-            t.fqn, t.box, target.FORMAT, self.p.requantized[t.fqn],
+            t.fqn,
+            t.box,
+            target.FORMAT,
+            self.p.requantized[t.fqn],
         )
 
 
@@ -255,7 +263,7 @@ class _Grouped(_Route):
             pieces = [(stacked, ((i,) + box[0], (1,) + box[1]), None)]
             expect = None
 
-        def dest_view(x: torch.Tensor, j: Optional[int]) -> torch.Tensor:
+        def dest_view(x: torch.Tensor, j: int | None) -> torch.Tensor:
             return x.unsqueeze(0) if j is None else x[j]
 
         items: list[ReadItem] = []
@@ -263,8 +271,12 @@ class _Grouped(_Route):
             e = p._entries.get(src_fqn)
             if t.qt is not None:
                 cls = type(t.qt)
-                if e is None or e.kind != "quantized" or e.format != cls.FORMAT or \
-                        cls._recipe_from_json(e.descriptor.get("recipe", {})) != t.qt.recipe:
+                if (
+                    e is None
+                    or e.kind != "quantized"
+                    or e.format != cls.FORMAT
+                    or cls._recipe_from_json(e.descriptor.get("recipe", {})) != t.qt.recipe
+                ):
                     raise UnsupportedFormatError(
                         f"tensor '{fqn}': grouped source '{src_fqn}' is not a native {cls.FORMAT} "
                         f"entry with recipe {t.qt.recipe}; convert it first (ckptq convert / "
@@ -363,7 +375,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         *,
         allow_partial_load: bool = False,
         strict_dtype: bool = True,
-        grouped: Optional[Mapping[str, Sequence[str]]] = None,
+        grouped: Mapping[str, Sequence[str]] | None = None,
         requantize_misaligned: bool = False,
         verify_checksums: bool = True,
         **kwargs: Any,
@@ -395,7 +407,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 "ckptq: %s has no checksums (saved by DCP's FileSystemWriter, an older ckptq or another "
                 "library), so its data is loaded unverified; save with "
                 "storage_writer=ckptq.io.ChecksumFileSystemWriter(path) to get them",
-                getattr(metadata.storage_meta, "checkpoint_id", None) or "the checkpoint")
+                getattr(metadata.storage_meta, "checkpoint_id", None) or "the checkpoint",
+            )
 
     # ---------------------------------------------------------------- planning
     def create_local_plan(self) -> LoadPlan:
@@ -495,8 +508,11 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     f"has {t.global_shape}; load into a tensor of the saved shape"
                 )
             src_cls = format_class(entry.format)
-            if t.qt is not None and type(t.qt) is src_cls and \
-                    t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.get("recipe", {})):
+            if (
+                t.qt is not None
+                and type(t.qt) is src_cls
+                and t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.get("recipe", {}))
+            ):
                 if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
                     return _Raw(self, t, entry)
         if t.qt is None:
@@ -550,19 +566,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if isinstance(data, torch.Tensor):
             md = self.metadata.state_dict_metadata.get(index.fqn)
             chunk = next((c for c in getattr(md, "chunks", ()) if tuple(c.offsets) == tuple(index.offset)), None)
-            whole = (chunk is not None and not any(read_item.storage_offsets)
-                     and tuple(read_item.lengths) == tuple(chunk.sizes)
-                     and data.dtype == md.properties.dtype)
+            whole = (
+                chunk is not None
+                and not any(read_item.storage_offsets)
+                and tuple(read_item.lengths) == tuple(chunk.sizes)
+                and data.dtype == md.properties.dtype
+            )
             if not whole:
                 if not self._partial_noticed:
                     self._partial_noticed = True
-                    logger.warning("ckptq: reads of parts of saved chunks are not checked against the "
-                                   "checkpoint's checksums with DCP's FileSystemReader; load with "
-                                   "storage_reader=ckptq.io.SafeFileSystemReader(path) to verify every record")
+                    logger.warning(
+                        "ckptq: reads of parts of saved chunks are not checked against the "
+                        "checkpoint's checksums with DCP's FileSystemReader; load with "
+                        "storage_reader=ckptq.io.SafeFileSystemReader(path) to verify every record"
+                    )
                 return
         info = (self.metadata.storage_data or {}).get(index)
-        place = (f"record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
-                 if hasattr(info, "relative_path") else "its record")
+        place = (
+            f"record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
+            if hasattr(info, "relative_path")
+            else "its record"
+        )
         chunk_text = f" (chunk at offsets {list(index.offset)})" if index.offset is not None else ""
         path = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
         check(data, expected, f"{path}: '{index.fqn}'{chunk_text}, {place}")

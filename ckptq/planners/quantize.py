@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Any, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,12 +29,12 @@ __all__ = ["quantize_state_dict", "QuantizeRules"]
 logger = logging.getLogger("ckptq")
 
 #: ``{fqn_glob: "nvfp4" | {"format": "fp8_block", "block": (1, 128), ...}}``
-QuantizeRules = Mapping[str, Union[str, Mapping[str, Any]]]
+QuantizeRules = Mapping[str, str | Mapping[str, Any]]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _rule(fqn: str, rules: QuantizeRules) -> Optional[tuple[str, dict]]:
+def _rule(fqn: str, rules: QuantizeRules) -> tuple[str, dict] | None:
     for pattern, spec in rules.items():
         if fnmatch.fnmatchcase(fqn, pattern):
             if isinstance(spec, str):
@@ -108,8 +109,12 @@ def quantize_state_dict(state_dict: Mapping[str, Any], rules: QuantizeRules) -> 
             out[fqn] = obj
             continue
         if local.dtype not in _FLOATS or obj.ndim < 2:
-            logger.info("ckptq: quantize rule matched '%s' (%s %s), which is not a float matrix; saved as is",
-                        fqn, local.dtype, tuple(obj.shape))
+            logger.info(
+                "ckptq: quantize rule matched '%s' (%s %s), which is not a float matrix; saved as is",
+                fqn,
+                local.dtype,
+                tuple(obj.shape),
+            )
             out[fqn] = obj
             continue
         fmt, recipe = found
@@ -121,8 +126,9 @@ def quantize_state_dict(state_dict: Mapping[str, Any], rules: QuantizeRules) -> 
         amax = _global_amax(obj, local) if "amax" in cls.PER_TENSOR_OVERRIDES else None
         qt = quantize(local, fmt, amax=amax, **recipe)
         if isinstance(obj, DTensor):
-            out[fqn] = DTensor.from_local(qt, obj.device_mesh, obj.placements, run_check=False,
-                                          shape=obj.shape, stride=obj.stride())
+            out[fqn] = DTensor.from_local(
+                qt, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
         else:
             out[fqn] = qt
     return out

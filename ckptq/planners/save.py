@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -40,12 +41,12 @@ _SCALARS_KEY = "__ckptq_scalars__"
 @dataclasses.dataclass
 class _Entry:
     fqn: str
-    qt: Optional[QuantizedTensor]  # the local quantized tensor, canonical (None: see ``values``)
+    qt: QuantizedTensor | None  # the local quantized tensor, canonical (None: see ``values``)
     global_shape: tuple[int, ...]
     box: chunks.Box
     sharded: bool  # a DTensor shard (SHARD items) or a whole plain tensor (TENSOR items)
     mode: str
-    producer: Optional[dict] = None  # a foreign tensor's producer record (see ckptq.adapters)
+    producer: dict | None = None  # a foreign tensor's producer record (see ckptq.adapters)
     local: Any = None  # the foreign local tensor, for high-precision values it cannot give canonically
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
@@ -99,8 +100,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self,
         mode: str = "native",
         dtype: torch.dtype = torch.bfloat16,
-        rules: Optional[Mapping[str, str]] = None,
-        quantize: Optional[QuantizeRules] = None,
+        rules: Mapping[str, str] | None = None,
+        quantize: QuantizeRules | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("enable_plan_caching", None)  # plans depend on live scalar values: never cached
@@ -132,8 +133,14 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the tensor's mesh
             local, adapter = found
-            entry = _Entry(fqn, local if adapter is None else None, tuple(obj.shape), local_box(obj, fqn),
-                           isinstance(obj, DTensor), mode_for(fqn, self.mode, self.rules))
+            entry = _Entry(
+                fqn,
+                local if adapter is None else None,
+                tuple(obj.shape),
+                local_box(obj, fqn),
+                isinstance(obj, DTensor),
+                mode_for(fqn, self.mode, self.rules),
+            )
             if adapter is not None:
                 entry.local = local
                 try:

@@ -12,11 +12,7 @@ padding is undefined; GEMM swizzle by TE's index map). Columnwise copies:
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-
-import ckptq
 import transformer_engine_torch as tex
 from transformer_engine.pytorch.constants import DType
 from transformer_engine.pytorch.tensor._standin_layout import cdiv, random_bytes, rup, swizzle
@@ -29,14 +25,20 @@ from transformer_engine.pytorch.tensor.float8_tensor import (
 from transformer_engine.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor
 from transformer_engine.pytorch.tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor
 
+import ckptq
+
 __all__ = ["make_te_tensor", "garbage_like", "te_buffers", "padding_masks", "zero_padding", "KINDS"]
 
 _FP8 = {"E4M3": (torch.float8_e4m3fn, DType.kFloat8E4M3), "E5M2": (torch.float8_e5m2, DType.kFloat8E5M2)}
 KINDS = {
-    "float8": "Float8Tensor", "Float8Tensor": "Float8Tensor",
-    "mxfp8": "MXFP8Tensor", "MXFP8Tensor": "MXFP8Tensor",
-    "nvfp4": "NVFP4Tensor", "NVFP4Tensor": "NVFP4Tensor",
-    "float8_blockwise": "Float8BlockwiseQTensor", "blockwise": "Float8BlockwiseQTensor",
+    "float8": "Float8Tensor",
+    "Float8Tensor": "Float8Tensor",
+    "mxfp8": "MXFP8Tensor",
+    "MXFP8Tensor": "MXFP8Tensor",
+    "nvfp4": "NVFP4Tensor",
+    "NVFP4Tensor": "NVFP4Tensor",
+    "float8_blockwise": "Float8BlockwiseQTensor",
+    "blockwise": "Float8BlockwiseQTensor",
     "Float8BlockwiseQTensor": "Float8BlockwiseQTensor",
 }
 
@@ -55,8 +57,14 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _scale_buffer(compact: torch.Tensor, padded: tuple[int, int], gen: torch.Generator, *,
-                  swizzled: bool = False, transposed_swizzle: bool = False) -> torch.Tensor:
+def _scale_buffer(
+    compact: torch.Tensor,
+    padded: tuple[int, int],
+    gen: torch.Generator,
+    *,
+    swizzled: bool = False,
+    transposed_swizzle: bool = False,
+) -> torch.Tensor:
     """A TE scale buffer of shape ``padded`` holding ``compact`` at [:r, :c], random nonzero padding;
     swizzled (of the padded matrix, or of its transpose) when asked. Same dtype as ``compact``."""
     buf = random_bytes(padded, gen, compact.dtype)
@@ -76,11 +84,24 @@ def _fp8(fp8_dtype):
     raise ValueError(fp8_dtype)
 
 
-def make_te_tensor(x: torch.Tensor, kind: str, *, fp8_dtype="E4M3", block_scaling_dim: int = 2,
-                   rowwise: bool = True, columnwise: bool = True, swizzled: bool = False,
-                   two_d: bool = False, rht: bool = False, flavor: str = "main",
-                   amax: Optional[float] = None, delayed: bool = False, force_pow_2_scales: Optional[bool] = None,
-                   amax_epsilon: float = 0.0, seed: int = 0):
+def make_te_tensor(
+    x: torch.Tensor,
+    kind: str,
+    *,
+    fp8_dtype="E4M3",
+    block_scaling_dim: int = 2,
+    rowwise: bool = True,
+    columnwise: bool = True,
+    swizzled: bool = False,
+    two_d: bool = False,
+    rht: bool = False,
+    flavor: str = "main",
+    amax: float | None = None,
+    delayed: bool = False,
+    force_pow_2_scales: bool | None = None,
+    amax_epsilon: float = 0.0,
+    seed: int = 0,
+):
     """A stand-in TE tensor quantizing the 2-D high-precision ``x`` (its dtype is the fake dtype).
 
     kind: ``float8`` | ``mxfp8`` | ``nvfp4`` | ``float8_blockwise`` (or TE's class names).
@@ -100,17 +121,23 @@ def make_te_tensor(x: torch.Tensor, kind: str, *, fp8_dtype="E4M3", block_scalin
             a = xf.abs().max() if amax is None else torch.tensor(amax, dtype=torch.float32)
             scale = torch.tensor(torch.finfo(tdt).max, dtype=torch.float32) / a
             qt = ckptq.quantize(x, "fp8_tensor", fp8_dtype=tdt, scale=scale)
-            q = Float8Quantizer(scale.reshape(1).float(), torch.zeros(1), te_dt, rowwise=rowwise,
-                                columnwise=columnwise)
+            q = Float8Quantizer(scale.reshape(1).float(), torch.zeros(1), te_dt, rowwise=rowwise, columnwise=columnwise)
         else:
             qt = ckptq.quantize(x, "fp8_tensor", fp8_dtype=tdt, pow2=pow2, eps=amax_epsilon, amax=amax)
-            q = Float8CurrentScalingQuantizer(te_dt, None, rowwise=rowwise, columnwise=columnwise,
-                                              force_pow_2_scales=pow2, amax_epsilon=amax_epsilon)
+            q = Float8CurrentScalingQuantizer(
+                te_dt, None, rowwise=rowwise, columnwise=columnwise, force_pow_2_scales=pow2, amax_epsilon=amax_epsilon
+            )
         c = qt.components()
         data = _u8(c["data"])
-        t = Float8Tensor(shape=x.shape, dtype=x.dtype, data=data if rowwise else None,
-                         fp8_scale_inv=c["scale_inv"].reshape(1).clone(), fp8_dtype=te_dt,
-                         data_transpose=data.t().contiguous() if columnwise else None, quantizer=q)
+        t = Float8Tensor(
+            shape=x.shape,
+            dtype=x.dtype,
+            data=data if rowwise else None,
+            fp8_scale_inv=c["scale_inv"].reshape(1).clone(),
+            fp8_dtype=te_dt,
+            data_transpose=data.t().contiguous() if columnwise else None,
+            quantizer=q,
+        )
     elif cls == "MXFP8Tensor":
         assert m % 32 == 0 and k % 32 == 0, "TE MXFP8 needs M, K % 32 == 0"
         tdt, te_dt = _fp8(fp8_dtype)
@@ -118,18 +145,27 @@ def make_te_tensor(x: torch.Tensor, kind: str, *, fp8_dtype="E4M3", block_scalin
         c = ckptq.quantize(x, "mxfp8", columnwise=columnwise).components()
         q = MXFP8Quantizer(te_dt, rowwise=rowwise, columnwise=columnwise)
         t = MXFP8Tensor(
-            shape=x.shape, dtype=x.dtype, fp8_dtype=te_dt, quantizer=q, with_gemm_swizzled_scales=swizzled,
+            shape=x.shape,
+            dtype=x.dtype,
+            fp8_dtype=te_dt,
+            quantizer=q,
+            with_gemm_swizzled_scales=swizzled,
             rowwise_data=_u8(c["data"]) if rowwise else None,
             rowwise_scale_inv=_scale_buffer(c["scale"], (rup(m, 128), rup(k // 32, 4)), gen, swizzled=swizzled)
-            if rowwise else None,
+            if rowwise
+            else None,
             columnwise_data=_u8(c["columnwise_data"]) if columnwise else None,
-            columnwise_scale_inv=_scale_buffer(c["columnwise_scale"], (rup(m // 32, 4), rup(k, 128)), gen,
-                                               swizzled=swizzled, transposed_swizzle=True) if columnwise else None,
+            columnwise_scale_inv=_scale_buffer(
+                c["columnwise_scale"], (rup(m // 32, 4), rup(k, 128)), gen, swizzled=swizzled, transposed_swizzle=True
+            )
+            if columnwise
+            else None,
         )
     elif cls == "NVFP4Tensor":
         assert m % 16 == 0 and k % 16 == 0, "TE NVFP4 needs M, K % 16 == 0"
-        q = NVFP4Quantizer(rowwise=rowwise, columnwise=columnwise, with_rht=rht, with_post_rht_amax=rht,
-                           with_2d_quantization=two_d)
+        q = NVFP4Quantizer(
+            rowwise=rowwise, columnwise=columnwise, with_rht=rht, with_post_rht_amax=rht, with_2d_quantization=two_d
+        )
         a = None if amax is None else torch.tensor(amax, dtype=torch.float32)
         c = ckptq.quantize(x, "nvfp4", two_d=two_d, amax=a).components()
         s_rows = c["scale"].repeat_interleave(16, 0)[:m] if two_d else c["scale"]
@@ -149,22 +185,31 @@ def make_te_tensor(x: torch.Tensor, kind: str, *, fp8_dtype="E4M3", block_scalin
                 cc = ckptq.quantize(x.t().contiguous(), "nvfp4", amax=c["amax"]).components()
                 col_data, col_scale, col_amax = cc["data"], cc["scale"], cc["amax"]
         t = NVFP4Tensor(
-            shape=x.shape, dtype=x.dtype, fp4_dtype=DType.kFloat4E2M1, quantizer=q,
+            shape=x.shape,
+            dtype=x.dtype,
+            fp4_dtype=DType.kFloat4E2M1,
+            quantizer=q,
             with_gemm_swizzled_scales=swizzled,
             rowwise_data=c["data"].clone() if rowwise else None,
-            rowwise_scale_inv=_scale_buffer(_u8(s_rows), row_scale_shape, gen, swizzled=swizzled)
-            if rowwise else None,
+            rowwise_scale_inv=_scale_buffer(_u8(s_rows), row_scale_shape, gen, swizzled=swizzled) if rowwise else None,
             amax_rowwise=c["amax"].reshape(1).clone() if rowwise else None,
             columnwise_data=col_data.clone() if columnwise else None,
             columnwise_scale_inv=_scale_buffer(_u8(col_scale), col_scale_shape, gen, swizzled=swizzled)
-            if columnwise else None,
+            if columnwise
+            else None,
             amax_columnwise=col_amax.reshape(1).clone() if columnwise else None,
         )
     else:
         tdt, te_dt = _fp8(fp8_dtype)
         pow2 = True if force_pow_2_scales is None else bool(force_pow_2_scales)
-        q = Float8BlockQuantizer(te_dt, rowwise=rowwise, columnwise=columnwise, amax_epsilon=amax_epsilon,
-                                 force_pow_2_scales=pow2, block_scaling_dim=block_scaling_dim)
+        q = Float8BlockQuantizer(
+            te_dt,
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_epsilon=amax_epsilon,
+            force_pow_2_scales=pow2,
+            block_scaling_dim=block_scaling_dim,
+        )
         opts = dict(fp8_dtype=tdt, pow2=pow2, eps=amax_epsilon)
         mb, kb = cdiv(m, 128), cdiv(k, 128)
         if block_scaling_dim == 2:
@@ -179,8 +224,13 @@ def make_te_tensor(x: torch.Tensor, kind: str, *, fp8_dtype="E4M3", block_scalin
             col_data = _u8(cc["data"])
             col_scale = _scale_buffer(cc["scale_inv"].t().contiguous(), (mb, rup(k, 4)), gen)
         t = Float8BlockwiseQTensor(
-            shape=x.shape, dtype=x.dtype, fp8_dtype=te_dt, quantizer=q, is_2D_scaled=block_scaling_dim == 2,
-            rowwise_data=_u8(c["data"]) if rowwise else None, rowwise_scale_inv=row_scale if rowwise else None,
+            shape=x.shape,
+            dtype=x.dtype,
+            fp8_dtype=te_dt,
+            quantizer=q,
+            is_2D_scaled=block_scaling_dim == 2,
+            rowwise_data=_u8(c["data"]) if rowwise else None,
+            rowwise_scale_inv=row_scale if rowwise else None,
             columnwise_data=col_data if columnwise else None,
             columnwise_scale_inv=col_scale if columnwise else None,
         )

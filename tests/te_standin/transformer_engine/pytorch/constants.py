@@ -26,7 +26,7 @@ class DType(enum.IntEnum):
     kFloat4E2M1 = 10
 
     @classmethod
-    def cast(cls, dtype) -> "DType":
+    def cast(cls, dtype) -> DType:
         """Normalize a ``DType`` or ``transformer_engine_torch.DType`` (anything with ``int()``)."""
         return dtype if isinstance(dtype, cls) else cls(int(dtype))
 

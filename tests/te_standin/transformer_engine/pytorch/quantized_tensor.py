@@ -12,7 +12,8 @@ not depend on that).
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Optional
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 
@@ -28,7 +29,7 @@ class Quantizer:
         self.internal = False
         self.optimize_for_gemm = False
 
-    def copy(self) -> "Quantizer":
+    def copy(self) -> Quantizer:
         """Shallow copy with the same ``__dict__`` (key order kept)."""
         out = type(self).__new__(type(self))
         out.__dict__.update(self.__dict__)
@@ -58,10 +59,10 @@ class QuantizedTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     # ---------------------------------------------------------------- helpers
-    def _buffers(self) -> dict[str, Optional[torch.Tensor]]:
+    def _buffers(self) -> dict[str, torch.Tensor | None]:
         return {name: getattr(self, name) for name in self._BUFFERS}
 
-    def _rebuild(self, fn: Callable[[torch.Tensor], torch.Tensor], shape=None) -> "QuantizedTensor":
+    def _rebuild(self, fn: Callable[[torch.Tensor], torch.Tensor], shape=None) -> QuantizedTensor:
         """Same metadata (quantizer copied), every held buffer replaced by ``fn(buffer)``."""
         new = {k: (None if v is None else fn(v)) for k, v in self._buffers().items()}
         device = next((v.device for v in new.values() if v is not None), self.device)
@@ -140,7 +141,7 @@ class QuantizedTensor(torch.Tensor):
         if op is aten._pin_memory:
             return self._rebuild(lambda t: t.pin_memory())
         if op is aten.slice:
-            full = list(args[1:5]) + [0, None, None, 1][len(args) - 1:]
+            full = list(args[1:5]) + [0, None, None, 1][len(args) - 1 :]
             dim, start, end, step = full[0], full[1], full[2], full[3]
             n = self.shape[dim]
             if (start or 0) == 0 and (end is None or end >= n) and step == 1:

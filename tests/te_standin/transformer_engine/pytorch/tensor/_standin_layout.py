@@ -43,8 +43,9 @@ def swizzle(padded: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def read_scale(buf: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, swizzled: bool,
-               padded_shape: tuple[int, int]) -> torch.Tensor:
+def read_scale(
+    buf: torch.Tensor, i: torch.Tensor, j: torch.Tensor, *, swizzled: bool, padded_shape: tuple[int, int]
+) -> torch.Tensor:
     """``S[i, j]`` read from a (compact-padded or swizzled) buffer whose padded matrix orientation
     is ``padded_shape`` (rows, cols)."""
     if swizzled:
@@ -56,14 +57,16 @@ def random_bytes(shape, generator: torch.Generator, dtype: torch.dtype = torch.u
     """Nonzero random bytes viewed as ``dtype`` (TE's padding is undefined: never zero here)."""
     shape = tuple(shape)
     nbytes = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(1, 256, shape[:-1] + (shape[-1] * nbytes,) if shape else (nbytes,),
-                        dtype=torch.uint8, generator=generator)
+    raw = torch.randint(
+        1, 256, shape[:-1] + (shape[-1] * nbytes,) if shape else (nbytes,), dtype=torch.uint8, generator=generator
+    )
     return raw.view(dtype).reshape(shape)
 
 
 # E2M1 values by 4-bit code (reference section 1.3, sign bit is bit 3).
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32)
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
+)
 
 # 1 / (6 * 448) rounded once to fp32, as ``constexpr float factor_inv = 1.0f / (6.0f * E4M3_MAX)``
 # in ``common/cast/nvfp4/dequantize_nvfp4.cuh`` (E4M3_MAX = 448; 6 * 448 is exact in fp32).
@@ -74,5 +77,5 @@ def e8m0_scale(byte: torch.Tensor) -> torch.Tensor:
     """2^(e - 127) as fp32 (``ptx::exp2f``): e=0 is 2^-127 (subnormal), e=255 is NaN."""
     e = byte.to(torch.int32)
     normal = (e.clamp(1, 254) << 23).view(torch.float32)
-    out = torch.where(e == 0, torch.tensor(2.0 ** -127, dtype=torch.float32), normal)
+    out = torch.where(e == 0, torch.tensor(2.0**-127, dtype=torch.float32), normal)
     return torch.where(e == 255, torch.tensor(float("nan"), dtype=torch.float32), out)

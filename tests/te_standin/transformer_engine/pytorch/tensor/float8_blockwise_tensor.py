@@ -10,7 +10,7 @@ fp32 scales, never swizzled (C++ ``Float8BlockQuantizer::get_scale_shape``):
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -21,8 +21,16 @@ _TORCH_FP8 = {7: torch.float8_e4m3fn, 8: torch.float8_e5m2}
 
 
 class Float8BlockQuantizer(Quantizer):
-    def __init__(self, fp8_dtype, *, rowwise: bool, columnwise: bool, amax_epsilon: float = 0.0,
-                 force_pow_2_scales: bool = True, block_scaling_dim: int = 2) -> None:
+    def __init__(
+        self,
+        fp8_dtype,
+        *,
+        rowwise: bool,
+        columnwise: bool,
+        amax_epsilon: float = 0.0,
+        force_pow_2_scales: bool = True,
+        block_scaling_dim: int = 2,
+    ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = DType.cast(fp8_dtype)
         self.block_len = 128
@@ -35,12 +43,21 @@ class Float8BlockwiseQTensor(QuantizedTensor):
     _BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
     _LAYOUT_FLAGS = ("_fp8_dtype", "_is_2D_scaled")
 
-    def __new__(cls, *, shape, dtype: torch.dtype, rowwise_data: Optional[torch.Tensor],
-                rowwise_scale_inv: Optional[torch.Tensor], fp8_dtype,
-                columnwise_data: Optional[torch.Tensor] = None,
-                columnwise_scale_inv: Optional[torch.Tensor] = None,
-                quantizer: Optional[Quantizer] = None, is_2D_scaled: bool = True,
-                requires_grad: bool = False, device=None):
+    def __new__(
+        cls,
+        *,
+        shape,
+        dtype: torch.dtype,
+        rowwise_data: torch.Tensor | None,
+        rowwise_scale_inv: torch.Tensor | None,
+        fp8_dtype,
+        columnwise_data: torch.Tensor | None = None,
+        columnwise_scale_inv: torch.Tensor | None = None,
+        quantizer: Quantizer | None = None,
+        is_2D_scaled: bool = True,
+        requires_grad: bool = False,
+        device=None,
+    ):
         if device is None:
             device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         self = cls._wrap(shape, dtype, device, requires_grad)
@@ -56,18 +73,46 @@ class Float8BlockwiseQTensor(QuantizedTensor):
     def __reduce_ex__(self, protocol: int) -> tuple:
         return (
             _make_float8_blockwise_tensor_in_reduce_ex,
-            (self.shape, self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
-             self._columnwise_scale_inv, self._fp8_dtype, self.dtype, self._quantizer,
-             self._is_2D_scaled, None),  # trailing data_format slot (removed field, always None)
+            (
+                self.shape,
+                self._rowwise_data,
+                self._rowwise_scale_inv,
+                self._columnwise_data,
+                self._columnwise_scale_inv,
+                self._fp8_dtype,
+                self.dtype,
+                self._quantizer,
+                self._is_2D_scaled,
+                None,
+            ),  # trailing data_format slot (removed field, always None)
         )
 
     @classmethod
-    def _make_in_reduce_ex(cls, shape, rowwise_data, rowwise_scale_inv, columnwise_data,
-                           columnwise_scale_inv, fp8_dtype, dtype, quantizer, is_2D_scaled,
-                           data_format: Any = None):
-        return _make_float8_blockwise_tensor_in_reduce_ex(shape, rowwise_data, rowwise_scale_inv,
-                                                          columnwise_data, columnwise_scale_inv, fp8_dtype,
-                                                          dtype, quantizer, is_2D_scaled, data_format)
+    def _make_in_reduce_ex(
+        cls,
+        shape,
+        rowwise_data,
+        rowwise_scale_inv,
+        columnwise_data,
+        columnwise_scale_inv,
+        fp8_dtype,
+        dtype,
+        quantizer,
+        is_2D_scaled,
+        data_format: Any = None,
+    ):
+        return _make_float8_blockwise_tensor_in_reduce_ex(
+            shape,
+            rowwise_data,
+            rowwise_scale_inv,
+            columnwise_data,
+            columnwise_scale_inv,
+            fp8_dtype,
+            dtype,
+            quantizer,
+            is_2D_scaled,
+            data_format,
+        )
 
     def dequantize(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rowwise ``q * scale_inv[block]`` (``_FromFloat8BlockwiseFunc``), scales by index."""
@@ -82,12 +127,27 @@ class Float8BlockwiseQTensor(QuantizedTensor):
         return (codes * s).to(dtype)
 
 
-def _make_float8_blockwise_tensor_in_reduce_ex(shape, rowwise_data, rowwise_scale_inv, columnwise_data,
-                                               columnwise_scale_inv, fp8_dtype, dtype, quantizer,
-                                               is_2D_scaled, data_format: Any = None):
+def _make_float8_blockwise_tensor_in_reduce_ex(
+    shape,
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    fp8_dtype,
+    dtype,
+    quantizer,
+    is_2D_scaled,
+    data_format: Any = None,
+):
     del data_format  # ignored, as in TE
     return Float8BlockwiseQTensor(
-        shape=shape, rowwise_data=rowwise_data, rowwise_scale_inv=rowwise_scale_inv,
-        fp8_dtype=fp8_dtype, columnwise_data=columnwise_data, columnwise_scale_inv=columnwise_scale_inv,
-        dtype=dtype, quantizer=quantizer, is_2D_scaled=is_2D_scaled,
+        shape=shape,
+        rowwise_data=rowwise_data,
+        rowwise_scale_inv=rowwise_scale_inv,
+        fp8_dtype=fp8_dtype,
+        columnwise_data=columnwise_data,
+        columnwise_scale_inv=columnwise_scale_inv,
+        dtype=dtype,
+        quantizer=quantizer,
+        is_2D_scaled=is_2D_scaled,
     )

@@ -7,8 +7,6 @@ fp32 (1,). ``_fp8_dtype`` is a ``DType``. The pickle drops the quantizer and the
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..constants import DType
@@ -20,8 +18,9 @@ _TORCH_FP8 = {7: torch.float8_e4m3fn, 8: torch.float8_e5m2}
 class Float8Quantizer(Quantizer):
     """Delayed scaling: ``scale``/``amax`` tensors are views into the module's fp8_meta in TE."""
 
-    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype, *,
-                 rowwise: bool = True, columnwise: bool = True) -> None:
+    def __init__(
+        self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype, *, rowwise: bool = True, columnwise: bool = True
+    ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.scale = scale
         self.amax = amax
@@ -29,10 +28,21 @@ class Float8Quantizer(Quantizer):
 
 
 class Float8CurrentScalingQuantizer(Quantizer):
-    def __init__(self, fp8_dtype, device=None, *, rowwise: bool = True, columnwise: bool = True,
-                 use_existing_amax: bool = False, with_amax_reduction: bool = False,
-                 amax_reduction_group=None, force_pow_2_scales: bool = False,
-                 amax_epsilon: float = 0.0, scale=None, amax=None) -> None:
+    def __init__(
+        self,
+        fp8_dtype,
+        device=None,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        use_existing_amax: bool = False,
+        with_amax_reduction: bool = False,
+        amax_reduction_group=None,
+        force_pow_2_scales: bool = False,
+        amax_epsilon: float = 0.0,
+        scale=None,
+        amax=None,
+    ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         del device, use_existing_amax, scale, amax  # deprecated no-ops in TE
         self.dtype = DType.cast(fp8_dtype)
@@ -51,9 +61,19 @@ class Float8Tensor(QuantizedTensor):
     _BUFFERS = ("_data", "_transpose", "_scale_inv")
     _LAYOUT_FLAGS = ("_fp8_dtype",)
 
-    def __new__(cls, *, shape, dtype: torch.dtype, data: Optional[torch.Tensor],
-                fp8_scale_inv: torch.Tensor, fp8_dtype, data_transpose: Optional[torch.Tensor] = None,
-                quantizer: Optional[Quantizer] = None, requires_grad: bool = False, device=None):
+    def __new__(
+        cls,
+        *,
+        shape,
+        dtype: torch.dtype,
+        data: torch.Tensor | None,
+        fp8_scale_inv: torch.Tensor,
+        fp8_dtype,
+        data_transpose: torch.Tensor | None = None,
+        quantizer: Quantizer | None = None,
+        requires_grad: bool = False,
+        device=None,
+    ):
         if device is None:
             device = (data if data is not None else data_transpose).device
         self = cls._wrap(shape, dtype, device, requires_grad)
@@ -88,7 +108,11 @@ class Float8Tensor(QuantizedTensor):
 
 def _make_float8_tensor_in_reduce_ex(data, fp8_dtype, fp8_scale_inv, dtype, shape, data_transpose=None):
     return Float8Tensor(
-        data=data, fp8_dtype=fp8_dtype, fp8_scale_inv=fp8_scale_inv, dtype=dtype, shape=shape,
+        data=data,
+        fp8_dtype=fp8_dtype,
+        fp8_scale_inv=fp8_scale_inv,
+        dtype=dtype,
+        shape=shape,
         data_transpose=data_transpose,
         device=(data if data is not None else data_transpose).device,
     )

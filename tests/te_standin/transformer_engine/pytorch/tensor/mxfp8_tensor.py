@@ -10,8 +10,6 @@ buffer holds the swizzle of its padded matrix and the columnwise buffer the swiz
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..constants import DType
@@ -22,8 +20,9 @@ _TORCH_FP8 = {7: torch.float8_e4m3fn, 8: torch.float8_e5m2}
 
 
 class MXFP8Quantizer(Quantizer):
-    def __init__(self, fp8_dtype, *, rowwise: bool = True, columnwise: bool = True,
-                 with_2d_quantization: bool = False) -> None:
+    def __init__(
+        self, fp8_dtype, *, rowwise: bool = True, columnwise: bool = True, with_2d_quantization: bool = False
+    ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = DType.cast(fp8_dtype)
         self.with_2d_quantization = with_2d_quantization
@@ -33,12 +32,21 @@ class MXFP8Tensor(QuantizedTensor):
     _BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
     _LAYOUT_FLAGS = ("_fp8_dtype", "_with_gemm_swizzled_scales")
 
-    def __new__(cls, *, shape, dtype: torch.dtype, rowwise_data: Optional[torch.Tensor],
-                rowwise_scale_inv: Optional[torch.Tensor], fp8_dtype,
-                columnwise_data: Optional[torch.Tensor] = None,
-                columnwise_scale_inv: Optional[torch.Tensor] = None,
-                quantizer: Optional[Quantizer] = None, with_gemm_swizzled_scales: bool = False,
-                requires_grad: bool = False, device=None):
+    def __new__(
+        cls,
+        *,
+        shape,
+        dtype: torch.dtype,
+        rowwise_data: torch.Tensor | None,
+        rowwise_scale_inv: torch.Tensor | None,
+        fp8_dtype,
+        columnwise_data: torch.Tensor | None = None,
+        columnwise_scale_inv: torch.Tensor | None = None,
+        quantizer: Quantizer | None = None,
+        with_gemm_swizzled_scales: bool = False,
+        requires_grad: bool = False,
+        device=None,
+    ):
         if device is None:
             device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         self = cls._wrap(shape, dtype, device, requires_grad)
@@ -54,17 +62,43 @@ class MXFP8Tensor(QuantizedTensor):
     def __reduce_ex__(self, protocol: int) -> tuple:
         return (
             _make_mxfp8_tensor_in_reduce_ex,
-            (self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
-             self._columnwise_scale_inv, self._fp8_dtype, self.dtype, self.shape, self._quantizer,
-             self._with_gemm_swizzled_scales),
+            (
+                self._rowwise_data,
+                self._rowwise_scale_inv,
+                self._columnwise_data,
+                self._columnwise_scale_inv,
+                self._fp8_dtype,
+                self.dtype,
+                self.shape,
+                self._quantizer,
+                self._with_gemm_swizzled_scales,
+            ),
         )
 
     @classmethod
-    def _make_in_reduce_ex(cls, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
-                           fp8_dtype, dtype, shape, quantizer=None, with_gemm_swizzled_scales=False):
-        return _make_mxfp8_tensor_in_reduce_ex(rowwise_data, rowwise_scale_inv, columnwise_data,
-                                               columnwise_scale_inv, fp8_dtype, dtype, shape, quantizer,
-                                               with_gemm_swizzled_scales)
+    def _make_in_reduce_ex(
+        cls,
+        rowwise_data,
+        rowwise_scale_inv,
+        columnwise_data,
+        columnwise_scale_inv,
+        fp8_dtype,
+        dtype,
+        shape,
+        quantizer=None,
+        with_gemm_swizzled_scales=False,
+    ):
+        return _make_mxfp8_tensor_in_reduce_ex(
+            rowwise_data,
+            rowwise_scale_inv,
+            columnwise_data,
+            columnwise_scale_inv,
+            fp8_dtype,
+            dtype,
+            shape,
+            quantizer,
+            with_gemm_swizzled_scales,
+        )
 
     def dequantize(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rowwise ``code * 2^(e - 127)`` with e read by index from the (padded/swizzled) scale
@@ -72,16 +106,36 @@ class MXFP8Tensor(QuantizedTensor):
         m, k = self.shape
         i = torch.arange(m)[:, None].expand(m, k)
         j = torch.arange(k)[None, :].expand(m, k)
-        e = read_scale(self._rowwise_scale_inv, i, j // 32, swizzled=self._with_gemm_swizzled_scales,
-                       padded_shape=(rup(m, 128), rup(cdiv(k, 32), 4)))
+        e = read_scale(
+            self._rowwise_scale_inv,
+            i,
+            j // 32,
+            swizzled=self._with_gemm_swizzled_scales,
+            padded_shape=(rup(m, 128), rup(cdiv(k, 32), 4)),
+        )
         codes = self._rowwise_data.view(_TORCH_FP8[int(self._fp8_dtype)]).float()
         return (codes * e8m0_scale(e)).to(dtype)
 
 
-def _make_mxfp8_tensor_in_reduce_ex(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv,
-                                    fp8_dtype, dtype, shape, quantizer=None, with_gemm_swizzled_scales=False):
+def _make_mxfp8_tensor_in_reduce_ex(
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    fp8_dtype,
+    dtype,
+    shape,
+    quantizer=None,
+    with_gemm_swizzled_scales=False,
+):
     return MXFP8Tensor(
-        rowwise_data=rowwise_data, rowwise_scale_inv=rowwise_scale_inv, fp8_dtype=fp8_dtype,
-        columnwise_data=columnwise_data, columnwise_scale_inv=columnwise_scale_inv, dtype=dtype,
-        shape=shape, quantizer=quantizer, with_gemm_swizzled_scales=with_gemm_swizzled_scales,
+        rowwise_data=rowwise_data,
+        rowwise_scale_inv=rowwise_scale_inv,
+        fp8_dtype=fp8_dtype,
+        columnwise_data=columnwise_data,
+        columnwise_scale_inv=columnwise_scale_inv,
+        dtype=dtype,
+        shape=shape,
+        quantizer=quantizer,
+        with_gemm_swizzled_scales=with_gemm_swizzled_scales,
     )

@@ -10,8 +10,6 @@ fp32 (1,). Swizzled scales: both buffers hold the swizzle of their padded matrix
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..constants import DType
@@ -35,12 +33,23 @@ def _rht_matrix(sign_mask: int) -> torch.Tensor:
 
 
 class NVFP4Quantizer(Quantizer):
-    def __init__(self, fp4_dtype=DType.kFloat4E2M1, rowwise: bool = True, columnwise: bool = True,
-                 with_amax_reduction: bool = False, amax_reduction_group=None, with_rht: bool = False,
-                 with_post_rht_amax: bool = False, with_2d_quantization: bool = False,
-                 stochastic_rounding: bool = False, row_scaled_nvfp4: bool = False,
-                 nvfp4_use_4over6: bool = False, nvfp4_e4m3_max: int = 448,
-                 nvfp4_4over6_err_mode: str = "MAE", with_random_sign_mask: bool = True) -> None:
+    def __init__(
+        self,
+        fp4_dtype=DType.kFloat4E2M1,
+        rowwise: bool = True,
+        columnwise: bool = True,
+        with_amax_reduction: bool = False,
+        amax_reduction_group=None,
+        with_rht: bool = False,
+        with_post_rht_amax: bool = False,
+        with_2d_quantization: bool = False,
+        stochastic_rounding: bool = False,
+        row_scaled_nvfp4: bool = False,
+        nvfp4_use_4over6: bool = False,
+        nvfp4_e4m3_max: int = 448,
+        nvfp4_4over6_err_mode: str = "MAE",
+        with_random_sign_mask: bool = True,
+    ) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
         self.dtype = DType.cast(fp4_dtype)
         self.with_rht = with_rht
@@ -63,17 +72,36 @@ class NVFP4Quantizer(Quantizer):
 
 
 class NVFP4Tensor(QuantizedTensor):
-    _BUFFERS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv",
-                "_amax_rowwise", "_amax_columnwise")
+    _BUFFERS = (
+        "_rowwise_data",
+        "_rowwise_scale_inv",
+        "_columnwise_data",
+        "_columnwise_scale_inv",
+        "_amax_rowwise",
+        "_amax_columnwise",
+    )
     _LAYOUT_FLAGS = ("_with_gemm_swizzled_scales", "_row_scaled_nvfp4", "_nvfp4_use_4over6")
 
-    def __new__(cls, *, shape, dtype: torch.dtype, fp4_dtype, rowwise_data: Optional[torch.Tensor],
-                rowwise_scale_inv: Optional[torch.Tensor], columnwise_data: Optional[torch.Tensor] = None,
-                columnwise_scale_inv: Optional[torch.Tensor] = None,
-                amax_rowwise: Optional[torch.Tensor] = None, amax_columnwise: Optional[torch.Tensor] = None,
-                quantizer: Optional[Quantizer] = None, requires_grad: bool = False,
-                with_gemm_swizzled_scales: bool = False, device=None, row_scaled_nvfp4: bool = False,
-                nvfp4_use_4over6: bool = False, nvfp4_e4m3_max: int = 448):
+    def __new__(
+        cls,
+        *,
+        shape,
+        dtype: torch.dtype,
+        fp4_dtype,
+        rowwise_data: torch.Tensor | None,
+        rowwise_scale_inv: torch.Tensor | None,
+        columnwise_data: torch.Tensor | None = None,
+        columnwise_scale_inv: torch.Tensor | None = None,
+        amax_rowwise: torch.Tensor | None = None,
+        amax_columnwise: torch.Tensor | None = None,
+        quantizer: Quantizer | None = None,
+        requires_grad: bool = False,
+        with_gemm_swizzled_scales: bool = False,
+        device=None,
+        row_scaled_nvfp4: bool = False,
+        nvfp4_use_4over6: bool = False,
+        nvfp4_e4m3_max: int = 448,
+    ):
         if device is None:
             device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         self = cls._wrap(shape, dtype, device, requires_grad)
@@ -92,20 +120,51 @@ class NVFP4Tensor(QuantizedTensor):
         return self
 
     def __reduce_ex__(self, protocol: int) -> tuple:
-        payload = (self.shape, self._rowwise_data, self._rowwise_scale_inv, self._columnwise_data,
-                   self._columnwise_scale_inv, self._amax_rowwise, self._amax_columnwise,
-                   self._fp4_dtype, self.dtype, self._quantizer, self._with_gemm_swizzled_scales)
+        payload = (
+            self.shape,
+            self._rowwise_data,
+            self._rowwise_scale_inv,
+            self._columnwise_data,
+            self._columnwise_scale_inv,
+            self._amax_rowwise,
+            self._amax_columnwise,
+            self._fp4_dtype,
+            self.dtype,
+            self._quantizer,
+            self._with_gemm_swizzled_scales,
+        )
         if getattr(self, "_standin_flavor", "main") != "2974":  # row-scaled / 4over6 came later
             payload += (self._row_scaled_nvfp4, self._nvfp4_use_4over6, self._nvfp4_e4m3_max)
         return (_make_nvfp4_tensor_in_reduce_ex, payload)
 
     @classmethod
-    def _make_in_reduce_ex(cls, shape, rowwise_data, rowwise_scale_inv, columnwise_data,
-                           columnwise_scale_inv, amax_rowwise, amax_columnwise, fp4_dtype, dtype,
-                           quantizer, with_gemm_swizzled_scales=False):
-        return _make_nvfp4_tensor_in_reduce_ex(shape, rowwise_data, rowwise_scale_inv, columnwise_data,
-                                               columnwise_scale_inv, amax_rowwise, amax_columnwise,
-                                               fp4_dtype, dtype, quantizer, with_gemm_swizzled_scales)
+    def _make_in_reduce_ex(
+        cls,
+        shape,
+        rowwise_data,
+        rowwise_scale_inv,
+        columnwise_data,
+        columnwise_scale_inv,
+        amax_rowwise,
+        amax_columnwise,
+        fp4_dtype,
+        dtype,
+        quantizer,
+        with_gemm_swizzled_scales=False,
+    ):
+        return _make_nvfp4_tensor_in_reduce_ex(
+            shape,
+            rowwise_data,
+            rowwise_scale_inv,
+            columnwise_data,
+            columnwise_scale_inv,
+            amax_rowwise,
+            amax_columnwise,
+            fp4_dtype,
+            dtype,
+            quantizer,
+            with_gemm_swizzled_scales,
+        )
 
     def dequantize(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rowwise only, kernel order of ``dequantize_nvfp4.cuh``:
@@ -116,22 +175,48 @@ class NVFP4Tensor(QuantizedTensor):
         j = torch.arange(k)[None, :].expand(m, k)
         byte = self._rowwise_data[i, j // 2].to(torch.int64)
         code = (byte >> (4 * (j % 2))) & 0xF
-        s = read_scale(self._rowwise_scale_inv, i, j // 16, swizzled=self._with_gemm_swizzled_scales,
-                       padded_shape=(rup(m, 128), rup(cdiv(k, 16), 4)))
+        s = read_scale(
+            self._rowwise_scale_inv,
+            i,
+            j // 16,
+            swizzled=self._with_gemm_swizzled_scales,
+            padded_shape=(rup(m, 128), rup(cdiv(k, 16), 4)),
+        )
         amax = self._amax_rowwise.float().reshape(())
         final_scale = (s.view(torch.float8_e4m3fn).float() * amax) * NVFP4_FACTOR_INV
         return (E2M1[code] * final_scale).to(dtype)
 
 
-def _make_nvfp4_tensor_in_reduce_ex(shape, rowwise_data, rowwise_scale_inv, columnwise_data,
-                                    columnwise_scale_inv, amax_rowwise, amax_columnwise, fp4_dtype, dtype,
-                                    quantizer, with_gemm_swizzled_scales, row_scaled_nvfp4=False,
-                                    nvfp4_use_4over6=False, nvfp4_e4m3_max=448):
+def _make_nvfp4_tensor_in_reduce_ex(
+    shape,
+    rowwise_data,
+    rowwise_scale_inv,
+    columnwise_data,
+    columnwise_scale_inv,
+    amax_rowwise,
+    amax_columnwise,
+    fp4_dtype,
+    dtype,
+    quantizer,
+    with_gemm_swizzled_scales,
+    row_scaled_nvfp4=False,
+    nvfp4_use_4over6=False,
+    nvfp4_e4m3_max=448,
+):
     return NVFP4Tensor(
-        shape=shape, dtype=dtype, fp4_dtype=fp4_dtype, rowwise_data=rowwise_data,
-        rowwise_scale_inv=rowwise_scale_inv, columnwise_data=columnwise_data,
-        columnwise_scale_inv=columnwise_scale_inv, amax_rowwise=amax_rowwise,
-        amax_columnwise=amax_columnwise, quantizer=quantizer, requires_grad=False,
-        with_gemm_swizzled_scales=with_gemm_swizzled_scales, row_scaled_nvfp4=row_scaled_nvfp4,
-        nvfp4_use_4over6=nvfp4_use_4over6, nvfp4_e4m3_max=nvfp4_e4m3_max,
+        shape=shape,
+        dtype=dtype,
+        fp4_dtype=fp4_dtype,
+        rowwise_data=rowwise_data,
+        rowwise_scale_inv=rowwise_scale_inv,
+        columnwise_data=columnwise_data,
+        columnwise_scale_inv=columnwise_scale_inv,
+        amax_rowwise=amax_rowwise,
+        amax_columnwise=amax_columnwise,
+        quantizer=quantizer,
+        requires_grad=False,
+        with_gemm_swizzled_scales=with_gemm_swizzled_scales,
+        row_scaled_nvfp4=row_scaled_nvfp4,
+        nvfp4_use_4over6=nvfp4_use_4over6,
+        nvfp4_e4m3_max=nvfp4_e4m3_max,
     )
