@@ -17,7 +17,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 NCCL = "cpu:gloo,cuda:nccl"  # DCP's object collectives on gloo, tensors on NCCL (as FSDP2 jobs run)
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+
+
+def two_gpus(fn):
+    """Mark a test ``cuda`` and skip it on machines with fewer than 2 CUDA devices (NCCL)."""
+    return pytest.mark.cuda(pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")(fn))
 
 
 def _worker(rank, world_size, store_path, backend, fn, args, queue):

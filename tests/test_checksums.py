@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
+from _helpers import requires_cuda
 from torch.distributed.checkpoint.api import CheckpointException
 from typer.testing import CliRunner
 
@@ -246,7 +247,7 @@ def test_export_writes_checksums_that_reads_and_verify_check(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_resident_tensors_are_checksummed_like_cpu_ones(tmp_path):
     sd = _state()
     _save(sd, tmp_path / "cpu")

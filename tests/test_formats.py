@@ -15,7 +15,7 @@ import re
 
 import pytest
 import torch
-from conftest import assert_same_bytes, assert_same_components, raw_bytes
+from _helpers import assert_same_bytes, assert_same_components, raw_bytes
 
 import ckptq
 from ckptq import numerics as N
@@ -430,6 +430,7 @@ def test_is_pinned(quantized, case):
     assert quantized[case].is_pinned() is False
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pin_memory needs a CUDA runtime")
 @pytest.mark.parametrize("case", IDS)
 def test_pin_memory(quantized, case):

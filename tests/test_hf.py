@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same_bytes, assert_same_components
+from _helpers import assert_same_bytes, assert_same_components
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 

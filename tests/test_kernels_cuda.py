@@ -21,7 +21,7 @@ from ckptq import numerics as N
 from ckptq import ops
 from ckptq.ops import _backends
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 _spec = importlib.util.spec_from_file_location(
     "_ckptq_kernel_cases", pathlib.Path(__file__).with_name("test_kernels.py")

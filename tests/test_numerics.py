@@ -21,7 +21,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_bytes
+from _helpers import assert_same_bytes
 
 import ckptq
 from ckptq import numerics as N

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist import NCCL, run_distributed, two_gpus
+from _helpers import requires_cuda
 
 import ckptq
 from ckptq.checkpoint import CheckpointView
@@ -136,7 +137,7 @@ def test_quantize_on_save_misaligned_shard_is_refused(tmp_path):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_quantize_on_save_cuda(tmp_path):
     """CUDA-resident bf16 weights quantized on their device (CUDA kernels) while saving."""
     sd = {fqn: _full(fqn).cuda() for fqn in TENSORS}

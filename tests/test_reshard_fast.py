@@ -13,7 +13,7 @@ import zipfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_same_bytes, raw_bytes
+from _helpers import assert_same_bytes, raw_bytes
 
 import ckptq
 from ckptq.checkpoint import CheckpointView

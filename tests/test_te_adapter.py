@@ -24,8 +24,8 @@ import zipfile
 import pytest
 import torch
 from _bounds import REENCODE_E4M3, REENCODE_NVFP4
+from _helpers import assert_same_bytes, assert_same_components, raw_bytes
 from _te import standin
-from conftest import assert_same_bytes, assert_same_components, raw_bytes
 
 import ckptq
 from ckptq.adapters import te

@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _bounds import REENCODE_NVFP4
 from _dist import run_distributed
+from _helpers import requires_cuda
 from _te import standin
 
 import ckptq
@@ -352,7 +353,7 @@ def test_cli_commands_a_te_user_runs(te_ckpt, tmp_path):
 
 # ------------------------------------------------------------------ CUDA-resident TE tensors
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("async_save", [False, True], ids=["save", "async_save"])
 def test_cuda_te_tensors_save_and_load_in_place(tmp_path, case, async_save):
