@@ -3,6 +3,7 @@ PyTorch Distributed Checkpoint (DCP): native bit-exact saves, high-precision exp
 
 from __future__ import annotations
 
+from ._version import __version__ as __version__
 from .errors import (
     CheckpointFormatError,
     ChecksumMismatchError,
@@ -24,8 +25,6 @@ from .formats import (
     quantize,
     requantize,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "quantize",

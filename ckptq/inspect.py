@@ -275,7 +275,7 @@ def _value_stats(x: torch.Tensor) -> dict:
 
 
 def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
-    from . import from_components
+    from .formats import from_components
 
     qt = from_components(desc, comps)
     out = _value_stats(qt.dequantize(torch.float32))

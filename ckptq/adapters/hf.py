@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import format_class
 from ..formats.base import DESCRIPTOR_VERSION, dtype_to_str
@@ -187,12 +188,6 @@ class HFLayout:
 
 
 # ----------------------------------------------------------------------------- config writers
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
 def _ignore_globs(ignored: Sequence[str]) -> list[str]:
     return sorted(set(ignored))
 
@@ -209,7 +204,7 @@ def _modelopt_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> d
         quant["quantized_layers"] = {
             m: {k: v for k, v in s.items() if k in ("quant_algo", "group_size")} for m, s in sorted(algos.items())
         }
-    hf_quant = {"producer": {"name": "modelopt", "version": f"ckptq-{_version()}"}, "quantization": quant}
+    hf_quant = {"producer": {"name": "modelopt", "version": f"ckptq-{__version__}"}, "quantization": quant}
     groups = {}
     for i, scheme in enumerate(sorted({json_key(s): s for s in algos.values()}.values(), key=json_key)):
         targets = ["Linear"] if len(distinct) == 1 else sorted(m for m, s in algos.items() if s == scheme)
