@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .chunks import Box
+from .chunks import Box, cdiv
 from .errors import ShardingError, UsageError
 
 __all__ = [
@@ -41,10 +41,13 @@ __all__ = [
     "rank_boxes",
     "LayoutPlan",
     "PRESETS",
+    "TP_RULES",
     "format_placements",
 ]
 
 PRESETS = ("replicate", "fsdp2", "fsdp2-tp")
+#: what an ``fsdp2-tp`` rule makes of the tensors its glob matches: column- or row-parallel
+TP_RULES = ("col", "row")
 
 
 def _strided_factor(p: Placement) -> int | None:
@@ -65,13 +68,6 @@ class MeshSpec:
 
     names: tuple[str, ...]
     sizes: tuple[int, ...]
-
-    @classmethod
-    def parse(cls, text: str) -> MeshSpec:
-        """:func:`ckptq.parse.parse_mesh` (``"dp_shard=4,tp=2"`` or ``"4"``); raises UsageError."""
-        from .parse import parse_mesh
-
-        return parse_mesh(text)
 
     @property
     def world_size(self) -> int:
@@ -113,7 +109,7 @@ def _take(ranges: Ranges, start: int, stop: int) -> Ranges:
 def _chunk(ranges: Ranges, n: int, c: int) -> Ranges:
     """``torch.chunk(indices, n)[c]`` (ceil-sized chunks; empty when chunk ``c`` does not exist)."""
     length = sum(b - a for a, b in ranges)
-    size = -(-length // n)
+    size = cdiv(length, n)
     return _take(ranges, min(c * size, length), min((c + 1) * size, length))
 
 
@@ -281,26 +277,21 @@ class LayoutPlan:
         self.preset = preset
         self.rules = dict(rules or {})
         if preset not in PRESETS + ("file",):
-            raise UsageError(f"--plan {preset}: presets are {', '.join(PRESETS)}, or a JSON/YAML file")
+            raise UsageError(
+                f"layout plan '{preset}': presets are {', '.join(PRESETS)}, or 'file' with placement rules"
+            )
         if preset == "fsdp2-tp" and "tp" not in mesh.names:
-            raise UsageError(f"--plan fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
+            raise UsageError(f"fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
         if preset == "file":
             for k, v in self.rules.items():
                 if len(v) != len(mesh.sizes) or not all(isinstance(p, Placement) for p in v):
                     raise UsageError(
-                        f"--plan rule '{k}': {list(v)} is not {len(mesh.sizes)} placements, one per dim of mesh {mesh}"
+                        f"rule '{k}': {list(v)} is not {len(mesh.sizes)} placements, one per dim of mesh {mesh}"
                     )
         elif preset == "fsdp2-tp":
             for k, v in self.rules.items():
-                if v not in ("col", "row"):
-                    raise UsageError(f"--rule {k}={v}: expected col or row")
-
-    @classmethod
-    def from_arg(cls, mesh: MeshSpec, plan: str, rules: Sequence[str] = ()) -> LayoutPlan:
-        """:func:`ckptq.parse.parse_plan`: a preset or JSON/YAML file, ``rules`` ``glob=col|row``."""
-        from .parse import parse_plan
-
-        return parse_plan(mesh, plan, rules)
+                if v not in TP_RULES:
+                    raise UsageError(f"fsdp2-tp rule {k}={v}: expected {' or '.join(TP_RULES)}")
 
     def placements(self, fqn: str, ndim: int) -> tuple[Placement, ...]:
         n = len(self.mesh.sizes)

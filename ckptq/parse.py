@@ -20,7 +20,9 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .errors import UnsupportedFormatError, UsageError
 from .formats import FORMATS
-from .layout import PRESETS, LayoutPlan, MeshSpec
+from .formats.base import dtype_to_str
+from .layout import PRESETS, TP_RULES, LayoutPlan, MeshSpec
+from .numerics import HP_FORMATS
 
 __all__ = [
     "HP_DTYPES",
@@ -36,13 +38,10 @@ __all__ = [
     "parse_recipe",
 ]
 
+#: the names of the high-precision dtypes: torch's (``bfloat16``) and the short ones (``bf16``)
 HP_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-    "fp32": torch.float32,
+    **{dtype_to_str(dtype): dtype for dtype in HP_FORMATS},
+    **{short: dtype for dtype, short in HP_FORMATS.items()},
 }
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -93,14 +92,16 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
     plan = str(plan)
     if plan in PRESETS:
         if isinstance(rules, Mapping):
-            return LayoutPlan(mesh, plan, rules)
+            return _layout_plan(mesh, plan, rules)
         parsed = {}
         for r in rules:
             if "=" not in r:
                 raise UsageError(f"--rule {r}: expected GLOB=col or GLOB=row")
-            k, v = r.rsplit("=", 1)
-            parsed[k.strip()] = v.strip()
-        return LayoutPlan(mesh, plan, parsed)
+            k, v = (s.strip() for s in r.rsplit("=", 1))
+            if v not in TP_RULES:
+                raise UsageError(f"--rule {k}={v}: expected {' or '.join(TP_RULES)}")
+            parsed[k] = v
+        return _layout_plan(mesh, plan, parsed)
     path = Path(plan)
     if not path.is_file():
         raise UsageError(f"--plan {plan}: neither a preset ({', '.join(PRESETS)}) nor a file")
@@ -118,7 +119,15 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
         raise UsageError(f"--plan {path}: cannot parse it: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, (list, tuple)) for v in data.values()):
         raise UsageError(f"--plan {path}: expected a mapping of FQN glob -> list of placements")
-    return LayoutPlan(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
+    return _layout_plan(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
+
+
+def _layout_plan(mesh: MeshSpec, preset: str, rules: Mapping[str, Any]) -> LayoutPlan:
+    """``LayoutPlan(mesh, preset, rules)``, its usage errors naming the ``--plan`` flag."""
+    try:
+        return LayoutPlan(mesh, preset, rules)
+    except UsageError as e:
+        raise UsageError(f"--plan {e}") from None
 
 
 def parse_choice(flag: str, value: str | None, choices: Sequence[str]) -> str | None:

@@ -329,7 +329,7 @@ metadata = Metadata(md, planner_data={{CKPTQ_KEY: make_record(tensors, SAVERS)}}
 t_meta = time.perf_counter() - t0
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 view = CheckpointView("/nonexistent", metadata=metadata)
-mesh = MeshSpec.parse("dp_shard=256,tp=8")
+mesh = MeshSpec(("dp_shard", "tp"), (256, 8))
 layout = LayoutPlan(mesh, "fsdp2-tp", {{"*q_proj*": "col", "*k_proj*": "col", "*v_proj*": "col", "*gate_proj*": "col",
                                         "*up_proj*": "col", "*o_proj*": "row", "*down_proj*": "row"}})
 t0 = time.perf_counter()

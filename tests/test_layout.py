@@ -11,8 +11,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
-from ckptq.layout import LayoutPlan, MeshSpec, format_placements, rank_boxes, shard_box
-from ckptq.parse import parse_placement
+from ckptq.layout import MeshSpec, format_placements, rank_boxes, shard_box
+from ckptq.parse import parse_mesh, parse_placement, parse_plan
 
 
 def _random_case(rng: random.Random):
@@ -103,12 +103,12 @@ def test_non_contiguous_order_raises():
 
 
 def test_mesh_and_placement_parsing():
-    m = MeshSpec.parse("dp_shard=4,tp=2")
+    m = parse_mesh("dp_shard=4,tp=2")
     assert m.world_size == 8 and m.coordinate(5) == (2, 1) and str(m) == "dp_shard=4,tp=2"
-    assert MeshSpec.parse("8").names == ("dp_shard",)
+    assert parse_mesh("8").names == ("dp_shard",)
     for bad in ("dp=0", "dp=2,dp=2", "x", "tp=two"):
         with pytest.raises(ckptq.UsageError, match="--mesh"):  # a typo is a usage error (was UnsupportedFormatError)
-            MeshSpec.parse(bad)
+            parse_mesh(bad)
     assert isinstance(parse_placement("R"), Replicate)
     assert parse_placement("Shard(1)") == Shard(1)
     ss = parse_placement("_StridedShard(0, sf=2)")
@@ -117,11 +117,11 @@ def test_mesh_and_placement_parsing():
 
 
 def test_presets_follow_fsdp2_and_tp_conventions():
-    mesh = MeshSpec.parse("dp_shard=2,tp=4")
-    plan = LayoutPlan.from_arg(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row", "*.experts.w1=col"])
+    mesh = parse_mesh("dp_shard=2,tp=4")
+    plan = parse_plan(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row", "*.experts.w1=col"])
     fmt = lambda fqn, nd: format_placements(plan.placements(fqn, nd))  # noqa: E731
     assert fmt("l.q_proj.weight", 2) == "(SS(0,4), S(0))"  # FSDP2 over column-parallel TP
     assert fmt("l.o_proj.weight", 2) == "(S(0), S(1))"  # row-parallel
     assert fmt("l.norm.weight", 1) == "(S(0), R)"
     assert fmt("l.experts.w1", 3) == "(S(0), S(1))"  # grouped (N, out, in): column-parallel is dim 1
-    assert format_placements(LayoutPlan.from_arg(MeshSpec.parse("4"), "fsdp2").placements("x", 2)) == "(S(0))"
+    assert format_placements(parse_plan(parse_mesh("4"), "fsdp2").placements("x", 2)) == "(S(0))"

@@ -22,8 +22,6 @@ def test_usage_error_is_a_ckptq_value_error():
 def test_mesh_typos_are_usage_errors(bad):
     with pytest.raises(ckptq.UsageError, match="--mesh"):
         parse.parse_mesh(bad)
-    with pytest.raises(ckptq.UsageError):  # the thin classmethod delegates
-        MeshSpec.parse(bad)
 
 
 def test_mesh_and_placements():
@@ -63,7 +61,7 @@ def test_plans(tmp_path):
         parse.parse_plan(mesh, str(f))
     with pytest.raises(ckptq.UsageError, match="'tp'"):
         LayoutPlan(parse.parse_mesh("4"), "fsdp2-tp")
-    assert LayoutPlan.from_arg(mesh, "replicate").placements("x", 2) == (Replicate(), Replicate())
+    assert parse.parse_plan(mesh, "replicate").placements("x", 2) == (Replicate(), Replicate())
 
 
 def test_targets_dtypes_and_choices():

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.cli import app
-from ckptq.layout import LayoutPlan, MeshSpec, rank_boxes
+from ckptq.layout import rank_boxes
 from ckptq.metrics import bit_exact
-from ckptq.parse import parse_placement
+from ckptq.parse import parse_mesh, parse_placement, parse_plan
 from ckptq.reshard import plan_reshard, run_reshard
 from ckptq.verify import verify_checkpoints
 
@@ -54,8 +54,8 @@ def _files(path):
 def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
     path, sd = src
     before = _files(path)
-    mesh = MeshSpec.parse("dp_shard=2,tp=2")
-    layout = LayoutPlan.from_arg(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
+    mesh = parse_mesh("dp_shard=2,tp=2")
+    layout = parse_plan(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
     view = CheckpointView(path)
     plan = plan_reshard(view, mesh, layout)
     dst = tmp_path / "dst"
@@ -218,8 +218,8 @@ def test_plan_file_and_bad_arguments(src, tmp_path):
 
 def test_planning_needs_no_tensor_memory():
     """2048-rank plan of a large layout from metadata alone (the scale benchmark, tiny here)."""
-    mesh = MeshSpec.parse("dp_shard=256,tp=8")
-    layout = LayoutPlan.from_arg(mesh, "fsdp2-tp", ["*q_proj*=col"])
+    mesh = parse_mesh("dp_shard=256,tp=8")
+    layout = parse_plan(mesh, "fsdp2-tp", ["*q_proj*=col"])
     boxes = rank_boxes((16384, 16384), mesh, layout.placements("l.q_proj.weight", 2))
     assert len(boxes) == 2048 and boxes[1] == ((2048, 0), (8, 16384))  # tp rank 1 of dp rank 0
     assert sum(s[0] * s[1] for _, s in boxes) == 16384 * 16384

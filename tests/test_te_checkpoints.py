@@ -258,14 +258,15 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from ckptq.chunks import narrow_box
-    from ckptq.layout import MeshSpec, rank_boxes
+    from ckptq.layout import rank_boxes
+    from ckptq.parse import parse_mesh
 
     tef = standin()
     if layout == "fsdp2-tp":
-        mesh, spec = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), MeshSpec.parse("dp=2,tp=2")
+        mesh, spec = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), parse_mesh("dp=2,tp=2")
         placements = (_StridedShard(0, split_factor=2), Shard(0))
     else:
-        mesh, spec = init_device_mesh("cpu", (ws,)), MeshSpec.parse(str(ws))
+        mesh, spec = init_device_mesh("cpu", (ws,)), parse_mesh(str(ws))
         placements = (Shard(1 if layout == "tp-row" else 0),)
     shape = (rows, 256)
     box = rank_boxes(shape, spec, placements)[rank]
