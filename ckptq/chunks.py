@@ -90,6 +90,12 @@ class ComponentSpec:
     def follows(self, logical_dim: int) -> bool:
         return any(d.logical_dim == logical_dim for d in self.dims)
 
+    def is_per_tensor(self, ndim: int) -> bool:
+        """True for a component of a rank-``ndim`` tensor that follows neither matrix dim (the
+        last two; FP8 ``scale_inv``, NVFP4 ``amax``): one value per matrix, which every shard of
+        the tensor holds whole."""
+        return not (self.follows(ndim - 2) or self.follows(ndim - 1))
+
 
 def alignment(specs: Sequence[ComponentSpec], ndim: int) -> tuple[int, ...]:
     """Per logical dim, the cut granularity every component needs: lcm of all divisors on it."""

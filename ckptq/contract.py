@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from . import chunks
 from .errors import CheckpointFormatError, UnsupportedFormatError
-from .formats import DESCRIPTOR_VERSION as _DESCRIPTOR_VERSION
 from .formats import FORMATS
+from .formats.base import DESCRIPTOR_VERSION as _DESCRIPTOR_VERSION
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 
 __all__ = [
@@ -252,7 +252,6 @@ def emit_components(
     global_shape = tuple(global_shape)
     specs = type(piece).component_specs(global_shape, piece.recipe)
     chunks.check_aligned(specs, global_shape, box, fqn=fqn, fmt=piece.FORMAT)
-    m, k = len(global_shape) - 2, len(global_shape) - 1
     for spec in specs:
         cbox = chunks.component_box(spec, global_shape, box, fqn=fqn, fmt=piece.FORMAT)
         tensor = piece._components[spec.name]
@@ -269,7 +268,7 @@ def emit_components(
             spec.shape(global_shape),
             cbox,
             tensor,
-            not (spec.follows(m) or spec.follows(k)),
+            spec.is_per_tensor(len(global_shape)),
         )
 
 

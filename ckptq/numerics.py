@@ -26,6 +26,7 @@ import torch
 from .chunks import blocked_view, unblock
 
 __all__ = [
+    "HP_FORMATS",
     "FP8_MAX",
     "FLT_MAX",
     "cast_fp8",
@@ -48,6 +49,9 @@ __all__ = [
     "dequantize_nvfp4",
 ]
 
+#: The high-precision dtypes: what ckptq quantizes from, dequantizes to and stores high-precision
+#: entries as, each with its short name (the name the ``ckptq::requantize`` op gives it as a format).
+HP_FORMATS: dict[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FLT_MAX = torch.finfo(torch.float32).max
 _F32 = torch.float32

@@ -322,7 +322,7 @@ def _spec_dims(fmt: str, recipe_json: str, ndim: int) -> tuple:
     probe_shape = (1,) * ndim
     out = []
     for spec in cls.component_specs(probe_shape, cls._recipe_from_json(json.loads(recipe_json))):
-        if spec.follows(ndim - 1) or spec.follows(ndim - 2):
+        if not spec.is_per_tensor(ndim):
             out.append((_itemsize(spec.dtype), tuple((dm.logical_dim, dm.divisor) for dm in spec.dims)))
     return tuple(out)
 

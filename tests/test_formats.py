@@ -600,14 +600,25 @@ def test_deepcopy(quantized, case):
 
 @pytest.mark.parametrize("case", IDS)
 def test_torch_save_load(quantized, case, tmp_path):
+    # torch.load's default (weights_only=True): ckptq allow-lists the one function a pickled
+    # QuantizedTensor names, as torchao allow-lists its tensor classes
     qt = quantized[case]
     path = tmp_path / "qt.pt"
     torch.save({"w": qt, "part": qt.narrow(1, 128, 128)}, path)
-    back = torch.load(path, weights_only=False)
+    back = torch.load(path)
     for k, ref in (("w", qt), ("part", qt.narrow(1, 128, 128))):
         b = back[k]
         assert type(b) is type(ref) and b.shape == ref.shape and b.dtype == ref.dtype and b.recipe == ref.recipe
         assert_same_components(b, ref, f"torch.load {k}")
+
+
+def test_torch_load_allows_only_the_rebuild_function():
+    """The only ckptq global torch's weights_only unpickler may resolve: the function that checks
+    builtins and plain tensors through ``from_components`` (no class, nothing that runs other code)."""
+    from ckptq.formats.base import _rebuild_quantized
+
+    ours = [g for g in torch.serialization.get_safe_globals() if getattr(g, "__module__", "").startswith("ckptq")]
+    assert ours == [_rebuild_quantized]
 
 
 @pytest.mark.parametrize("case", IDS)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .. import ops
-from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
-from .base import DESCRIPTOR_VERSION, FORMATS, QuantizedTensor, str_to_dtype
+from ..errors import QuantizationError, UnsupportedFormatError
+from ..numerics import HP_FORMATS
+from .base import FORMATS, QuantizedTensor, format_class, from_components
 from .fp8 import Float8BlockRecipe, Float8BlockTensor, Float8Recipe, Float8Tensor
 from .mxfp8 import MXFP8Recipe, MXFP8Tensor
 from .nvfp4 import NVFP4Recipe, NVFP4Tensor
@@ -31,16 +31,6 @@ __all__ = [
     "format_class",
     "make_recipe",
 ]
-
-_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def format_class(fmt: str) -> type[QuantizedTensor]:
-    """The QuantizedTensor subclass for a format name; raises UnsupportedFormatError."""
-    try:
-        return FORMATS[fmt]
-    except KeyError:
-        raise UnsupportedFormatError(f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}") from None
 
 
 def make_recipe(fmt: str, **options: Any):
@@ -93,7 +83,7 @@ def quantize(
             f"quantize expects a plain high-precision tensor, got {type(x).__name__}; use "
             f"ckptq.requantize for quantized inputs"
         )
-    if x.dtype not in _FLOAT_INPUTS or x.ndim < 2:
+    if x.dtype not in HP_FORMATS or x.ndim < 2:
         raise QuantizationError(
             f"{fmt}: cannot quantize a {x.dtype} tensor of shape {tuple(x.shape)}; expected "
             f"float32/bfloat16/float16 of rank >= 2 (..., M, K)"
@@ -123,7 +113,7 @@ def requantize(
         QuantizationError: nvfp4 with an odd last dim.
     """
     if not isinstance(src, QuantizedTensor):
-        hp = src if src.dtype in _FLOAT_INPUTS else src.float()
+        hp = src if src.dtype in HP_FORMATS else src.float()
         out = quantize(hp, fmt, amax=amax, scale=scale, **recipe)
         if out.dtype != src.dtype:
             out = type(out)(out._components, out.shape, src.dtype, out.recipe)
@@ -133,28 +123,3 @@ def requantize(
     cls.check_overrides(src.shape, amax, scale)
     comps = ops.requantize(src, cls, rec, amax=amax, scale=scale)
     return cls(comps, src.shape, src.dtype, rec)
-
-
-def from_components(descriptor: Mapping[str, Any], components: Mapping[str, torch.Tensor]) -> QuantizedTensor:
-    """Rebuild a QuantizedTensor from ``qt.descriptor()`` and ``qt.components()`` (no copy).
-
-    Raises:
-        CheckpointFormatError: unknown version, malformed descriptor, or components that do not
-            match the declared layout.
-        UnsupportedFormatError: unknown format name.
-    """
-    try:
-        version = int(descriptor["version"])
-        fmt = descriptor["format"]
-        shape = tuple(int(s) for s in descriptor["shape"])
-        dtype = str_to_dtype(descriptor["dtype"])
-        recipe_json = descriptor.get("recipe", {})
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointFormatError(f"malformed ckptq descriptor {dict(descriptor)!r}: {e}") from e
-    if version > DESCRIPTOR_VERSION:
-        raise CheckpointFormatError(
-            f"ckptq descriptor version {version} is newer than this ckptq understands "
-            f"({DESCRIPTOR_VERSION}); upgrade ckptq"
-        )
-    cls = format_class(fmt)
-    return cls.from_components(components, shape, dtype, cls._recipe_from_json(recipe_json))

@@ -20,8 +20,17 @@ import torch
 
 from .. import chunks, ops
 from ..errors import CheckpointFormatError, UnsupportedFormatError
+from ..ops import FORMATS, format_class
 
-__all__ = ["QuantizedTensor", "DESCRIPTOR_VERSION", "dtype_to_str", "str_to_dtype", "FORMATS"]
+__all__ = [
+    "QuantizedTensor",
+    "DESCRIPTOR_VERSION",
+    "dtype_to_str",
+    "str_to_dtype",
+    "FORMATS",
+    "format_class",
+    "from_components",
+]
 
 DESCRIPTOR_VERSION = 1
 aten = torch.ops.aten
@@ -35,9 +44,6 @@ _DTYPES = {
     "float8_e5m2": torch.float8_e5m2,
     "uint8": torch.uint8,
 }
-
-#: format name -> QuantizedTensor subclass (filled by ``__init_subclass__``).
-FORMATS: dict[str, type[QuantizedTensor]] = {}
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -67,7 +73,8 @@ class QuantizedTensor(torch.Tensor):
     :mod:`ckptq.inspect` handle the format without knowing it: :meth:`kernel_args` /
     :meth:`recipe_from_kernel_args`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
     :meth:`check_overrides`, ``SCALE_COMPONENT`` / :meth:`decode_scale`. A subclass with a
-    ``FORMAT`` registers itself in :data:`FORMATS` and with :func:`ckptq.ops.register_format`.
+    ``FORMAT`` registers itself in the format registry (:func:`ckptq.ops.register_format`, the
+    dict :data:`FORMATS`).
     """
 
     FORMAT: ClassVar[str] = ""
@@ -87,7 +94,6 @@ class QuantizedTensor(torch.Tensor):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.FORMAT:
-            FORMATS[cls.FORMAT] = cls
             ops.register_format(cls)
 
     @staticmethod
@@ -169,8 +175,7 @@ class QuantizedTensor(torch.Tensor):
     def per_tensor_names(self) -> list[str]:
         """Components that follow neither matrix dim (FP8 ``scale_inv``, NVFP4 ``amax``): every
         shard of the tensor holds the same value."""
-        m, k = self.ndim - 2, self.ndim - 1
-        return [s.name for s in self.specs if not (s.follows(m) or s.follows(k))]
+        return [s.name for s in self.specs if s.is_per_tensor(self.ndim)]
 
     def block_alignment(self) -> tuple[int, ...]:
         """Per logical dim, the granularity a cut must respect (lcm of all component divisors)."""
@@ -327,10 +332,41 @@ class QuantizedTensor(torch.Tensor):
         return handler(func, args, kwargs)
 
 
-def _rebuild_quantized(fmt: str, descriptor: dict, components: dict) -> QuantizedTensor:
-    from . import from_components
+def from_components(descriptor: Mapping[str, Any], components: Mapping[str, torch.Tensor]) -> QuantizedTensor:
+    """Rebuild a QuantizedTensor from ``qt.descriptor()`` and ``qt.components()`` (no copy).
 
+    Raises:
+        CheckpointFormatError: unknown version, malformed descriptor, or components that do not
+            match the declared layout.
+        UnsupportedFormatError: unknown format name.
+    """
+    try:
+        version = int(descriptor["version"])
+        fmt = descriptor["format"]
+        shape = tuple(int(s) for s in descriptor["shape"])
+        dtype = str_to_dtype(descriptor["dtype"])
+        recipe_json = descriptor.get("recipe", {})
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointFormatError(f"malformed ckptq descriptor {dict(descriptor)!r}: {e}") from e
+    if version > DESCRIPTOR_VERSION:
+        raise CheckpointFormatError(
+            f"ckptq descriptor version {version} is newer than this ckptq understands "
+            f"({DESCRIPTOR_VERSION}); upgrade ckptq"
+        )
+    cls = format_class(fmt)
+    return cls.from_components(components, shape, dtype, cls._recipe_from_json(recipe_json))
+
+
+def _rebuild_quantized(fmt: str, descriptor: dict, components: dict) -> QuantizedTensor:
+    """What a pickled QuantizedTensor calls to rebuild itself (``__reduce_ex__``): builtins and
+    plain tensors in, the checked tensor out (:func:`from_components`); it runs no other code."""
     return from_components(descriptor, components)
+
+
+# ``torch.load``'s default ``weights_only`` unpickler resolves only allow-listed globals: the rebuild
+# function is the one global a pickled QuantizedTensor names (its arguments are builtins and plain
+# tensors), so it is the one ckptq allows, as torchao allows its tensor classes when imported.
+torch.serialization.add_safe_globals([_rebuild_quantized])
 
 
 # ---------------------------------------------------------------------- op handlers

@@ -160,11 +160,10 @@ def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
 
 
 def _per_tensor(qt) -> dict:
-    m, k = qt.ndim - 2, qt.ndim - 1
     return {
         s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
         for s in qt.specs
-        if not (s.follows(m) or s.follows(k))
+        if s.is_per_tensor(qt.ndim)
     }
 
 

@@ -28,6 +28,7 @@ from ..contract import Entry, EntryTable
 from ..errors import CheckpointFormatError
 from ..formats import from_components
 from ..formats.base import QuantizedTensor, str_to_dtype
+from ..numerics import HP_FORMATS
 
 __all__ = ["SafetensorsView", "is_safetensors_source", "check_safetensors_records", "INDEX_NAME"]
 
@@ -143,7 +144,7 @@ class SafetensorsView(EntryTable):
             dt = str_to_dtype(str(name).replace("torch.", ""))
         except Exception:
             return torch.bfloat16
-        return dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+        return dt if dt in HP_FORMATS else torch.bfloat16
 
     def _build_entries(self) -> None:
         self._entries: dict[str, Entry] = {}

@@ -28,8 +28,7 @@ import torch
 from .. import numerics
 from . import _backends
 from ._backends import force
-from ._library import _FORMATS, HP_FORMATS, register_format
-from ._library import format_class as _format_class
+from ._library import FORMATS, HP_FORMATS, format_class, register_format
 
 __all__ = [
     "quantize",
@@ -42,6 +41,8 @@ __all__ = [
     "kernel_args",
     "make_kernel_args",
     "register_format",
+    "FORMATS",
+    "format_class",
 ]
 
 
@@ -93,7 +94,7 @@ def kernel_args(fmt: str, recipe: Any = None) -> dict:
     format's recipe dataclass (ignored for the high-precision formats ``fp32``/``bf16``/``fp16``).
     A quantized format answers through its class's ``kernel_args`` hook.
     """
-    cls = _format_class(fmt)
+    cls = FORMATS.get(fmt)
     return make_kernel_args(fmt) if cls is None else cls.kernel_args(recipe)
 
 
@@ -123,7 +124,7 @@ def _source(qt) -> tuple[dict, list[torch.Tensor]]:
 
 
 def _is_quantized(x: Any) -> bool:
-    return isinstance(x, tuple(_FORMATS.values()))
+    return isinstance(x, tuple(FORMATS.values()))
 
 
 def _per_matrix(value: Any, batch: tuple, device: torch.device) -> torch.Tensor:

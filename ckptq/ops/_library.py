@@ -30,12 +30,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import CkptqError
+from ..errors import CkptqError, UnsupportedFormatError
+from ..numerics import HP_FORMATS
 
 __all__ = [
     "REQUANTIZE_SCHEMA",
     "AMAX_SCHEMA",
     "HP_FORMATS",
+    "FORMATS",
     "register_format",
     "format_class",
     "logical_shape",
@@ -49,13 +51,13 @@ REQUANTIZE_SCHEMA = (
 )
 AMAX_SCHEMA = "amax(Tensor[] src, str src_format, int[] src_block) -> Tensor"
 
-#: high-precision dtype -> format name used by the ops
-HP_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: high-precision format name used by the ops -> dtype (the inverse of :data:`HP_FORMATS`)
 _HP_DTYPES = {v: k for k, v in HP_FORMATS.items()}
 
-#: quantized format name -> its QuantizedTensor subclass, filled by :func:`register_format` (the
-#: formats register themselves, so that ops never imports :mod:`ckptq.formats`).
-_FORMATS: dict[str, type] = {}
+#: The format registry: quantized format name -> its QuantizedTensor subclass, filled by
+#: :func:`register_format` (the formats register themselves, so that ops never imports
+#: :mod:`ckptq.formats`; ``ckptq.formats.FORMATS`` is this dict).
+FORMATS: dict[str, type] = {}
 
 
 def register_format(cls: type) -> type:
@@ -65,14 +67,20 @@ def register_format(cls: type) -> type:
     ``SOURCE_COMPONENTS`` (the kernels' source order), ``component_specs`` (output shapes and
     dtypes) and ``_reference_quantize`` / ``_reference_dequantize`` (the reference backend).
     """
-    _FORMATS[cls.FORMAT] = cls
+    FORMATS[cls.FORMAT] = cls
     return cls
 
 
-def format_class(fmt: str) -> type | None:
-    """The registered QuantizedTensor subclass of quantized format ``fmt``; None for the
-    high-precision formats and unknown names."""
-    return _FORMATS.get(fmt)
+def format_class(fmt: str) -> type:
+    """The QuantizedTensor subclass of the quantized format named ``fmt``.
+
+    Raises:
+        UnsupportedFormatError: no format of that name is registered (high-precision names too).
+    """
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise UnsupportedFormatError(f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}") from None
 
 
 def _recipe(cls: type, block, fp8_dtype=None, pow2=False, eps=0.0, columnwise=False):
@@ -95,7 +103,7 @@ def logical_shape(
     data = src[0]
     torch._check(data.dim() >= 2, lambda: f"ckptq: source data must have rank >= 2, got {tuple(data.shape)}")
     *batch, m, k = data.shape
-    cls = format_class(src_format)
+    cls = FORMATS.get(src_format)
     if cls is not None:
         rec = _recipe(cls, src_block, data.dtype)
         spec = next(s for s in cls.component_specs(tuple(data.shape), rec) if s.name == "data")
@@ -118,7 +126,7 @@ def output_specs(
     shape = tuple(batch) + (m, k)
     if dst_format in _HP_DTYPES:
         return [(shape, _HP_DTYPES[dst_format])]
-    cls = format_class(dst_format)
+    cls = FORMATS.get(dst_format)
     if cls is None:
         raise ValueError(f"ckptq: unknown target format {dst_format!r}")
     rec = _recipe(cls, dst_block, fp8_dtype, pow2, eps, columnwise)

@@ -21,6 +21,7 @@ from .. import chunks
 from ..errors import UnsupportedFormatError
 from ..formats import format_class, make_recipe, quantize
 from ..formats.base import QuantizedTensor
+from ..numerics import HP_FORMATS
 from ..ops import amax as matrix_amax
 from ._common import local_box
 
@@ -30,8 +31,6 @@ logger = logging.getLogger("ckptq")
 
 #: ``{fqn_glob: "nvfp4" | {"format": "fp8_block", "block": (1, 128), ...}}``
 QuantizeRules = Mapping[str, str | Mapping[str, Any]]
-
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _rule(fqn: str, rules: QuantizeRules) -> tuple[str, dict] | None:
@@ -108,7 +107,7 @@ def quantize_state_dict(state_dict: Mapping[str, Any], rules: QuantizeRules) -> 
         if found is None or isinstance(local, QuantizedTensor):
             out[fqn] = obj
             continue
-        if local.dtype not in _FLOATS or obj.ndim < 2:
+        if local.dtype not in HP_FORMATS or obj.ndim < 2:
             logger.info(
                 "ckptq: quantize rule matched '%s' (%s %s), which is not a float matrix; saved as is",
                 fqn,
