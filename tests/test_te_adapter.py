@@ -29,6 +29,7 @@ from _te import standin
 
 import ckptq
 from ckptq.adapters import te
+from ckptq.adapters._swizzle import swizzle, unswizzle
 from ckptq.errors import CheckpointFormatError, UnsafeCheckpointError, UnsupportedFormatError
 
 F = standin()  # te_factory; puts tests/te_standin on sys.path
@@ -217,8 +218,8 @@ def test_swizzle_view_permute_equals_index_formula():
         padded = torch.zeros(layout.rup(rows, 128), layout.rup(cols, 4), dtype=torch.uint8)
         padded[:rows, :cols] = s
         ref = layout.swizzle(padded)
-        assert torch.equal(te._swizzle(s), ref)
-        assert torch.equal(te._unswizzle(ref, rows, cols), s)
+        assert torch.equal(swizzle(s), ref)
+        assert torch.equal(unswizzle(ref, rows, cols), s)
 
 
 # ============================================================================ 2. insertion

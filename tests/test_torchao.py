@@ -483,7 +483,7 @@ def test_pickle_globals_are_exactly_those_torchao_pickles_use():
     mapped = set(ao.PICKLE_GLOBALS)
     assert foreign <= mapped, foreign - mapped
     # every mapped name occurs (the Float8Tensor file-module spelling is the class's real home)
-    assert mapped - foreign == {(ao._F8_MOD, "Float8Tensor")}
+    assert mapped - foreign == {(ao._FLOAT8_MODULE, "Float8Tensor")}
     for o in objs:  # and each reads back through ckptq's restricted unpickler
         from ckptq.io.foreign import load_record
 

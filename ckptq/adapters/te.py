@@ -34,8 +34,9 @@ Float8BlockwiseQTensor ``_rowwise_data`` (M, K) -> data; ``_rowwise_scale_inv`` 
 =====================  ==========================================================  ==========
 
 GEMM swizzle (MXFP8/NVFP4 ``_with_gemm_swizzled_scales``, section 1.6): 128x4 tiles in cuBLAS order,
-written here as the view/permute ``S.view(Mp/128, 4, 32, Kp/4, 4).permute(0, 3, 2, 1, 4)`` and its
-inverse; MXFP8 columnwise buffers hold the swizzle of the *transposed* (K, M/32) scale matrix.
+the view/permute ``S.view(Mp/128, 4, 32, Kp/4, 4).permute(0, 3, 2, 1, 4)`` and its inverse, shared
+with torchao in :mod:`ckptq.adapters._swizzle`; MXFP8 columnwise buffers hold the swizzle of the
+*transposed* (K, M/32) scale matrix.
 
 Pickles (section 3.2): :data:`PICKLE_GLOBALS` maps every global a TE DCP record references to the
 stand-ins below (reconstructors -> :class:`TEPayload`, quantizer classes -> :class:`QuantizerState`,
@@ -53,10 +54,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..chunks import cdiv
 from ..errors import CheckpointFormatError, ShardingError, UnsafeCheckpointError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor, quantize
 from ..metrics import sqnr_db
-from . import check_fits, refuse
+from ._swizzle import swizzle, unswizzle
+from .base import check_fits, refuse
 
 __all__ = [
     "TE_CLASSES",
@@ -370,39 +373,18 @@ def _rup(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
 
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-def _unswizzle(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Compact (rows, cols) scales from a buffer holding the GEMM swizzle of the padded
-    (rup(rows,128), rup(cols,4)) matrix (inverse of :func:`_swizzle`; section 1.6)."""
-    rp, cp = _rup(rows, 128), _rup(cols, 4)
-    tiles = buf.reshape(rp // 128, cp // 4, 32, 4, 4)  # (row tile, col tile, i % 32, (i % 128) // 32, j % 4)
-    return tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
-
-
-def _swizzle(compact: torch.Tensor) -> torch.Tensor:
-    """Zero-padded (rup(r,128), rup(c,4)) matrix of ``compact`` in GEMM-swizzled order, flat."""
-    r, c = compact.shape
-    rp, cp = _rup(r, 128), _rup(c, 4)
-    padded = compact.new_zeros(rp, cp)
-    padded[:r, :c] = compact
-    return padded.view(rp // 128, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4).reshape(-1)
-
-
 def _read_scales(buf: torch.Tensor, rows: int, cols: int, swizzled: bool, *, transposed: bool = False) -> torch.Tensor:
     """Compact (rows, cols) scales of a TE scale buffer; a view of ``buf`` unless swizzled.
     ``transposed``: a swizzled buffer holds the (cols, rows) matrix (MXFP8 columnwise)."""
     if not swizzled:
         return buf[:rows, :cols]
-    return _unswizzle(buf, cols, rows).t() if transposed else _unswizzle(buf, rows, cols)
+    return unswizzle(buf, cols, rows).t() if transposed else unswizzle(buf, rows, cols)
 
 
 def _write_scales(buf: torch.Tensor, compact: torch.Tensor, swizzled: bool, *, transposed: bool = False) -> None:
     """Write compact scales (``buf``'s dtype) into ``buf`` in place, padding zeroed."""
     if swizzled:
-        buf.copy_(_swizzle(compact.t() if transposed else compact).view(buf.shape))
+        buf.copy_(swizzle(compact.t() if transposed else compact).view(buf.shape))
     else:
         buf.zero_()
         buf[: compact.shape[0], : compact.shape[1]].copy_(compact)
@@ -423,8 +405,9 @@ def _pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ per-class records
 @dataclasses.dataclass
-class _Desc:
-    """What a TE object holds, in ckptq terms."""
+class _TELayout:
+    """What a TE object holds, in ckptq terms: its TE class, ckptq format, logical shape and dtype,
+    recipe, and whether its block scales are GEMM-swizzled."""
 
     te_class: str
     fmt: str
@@ -445,7 +428,7 @@ def _refuse(fqn: str, te_class: str, field: str, why: str) -> None:
     refuse(_where(fqn, te_class), fqn, field, why)
 
 
-def _held(obj: Any, desc: _Desc, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], fqn: str) -> dict:
+def _held(obj: Any, desc: _TELayout, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], fqn: str) -> dict:
     """The held buffers among ``specs`` (attr -> (shape, dtype)), each checked against its spec."""
     out = {}
     for attr, (shape, dtype) in specs.items():
@@ -462,7 +445,7 @@ def _held(obj: Any, desc: _Desc, specs: dict[str, tuple[tuple[int, ...], torch.d
     return out
 
 
-def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _Desc:
+def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _TELayout:
     shape = tuple(int(s) for s in obj.shape)
     if len(shape) != 2:
         _refuse(
@@ -471,7 +454,7 @@ def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _Desc:
             f"logical shape {shape}",
             "is not 2-D (TE flattens leading dims; ckptq's TE adapter maps (M, K) tensors only)",
         )
-    return _Desc(te_class, fmt, shape, obj.dtype, {}, bool(getattr(obj, "_with_gemm_swizzled_scales", False)))
+    return _TELayout(te_class, fmt, shape, obj.dtype, {}, bool(getattr(obj, "_with_gemm_swizzled_scales", False)))
 
 
 def _fp8_code(obj: Any, fqn: str, te_class: str, allowed=(7, 8)) -> int:
@@ -495,12 +478,12 @@ def _requantized(values: torch.Tensor, fmt: str, **recipe: Any) -> tuple[dict, f
 
 
 # ---------------------------------------------------------------- Float8Tensor -> fp8_tensor
-def _f8_specs(d: _Desc):
+def _float8_specs(d: _TELayout):
     m, k = d.shape
     return {"_data": ((m, k), _U8), "_transpose": ((k, m), _U8), "_scale_inv": ((1,), _F32)}
 
 
-def _f8_describe(obj, fqn):
+def _float8_describe(obj, fqn):
     d = _prelude(obj, fqn, "Float8Tensor", "fp8_tensor")
     code = _fp8_code(obj, fqn, d.te_class)
     if getattr(obj, "_data", None) is None and (
@@ -516,15 +499,15 @@ def _f8_describe(obj, fqn):
     return d
 
 
-def _f8_extract(obj, d, fqn):
-    b = _held(obj, d, _f8_specs(d), fqn)
+def _float8_extract(obj, d, fqn):
+    b = _held(obj, d, _float8_specs(d), fqn)
     fp8 = d.recipe["fp8_dtype"]
     data = b["_data"].view(fp8) if "_data" in b else b["_transpose"].view(fp8).t().contiguous()
     return {"data": data, "scale_inv": b["_scale_inv"].reshape(())}
 
 
-def _f8_insert(obj, qt, d, fqn):
-    b = _held(obj, d, _f8_specs(d), fqn)
+def _float8_insert(obj, qt, d, fqn):
+    b = _held(obj, d, _float8_specs(d), fqn)
     c = qt.components()
     data = _u8(c["data"])
     b["_scale_inv"].copy_(c["scale_inv"].reshape(1))
@@ -538,17 +521,17 @@ def _f8_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- MXFP8Tensor -> mxfp8
-def _mx_specs(d: _Desc):
+def _mxfp8_specs(d: _TELayout):
     m, k = d.shape
     return {
         "_rowwise_data": ((m, k), _U8),
-        "_rowwise_scale_inv": ((_rup(m, 128), _rup(_cdiv(k, 32), 4)), _U8),
+        "_rowwise_scale_inv": ((_rup(m, 128), _rup(cdiv(k, 32), 4)), _U8),
         "_columnwise_data": ((m, k), _U8),
-        "_columnwise_scale_inv": ((_rup(_cdiv(m, 32), 4), _rup(k, 128)), _U8),
+        "_columnwise_scale_inv": ((_rup(cdiv(m, 32), 4), _rup(k, 128)), _U8),
     }
 
 
-def _mx_describe(obj, fqn):
+def _mxfp8_describe(obj, fqn):
     d = _prelude(obj, fqn, "MXFP8Tensor", "mxfp8")
     _fp8_code(obj, fqn, d.te_class, allowed=(7,))
     if getattr(obj, "_rowwise_data", None) is None:
@@ -557,22 +540,22 @@ def _mx_describe(obj, fqn):
     return d
 
 
-def _mx_extract(obj, d, fqn):
-    b = _held(obj, d, _mx_specs(d), fqn)
+def _mxfp8_extract(obj, d, fqn):
+    b = _held(obj, d, _mxfp8_specs(d), fqn)
     m, k = d.shape
     out = {
         "data": b["_rowwise_data"].view(torch.float8_e4m3fn),
-        "scale": _read_scales(b["_rowwise_scale_inv"], m, _cdiv(k, 32), d.swizzled),
+        "scale": _read_scales(b["_rowwise_scale_inv"], m, cdiv(k, 32), d.swizzled),
     }
     if d.recipe["columnwise"]:
         out["columnwise_data"] = b["_columnwise_data"].view(torch.float8_e4m3fn)
-        out["columnwise_scale"] = _read_scales(b["_columnwise_scale_inv"], _cdiv(m, 32), k, d.swizzled, transposed=True)
+        out["columnwise_scale"] = _read_scales(b["_columnwise_scale_inv"], cdiv(m, 32), k, d.swizzled, transposed=True)
     return out
 
 
-def _mx_insert(obj, qt, d, fqn):
+def _mxfp8_insert(obj, qt, d, fqn):
     _check_holdable(d, fqn)
-    b = _held(obj, d, _mx_specs(d), fqn)
+    b = _held(obj, d, _mxfp8_specs(d), fqn)
     c = qt.components()
     b["_rowwise_data"].copy_(_u8(c["data"]))
     _write_scales(b["_rowwise_scale_inv"], c["scale"], d.swizzled)
@@ -590,19 +573,19 @@ def _mx_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- NVFP4Tensor -> nvfp4
-def _nv_specs(d: _Desc):
+def _nvfp4_specs(d: _TELayout):
     m, k = d.shape
     return {
         "_rowwise_data": ((m, k // 2), _U8),
-        "_rowwise_scale_inv": ((_rup(m, 128), _rup(_cdiv(k, 16), 4)), _U8),
+        "_rowwise_scale_inv": ((_rup(m, 128), _rup(cdiv(k, 16), 4)), _U8),
         "_columnwise_data": ((k, m // 2), _U8),
-        "_columnwise_scale_inv": ((_rup(k, 128), _rup(_cdiv(m, 16), 4)), _U8),
+        "_columnwise_scale_inv": ((_rup(k, 128), _rup(cdiv(m, 16), 4)), _U8),
         "_amax_rowwise": ((1,), _F32),
         "_amax_columnwise": ((1,), _F32),
     }
 
 
-def _nv_describe(obj, fqn):
+def _nvfp4_describe(obj, fqn):
     d = _prelude(obj, fqn, "NVFP4Tensor", "nvfp4")
     te = d.te_class
     code = _code(getattr(obj, "_fp4_dtype", None))
@@ -630,10 +613,10 @@ def _nv_describe(obj, fqn):
     return d
 
 
-def _nv_extract(obj, d, fqn):
-    b = _held(obj, d, _nv_specs(d), fqn)
+def _nvfp4_extract(obj, d, fqn):
+    b = _held(obj, d, _nvfp4_specs(d), fqn)
     m, k = d.shape
-    scale = _read_scales(b["_rowwise_scale_inv"], m, _cdiv(k, 16), d.swizzled)
+    scale = _read_scales(b["_rowwise_scale_inv"], m, cdiv(k, 16), d.swizzled)
     if d.recipe["two_d"]:  # 2-D mode: each 16x16 tile's scale repeated on its 16 rows (section 1.3)
         tiles = scale[::16]
         if not torch.equal(tiles.repeat_interleave(16, 0)[:m], scale):
@@ -647,10 +630,10 @@ def _nv_extract(obj, d, fqn):
     }
 
 
-def _nv_insert(obj, qt, d, fqn):
+def _nvfp4_insert(obj, qt, d, fqn):
     m, k = d.shape
     _check_holdable(d, fqn)
-    b = _held(obj, d, _nv_specs(d), fqn)
+    b = _held(obj, d, _nvfp4_specs(d), fqn)
     c = qt.components()
     two_d = qt.recipe.two_d
     scale = _u8(c["scale"])
@@ -674,9 +657,9 @@ def _nv_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- Float8BlockwiseQTensor -> fp8_block
-def _fb_specs(d: _Desc):
+def _float8_block_specs(d: _TELayout):
     m, k = d.shape
-    mb, kb = _cdiv(m, 128), _cdiv(k, 128)
+    mb, kb = cdiv(m, 128), cdiv(k, 128)
     two_d = d.recipe["block"] == (128, 128)
     return {
         "_rowwise_data": ((m, k), _U8),
@@ -686,7 +669,7 @@ def _fb_specs(d: _Desc):
     }
 
 
-def _fb_describe(obj, fqn):
+def _float8_block_describe(obj, fqn):
     d = _prelude(obj, fqn, "Float8BlockwiseQTensor", "fp8_block")
     code = _fp8_code(obj, fqn, d.te_class)
     if getattr(obj, "_rowwise_data", None) is None:
@@ -701,17 +684,17 @@ def _fb_describe(obj, fqn):
     return d
 
 
-def _fb_extract(obj, d, fqn):
-    b = _held(obj, d, _fb_specs(d), fqn)
+def _float8_block_extract(obj, d, fqn):
+    b = _held(obj, d, _float8_block_specs(d), fqn)
     m, k = d.shape
-    kb = _cdiv(k, 128)
+    kb = cdiv(k, 128)
     s = b["_rowwise_scale_inv"]
     scale = s[:, :kb] if d.recipe["block"] == (128, 128) else s[:, :m].t()  # 1-D: stored (K/128, M)
     return {"data": b["_rowwise_data"].view(d.recipe["fp8_dtype"]), "scale_inv": scale}
 
 
-def _fb_insert(obj, qt, d, fqn):
-    b = _held(obj, d, _fb_specs(d), fqn)
+def _float8_block_insert(obj, qt, d, fqn):
+    b = _held(obj, d, _float8_block_specs(d), fqn)
     c = qt.components()
     two_d = d.recipe["block"] == (128, 128)
     data, scale = _u8(c["data"]), c["scale_inv"]
@@ -738,20 +721,30 @@ def _fb_insert(obj, qt, d, fqn):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Kind:
+class _ClassHandler:
+    """How ckptq handles one TE tensor class: its ckptq format's class and the class's functions."""
+
     qt_class: type
-    describe: Callable[[Any, str], _Desc]
-    extract: Callable[[Any, _Desc, str], dict]
-    insert: Callable[[Any, QuantizedTensor, _Desc, str], float | None]
+    describe: Callable[[Any, str], _TELayout]
+    extract: Callable[[Any, _TELayout, str], dict]
+    insert: Callable[[Any, QuantizedTensor, _TELayout, str], float | None]
     columnwise_buffers: str  # named in the requantization warning
 
 
-_KINDS: dict[str, _Kind] = {
-    "Float8Tensor": _Kind(Float8Tensor, _f8_describe, _f8_extract, _f8_insert, "_transpose"),
-    "MXFP8Tensor": _Kind(MXFP8Tensor, _mx_describe, _mx_extract, _mx_insert, "_columnwise_data/_columnwise_scale_inv"),
-    "NVFP4Tensor": _Kind(NVFP4Tensor, _nv_describe, _nv_extract, _nv_insert, "_columnwise_data/_columnwise_scale_inv"),
-    "Float8BlockwiseQTensor": _Kind(
-        Float8BlockTensor, _fb_describe, _fb_extract, _fb_insert, "_columnwise_data/_columnwise_scale_inv"
+_HANDLERS: dict[str, _ClassHandler] = {
+    "Float8Tensor": _ClassHandler(Float8Tensor, _float8_describe, _float8_extract, _float8_insert, "_transpose"),
+    "MXFP8Tensor": _ClassHandler(
+        MXFP8Tensor, _mxfp8_describe, _mxfp8_extract, _mxfp8_insert, "_columnwise_data/_columnwise_scale_inv"
+    ),
+    "NVFP4Tensor": _ClassHandler(
+        NVFP4Tensor, _nvfp4_describe, _nvfp4_extract, _nvfp4_insert, "_columnwise_data/_columnwise_scale_inv"
+    ),
+    "Float8BlockwiseQTensor": _ClassHandler(
+        Float8BlockTensor,
+        _float8_block_describe,
+        _float8_block_extract,
+        _float8_block_insert,
+        "_columnwise_data/_columnwise_scale_inv",
     ),
 }
 
@@ -770,7 +763,7 @@ def te_class_of(obj: Any) -> str | None:
     return None
 
 
-def _kind(obj: Any, fqn: str) -> tuple[Any, _Kind, _Desc]:
+def _resolve(obj: Any, fqn: str) -> tuple[Any, _ClassHandler, _TELayout]:
     local = getattr(obj, "_local_tensor", obj)
     name = te_class_of(local)
     if name is None:
@@ -778,8 +771,8 @@ def _kind(obj: Any, fqn: str) -> tuple[Any, _Kind, _Desc]:
             f"tensor '{fqn}': {type(local).__name__} is not a TransformerEngine "
             f"quantized tensor ({', '.join(TE_CLASSES.values())})"
         )
-    kind = _KINDS[name]
-    return local, kind, kind.describe(local, fqn)
+    handler = _HANDLERS[name]
+    return local, handler, handler.describe(local, fqn)
 
 
 def _te_version() -> str | None:
@@ -831,7 +824,7 @@ def _quantizer_record(q: Any) -> dict | None:
     return out
 
 
-def _producer(obj: Any, d: _Desc) -> dict:
+def _producer(obj: Any, d: _TELayout) -> dict:
     rec: dict[str, Any] = {"name": PRODUCER, "version": _te_version(), "class": d.te_class}
     if d.te_class == "NVFP4Tensor":
         rec["fp4_dtype"] = "E2M1"
@@ -857,8 +850,8 @@ def _producer(obj: Any, d: _Desc) -> dict:
     return rec
 
 
-def _wrap(kind: _Kind, d: _Desc, comps: dict, fqn: str) -> QuantizedTensor:
-    cls = kind.qt_class
+def _wrap(handler: _ClassHandler, d: _TELayout, comps: dict, fqn: str) -> QuantizedTensor:
+    cls = handler.qt_class
     return cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
 
 
@@ -878,9 +871,9 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
         UnsupportedFormatError: what ckptq cannot hold exactly (names FQN, class and field).
         CheckpointFormatError: a buffer whose shape or dtype contradicts TE's layout.
     """
-    local, kind, d = _kind(obj, fqn)
-    comps = kind.extract(local, d, fqn)
-    return _wrap(kind, d, comps, fqn), _producer(local, d)
+    local, handler, d = _resolve(obj, fqn)
+    comps = handler.extract(local, d, fqn)
+    return _wrap(handler, d, comps, fqn), _producer(local, d)
 
 
 def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
@@ -888,9 +881,9 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     shape and device (what a load reads into before :func:`insert`). NVFP4 is 16x16 (``two_d``)
     when the quantizer says ``with_2d_quantization``; MXFP8 has columnwise components when
     ``obj`` holds columnwise data."""
-    local, kind, d = _kind(obj, fqn)
+    local, handler, d = _resolve(obj, fqn)
     _check_holdable(d, fqn)
-    cls = kind.qt_class
+    cls = handler.qt_class
     rec = cls.Recipe(**d.recipe)
     dev = (
         next(v.device for v in vars(local).values() if isinstance(v, torch.Tensor))
@@ -907,7 +900,7 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
 _HOLDABLE = {"MXFP8Tensor": 32, "NVFP4Tensor": 16}
 
 
-def _check_holdable(d: _Desc, fqn: str) -> None:
+def _check_holdable(d: _TELayout, fqn: str) -> None:
     """A shard TE itself could not hold (MXFP8 rows/cols not multiples of 32, NVFP4 of 16) is a
     sharding problem: raise ShardingError naming the FQN, class, shape and multiple."""
     mult = _HOLDABLE.get(d.te_class)
@@ -935,12 +928,12 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
             or the target's buffers contradict TE's layout.
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
-    local, kind, d = _kind(obj, fqn)
+    local, handler, d = _resolve(obj, fqn)
     check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.te_class))
-    sqnr = kind.insert(local, qt, d, fqn)
+    sqnr = handler.insert(local, qt, d, fqn)
     if sqnr is not None:
         warnings.warn(
-            f"{_where(fqn, d.te_class)}: the columnwise copy ({kind.columnwise_buffers}) was requantized "
+            f"{_where(fqn, d.te_class)}: the columnwise copy ({handler.columnwise_buffers}) was requantized "
             f"from the loaded rowwise values (SQNR {sqnr:.1f} dB against them): TE quantizes it from the "
             f"original high-precision weights, so it is close to, not bit-identical with, TE's own bytes.",
             stacklevel=2,

@@ -90,7 +90,8 @@ import torch
 
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
-from . import check_fits, refuse
+from ._swizzle import swizzle, swizzled_numel, unswizzle
+from .base import check_fits, refuse
 
 __all__ = [
     "AO_CLASSES",
@@ -105,21 +106,21 @@ __all__ = [
 ]
 
 PRODUCER = "torchao"
-_NV_MOD = "torchao.prototype.mx_formats.nvfp4_tensor"
-_MX_MOD = "torchao.prototype.mx_formats.mx_tensor"
-_F8_MOD = "torchao.quantization.quantize_.workflows.float8.float8_tensor"
+_NVFP4_MODULE = "torchao.prototype.mx_formats.nvfp4_tensor"
+_MX_MODULE = "torchao.prototype.mx_formats.mx_tensor"
+_FLOAT8_MODULE = "torchao.quantization.quantize_.workflows.float8.float8_tensor"
 
 #: ``(module, qualname)`` of torchao's tensor classes -> the class name. ``Float8Tensor`` sets its
 #: ``__module__`` to ``torchao.quantization`` (end of float8_tensor.py); both spellings are listed.
 AO_CLASSES: dict[tuple[str, str], str] = {
-    (_NV_MOD, "NVFP4Tensor"): "NVFP4Tensor",
-    (_MX_MOD, "MXTensor"): "MXTensor",
+    (_NVFP4_MODULE, "NVFP4Tensor"): "NVFP4Tensor",
+    (_MX_MODULE, "MXTensor"): "MXTensor",
     ("torchao.quantization", "Float8Tensor"): "Float8Tensor",
-    (_F8_MOD, "Float8Tensor"): "Float8Tensor",
+    (_FLOAT8_MODULE, "Float8Tensor"): "Float8Tensor",
 }
 
 _E4M3, _E5M2, _U8, _F32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float32
-_NV_AMAX_IDENTITY = 2688.0  # amax giving ckptq's nvfp4 decode e2m1 * float(s) exactly
+_NVFP4_IDENTITY_AMAX = 2688.0  # amax giving ckptq's nvfp4 decode e2m1 * float(s) exactly
 _INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)  # ckptq's fp32 constant (numerics.INV_2688)
 
 
@@ -129,7 +130,7 @@ def _positive_e4m3() -> torch.Tensor:
 
 
 _E4M3_POS = _positive_e4m3()  # the 126 finite positive E4M3 values
-assert torch.equal((_E4M3_POS * _NV_AMAX_IDENTITY) * _INV_2688, _E4M3_POS)
+assert torch.equal((_E4M3_POS * _NVFP4_IDENTITY_AMAX) * _INV_2688, _E4M3_POS)
 
 
 # ============================================================================ pickle stand-ins
@@ -239,15 +240,15 @@ _MM_CONFIG = _record_type("Float8MMConfig", ("emulate", "use_fast_accum", "pad_i
 
 #: Every torchao global a pickled torchao 0.18 tensor references -> ckptq's stand-in.
 PICKLE_GLOBALS: dict[tuple[str, str], Any] = {
-    (_NV_MOD, "NVFP4Tensor"): NVFP4Payload,
-    (_MX_MOD, "MXTensor"): MXPayload,
+    (_NVFP4_MODULE, "NVFP4Tensor"): NVFP4Payload,
+    (_MX_MODULE, "MXTensor"): MXPayload,
     ("torchao.quantization", "Float8Tensor"): Float8Payload,
-    (_F8_MOD, "Float8Tensor"): Float8Payload,
+    (_FLOAT8_MODULE, "Float8Tensor"): Float8Payload,
     ("torchao.quantization.quantize_.common.kernel_preference", "KernelPreference"): _enum_value,
     ("torchao.prototype.mx_formats.config", "ScaleCalculationMode"): _enum_value,
-    (_NV_MOD, "QuantizeTensorToNVFP4Kwargs"): _KWARG_RECORDS["QuantizeTensorToNVFP4Kwargs"],
-    (_MX_MOD, "QuantizeTensorToMXKwargs"): _KWARG_RECORDS["QuantizeTensorToMXKwargs"],
-    (_F8_MOD, "QuantizeTensorToFloat8Kwargs"): _KWARG_RECORDS["QuantizeTensorToFloat8Kwargs"],
+    (_NVFP4_MODULE, "QuantizeTensorToNVFP4Kwargs"): _KWARG_RECORDS["QuantizeTensorToNVFP4Kwargs"],
+    (_MX_MODULE, "QuantizeTensorToMXKwargs"): _KWARG_RECORDS["QuantizeTensorToMXKwargs"],
+    (_FLOAT8_MODULE, "QuantizeTensorToFloat8Kwargs"): _KWARG_RECORDS["QuantizeTensorToFloat8Kwargs"],
     ("torchao.quantization.granularity", "PerTensor"): _KWARG_RECORDS["PerTensor"],
     ("torchao.quantization.granularity", "PerRow"): _KWARG_RECORDS["PerRow"],
     ("torchao.quantization.granularity", "PerBlock"): _KWARG_RECORDS["PerBlock"],
@@ -283,33 +284,11 @@ def _plain(v: Any, depth: int = 0) -> Any:
 
 
 # ============================================================================ layout helpers
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _unswizzle(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Compact (rows, cols) scales from torchao's blocked layout of the zero-padded
-    (ceil(rows/128)*128, ceil(cols/4)*4) matrix (``from_blocked``)."""
-    rb, cb = _cdiv(rows, 128), _cdiv(cols, 4)
-    tiles = buf.reshape(rb, cb, 32, 4, 4)  # (row block, col block, row % 32, (row % 128) // 32, col % 4)
-    return tiles.permute(0, 3, 2, 1, 4).reshape(rb * 128, cb * 4)[:rows, :cols]
-
-
-def _swizzle(compact: torch.Tensor) -> torch.Tensor:
-    """torchao's blocked layout (flat) of ``compact`` (R, C), padding zeroed (``to_blocked``)."""
-    r, c = compact.shape
-    rb, cb = _cdiv(r, 128), _cdiv(c, 4)
-    padded = compact.new_zeros(rb * 128, cb * 4)
-    padded[:r, :c] = compact
-    return padded.view(rb, 4, 32, cb, 4).permute(0, 3, 2, 1, 4).reshape(-1)
-
-
-def _swizzled_numel(rows: int, cols: int) -> int:
-    return _cdiv(rows, 128) * _cdiv(cols, 4) * 512
-
-
 @dataclasses.dataclass
-class _Desc:
+class _AOLayout:
+    """What a torchao object holds, in ckptq terms: its torchao class, ckptq format, logical shape
+    and dtype, recipe, and whether its block scales are swizzled."""
+
     ao_class: str
     fmt: str
     shape: tuple[int, ...]
@@ -335,7 +314,7 @@ def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = Fal
     return t
 
 
-def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _Desc, fqn: str) -> None:
+def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _AOLayout, fqn: str) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise CheckpointFormatError(
             f"{_where(fqn, d.ao_class)}: field {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} "
@@ -343,14 +322,14 @@ def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _Des
         )
 
 
-def _row_major(obj: Any, d: _Desc, fqn: str) -> torch.Tensor:
+def _row_major(obj: Any, d: _AOLayout, fqn: str) -> torch.Tensor:
     q = _tensor(obj, "qdata", d.ao_class, fqn)
     if q.dim() < 2 or (q.dim() >= 2 and q.stride(-2) < q.stride(-1) and q.shape[-2] > 1 and q.shape[-1] > 1):
         _refuse(fqn, d.ao_class, f"qdata of strides {tuple(q.stride())}", "is transposed (column-major)")
     return q
 
 
-def _read_block_scales(obj: Any, d: _Desc, cols: int, dtype: torch.dtype, fqn: str) -> torch.Tensor:
+def _read_block_scales(obj: Any, d: _AOLayout, cols: int, dtype: torch.dtype, fqn: str) -> torch.Tensor:
     """Compact (..., M, cols) scales of an NVFP4/MX tensor (a view unless swizzled)."""
     *lead, m = d.shape[:-1]
     s = _tensor(obj, "scale", d.ao_class, fqn)
@@ -360,12 +339,12 @@ def _read_block_scales(obj: Any, d: _Desc, cols: int, dtype: torch.dtype, fqn: s
         _check(s, (*lead, m, cols), dtype, "scale", d, fqn)
         return s
     rows = math.prod(lead) * m
-    if s.numel() != _swizzled_numel(rows, cols):
+    if s.numel() != swizzled_numel(rows, cols):
         raise CheckpointFormatError(
             f"{_where(fqn, d.ao_class)}: swizzled scale has {s.numel()} elements, expected "
-            f"{_swizzled_numel(rows, cols)} for logical shape {d.shape} (torchao to_blocked)"
+            f"{swizzled_numel(rows, cols)} for logical shape {d.shape} (torchao to_blocked)"
         )
-    return _unswizzle(s.reshape(-1), rows, cols).reshape(*lead, m, cols)
+    return unswizzle(s.reshape(-1), rows, cols).reshape(*lead, m, cols)
 
 
 def _write_block_scales(obj: Any, compact: torch.Tensor, swizzled: bool) -> None:
@@ -373,7 +352,7 @@ def _write_block_scales(obj: Any, compact: torch.Tensor, swizzled: bool) -> None
     target = obj.scale.view(_U8)
     src = compact.view(_U8)
     if swizzled:
-        target.copy_(_swizzle(src.reshape(-1, src.shape[-1])).view(target.shape))
+        target.copy_(swizzle(src.reshape(-1, src.shape[-1])).view(target.shape))
     else:
         target.copy_(src)
 
@@ -392,12 +371,12 @@ def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
     p = torch.tensor(per_tensor_scale, dtype=_F32)
     if p.item() == 0.0:
         return 0.0, 0
-    a0 = (p * _NV_AMAX_IDENTITY).view(torch.int32)
+    a0 = (p * _NVFP4_IDENTITY_AMAX).view(torch.int32)
     want = (p * _E4M3_POS).view(torch.int32)
     best: tuple[int, float] | None = None
     for k in sorted(range(-4, 5), key=abs):
         a = (a0 + k).view(_F32)
-        if not torch.isfinite(a) or not torch.equal(a / _NV_AMAX_IDENTITY, p):
+        if not torch.isfinite(a) or not torch.equal(a / _NVFP4_IDENTITY_AMAX, p):
             continue
         got = ((_E4M3_POS * a) * _INV_2688).view(torch.int32)
         ulp = int((got.to(torch.int64) - want.to(torch.int64)).abs().max())
@@ -416,8 +395,8 @@ def _swizzled(obj: Any) -> bool:
     return bool(getattr(obj, "is_swizzled_scales", False))
 
 
-def _nv_describe(obj: Any, fqn: str) -> _Desc:
-    d = _Desc("NVFP4Tensor", "nvfp4", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+def _nvfp4_describe(obj: Any, fqn: str) -> _AOLayout:
+    d = _AOLayout("NVFP4Tensor", "nvfp4", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
     if len(d.shape) not in (2, 3):
         _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "is not 2-D or 3-D")
     if int(getattr(obj, "block_size", 16)) != 16:
@@ -430,12 +409,12 @@ def _nv_describe(obj: Any, fqn: str) -> _Desc:
     return d
 
 
-def _nv_amax(obj: Any, d: _Desc, fqn: str) -> tuple[torch.Tensor, int]:
+def _nvfp4_amax(obj: Any, d: _AOLayout, fqn: str) -> tuple[torch.Tensor, int]:
     lead = d.shape[:-2]
     pts = _tensor(obj, "per_tensor_scale", d.ao_class, fqn, optional=True)
     dev = obj.qdata.device
     if pts is None:
-        return torch.full(lead, _NV_AMAX_IDENTITY, dtype=_F32, device=dev), 0
+        return torch.full(lead, _NVFP4_IDENTITY_AMAX, dtype=_F32, device=dev), 0
     if pts.dtype != _F32 or pts.numel() not in (1, math.prod(lead)):
         _refuse(
             fqn,
@@ -462,10 +441,10 @@ def _nv_amax(obj: Any, d: _Desc, fqn: str) -> tuple[torch.Tensor, int]:
     return out.reshape(lead), worst
 
 
-def _nv_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+def _nvfp4_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     k = d.shape[-1]
     scale = _read_block_scales(obj, d, k // 16, _E4M3, fqn)
-    amax, ulp = _nv_amax(obj, d, fqn)
+    amax, ulp = _nvfp4_amax(obj, d, fqn)
     pts = getattr(obj, "per_tensor_scale", None)
     extra = {
         "per_tensor_scale": None if pts is None else ("per_expert" if pts.dim() == 3 else "scalar"),
@@ -477,7 +456,7 @@ def _nv_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale": scale, "amax": amax}, extra
 
 
-def _nv_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
     c = qt.components()
     scale = c["scale"]
     if qt.recipe.two_d:  # 16x16 tiles: each tile's scale on its 16 rows is the same 1x16 value
@@ -485,14 +464,14 @@ def _nv_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
     amax = c["amax"].to(_F32)
     pts = getattr(obj, "per_tensor_scale", None)
     if pts is None:
-        if not bool((amax == _NV_AMAX_IDENTITY).all()):
+        if not bool((amax == _NVFP4_IDENTITY_AMAX).all()):
             raise CheckpointFormatError(
                 f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's amax "
                 f"({amax.reshape(-1)[:4].tolist()}) is not 2688 (the single-level encoding); build the target "
                 f"with a per_tensor_scale (NVFP4Tensor.to_nvfp4(..., per_tensor_scale=...))"
             )
     else:
-        new = amax / _NV_AMAX_IDENTITY  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
+        new = amax / _NVFP4_IDENTITY_AMAX  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
         if pts.numel() == 1 and new.numel() > 1:
             if not bool((new == new.reshape(-1)[0]).all()):
                 raise CheckpointFormatError(
@@ -505,8 +484,8 @@ def _nv_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
     _write_block_scales(obj, scale, d.swizzled)
 
 
-def _mx_describe(obj: Any, fqn: str) -> _Desc:
-    d = _Desc("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+def _mxfp8_describe(obj: Any, fqn: str) -> _AOLayout:
+    d = _AOLayout("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
     elem = getattr(obj, "elem_dtype", None)
     if elem != _E4M3:
         _refuse(fqn, d.ao_class, f"elem_dtype={_plain(elem)}", "is not float8_e4m3fn (ckptq's mxfp8 is MXFP8 E4M3)")
@@ -522,7 +501,7 @@ def _mx_describe(obj: Any, fqn: str) -> _Desc:
     return d
 
 
-def _mx_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+def _mxfp8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     scale = _read_block_scales(obj, d, d.shape[-1] // 32, torch.float8_e8m0fnu, fqn).view(_U8)
     extra = {
         "elem_dtype": "float8_e4m3fn",
@@ -533,14 +512,14 @@ def _mx_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale": scale}, extra
 
 
-def _mx_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+def _mxfp8_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
     c = qt.components()
     obj.qdata.view(_U8).copy_(c["data"].view(_U8))
     _write_block_scales(obj, c["scale"], d.swizzled)
 
 
-def _f8_describe(obj: Any, fqn: str) -> _Desc:
-    d = _Desc("Float8Tensor", "", tuple(int(s) for s in obj.shape), obj.dtype, {})
+def _float8_describe(obj: Any, fqn: str) -> _AOLayout:
+    d = _AOLayout("Float8Tensor", "", tuple(int(s) for s in obj.shape), obj.dtype, {})
     if len(d.shape) < 2:
         _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "has fewer than 2 dims")
     q = _row_major(obj, d, fqn)
@@ -571,7 +550,7 @@ def _f8_describe(obj: Any, fqn: str) -> _Desc:
     return d
 
 
-def _f8_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
+def _float8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     s = obj.scale
     lead = d.shape[:-2]
     if d.fmt == "fp8_tensor":
@@ -593,7 +572,7 @@ def _f8_extract(obj: Any, d: _Desc, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale_inv": scale_inv}, extra
 
 
-def _f8_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
+def _float8_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
     c = qt.components()
     s = c["scale_inv"]
     if d.fmt == "fp8_tensor" and s.numel() > 1:
@@ -606,10 +585,10 @@ def _f8_insert(obj: Any, qt: QuantizedTensor, d: _Desc, fqn: str) -> None:
     obj.qdata.view(_U8).copy_(c["data"].view(_U8))
 
 
-_KINDS = {
-    "NVFP4Tensor": (_nv_describe, _nv_extract, _nv_insert),
-    "MXTensor": (_mx_describe, _mx_extract, _mx_insert),
-    "Float8Tensor": (_f8_describe, _f8_extract, _f8_insert),
+_HANDLERS = {
+    "NVFP4Tensor": (_nvfp4_describe, _nvfp4_extract, _nvfp4_insert),
+    "MXTensor": (_mxfp8_describe, _mxfp8_extract, _mxfp8_insert),
+    "Float8Tensor": (_float8_describe, _float8_extract, _float8_insert),
 }
 _QT = {"nvfp4": NVFP4Tensor, "mxfp8": MXFP8Tensor, "fp8_tensor": Float8Tensor, "fp8_block": Float8BlockTensor}
 
@@ -628,7 +607,7 @@ def ao_class_of(obj: Any) -> str | None:
     return None
 
 
-def _kind(obj: Any, fqn: str):
+def _resolve(obj: Any, fqn: str):
     local = getattr(obj, "_local_tensor", obj)
     name = ao_class_of(local)
     if name is None:
@@ -636,7 +615,7 @@ def _kind(obj: Any, fqn: str):
             f"tensor '{fqn}': {type(local).__name__} is not a torchao quantized tensor "
             f"(NVFP4Tensor, MXTensor, Float8Tensor)"
         )
-    describe, extract, ins = _KINDS[name]
+    describe, extract, ins = _HANDLERS[name]
     return local, describe(local, fqn), extract, ins
 
 
@@ -658,7 +637,7 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
         UnsupportedFormatError: what ckptq cannot hold exactly (names FQN, class and field).
         CheckpointFormatError: a field whose shape or dtype contradicts torchao's layout.
     """
-    local, d, extract, _ = _kind(obj, fqn)
+    local, d, extract, _ = _resolve(obj, fqn)
     comps, extra = extract(local, d, fqn)
     cls = _QT[d.fmt]
     qt = cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
@@ -677,7 +656,7 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
 def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     """Fresh uninitialized canonical components of ``obj``'s format, recipe, logical shape and device
     (what a load reads into before :func:`insert`)."""
-    local, d, _, _ = _kind(obj, fqn)
+    local, d, _, _ = _resolve(obj, fqn)
     cls = _QT[d.fmt]
     rec = cls.Recipe(**d.recipe)
     dev = local.qdata.device
@@ -697,7 +676,7 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
             (including an NVFP4 target without per_tensor_scale for a tensor whose amax is not 2688).
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
-    local, d, _, ins = _kind(obj, fqn)
+    local, d, _, ins = _resolve(obj, fqn)
     check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.ao_class))
     ins(local, qt, d, fqn)
     return None

@@ -1,0 +1,37 @@
+"""The GEMM scale swizzle that TransformerEngine and torchao both use for MXFP8 / NVFP4 block scales.
+
+The (R, C) scale matrix is zero-padded to (cdiv(R, 128) * 128, cdiv(C, 4) * 4) and stored as
+128x4 tiles in cuBLAS's order: tile (row tile, column tile), then ``i % 32``, ``(i % 128) // 32``,
+``j % 4`` -- the view/permute ``S.view(Rp/128, 4, 32, Cp/4, 4).permute(0, 3, 2, 1, 4)``
+(TransformerEngine's ``_with_gemm_swizzled_scales``, torchao's ``to_blocked`` / ``from_blocked``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..chunks import cdiv
+
+__all__ = ["swizzle", "unswizzle", "swizzled_numel"]
+
+
+def swizzled_numel(rows: int, cols: int) -> int:
+    """Elements of the swizzled buffer of a (rows, cols) scale matrix (the padded size)."""
+    return cdiv(rows, 128) * cdiv(cols, 4) * 512
+
+
+def unswizzle(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Compact (rows, cols) scales from a buffer of :func:`swizzled_numel` elements (any shape,
+    ``buf``'s dtype) holding the swizzle of the padded matrix; the inverse of :func:`swizzle`."""
+    rb, cb = cdiv(rows, 128), cdiv(cols, 4)
+    tiles = buf.reshape(rb, cb, 32, 4, 4)  # (row tile, col tile, i % 32, (i % 128) // 32, j % 4)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(rb * 128, cb * 4)[:rows, :cols]
+
+
+def swizzle(compact: torch.Tensor) -> torch.Tensor:
+    """The swizzled buffer (flat, ``compact``'s dtype, padding zeroed) of the (R, C) matrix ``compact``."""
+    r, c = compact.shape
+    rb, cb = cdiv(r, 128), cdiv(c, 4)
+    padded = compact.new_zeros(rb * 128, cb * 4)
+    padded[:r, :c] = compact
+    return padded.view(rb, 4, 32, cb, 4).permute(0, 3, 2, 1, 4).reshape(-1)
