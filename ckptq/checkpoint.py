@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -110,7 +110,7 @@ class CheckpointView(EntryTable):
     @property
     def files(self) -> list[Path]:
         """The data files the metadata names (sorted)."""
-        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, dict) else {}
+        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
         rels = {str(getattr(i, "relative_path", "")) for i in storage.values()} - {""}
         return [self.path / rel for rel in sorted(rels)]
 
