@@ -7,8 +7,8 @@ components folded together), a high-precision entry of a quantized tensor, a pla
 non-tensor (bytes) entry. The writer of checkpoint directories is :mod:`ckptq.io.writer`.
 
 :func:`open_checkpoint` opens any checkpoint ckptq reads (a DCP directory, or a source another
-library wrote that a registered opener recognizes, e.g. a Hugging Face safetensors folder or a
-``torch.save`` file) as an object with the :class:`CheckpointView` interface, so reshard, convert,
+library wrote that a listed source recognizes, e.g. a Hugging Face safetensors folder or a
+``torch.save`` file) as a :class:`ckptq.io.source.CheckpointSource`, so reshard, convert, export,
 inspect and verify work on all of them.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
 
@@ -31,9 +31,13 @@ from .contract import Entry, EntryTable, fold_entries, read_checksums, read_reco
 from .errors import CheckpointFormatError
 from .formats import from_components
 from .formats.base import QuantizedTensor
-from .io.reader import SafeFileSystemReader, load_entries, read_metadata
+from .io import safetensors, torchsave
+from .io.foreign import ForeignLocation
+from .io.metadata import METADATA_FILE
+from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
+from .io.source import CheckpointSource, SourceKind
 
-__all__ = ["Entry", "CheckpointView", "SavedChunk", "open_checkpoint", "register_source"]
+__all__ = ["Entry", "CheckpointView", "CheckpointSource", "SavedChunk", "open_checkpoint", "register_source"]
 
 #: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
 STAGING_BYTES = 1 << 20
@@ -70,7 +74,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 class CheckpointView(EntryTable):
-    """Read-only logical view of a DCP checkpoint directory.
+    """Read-only logical view of a DCP checkpoint directory (a :class:`ckptq.io.source.CheckpointSource`).
 
     Args:
         path: the checkpoint directory.
@@ -83,12 +87,16 @@ class CheckpointView(EntryTable):
         CheckpointFormatError / UnsafeCheckpointError: from :func:`ckptq.io.read_metadata`.
     """
 
+    source = "dcp"
+
     def __init__(self, path: PathLike, *, metadata: Metadata | None = None):
         self.path = Path(path)
-        self.metadata: Metadata = read_metadata(self.path) if metadata is None else metadata
+        if metadata is None:  # the reader validated the entries as it read the metadata
+            self.metadata, self._entries = read_metadata_and_entries(self.path)
+        else:
+            self.metadata, self._entries = metadata, fold_entries(metadata, where=str(self.path))
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
-        self._entries = fold_entries(self.metadata, where=str(self.path))
         self._saved: dict[str, list[SavedChunk] | None] = {}
         self._fds: dict[str, int] = {}
         self._staging: Any = None
@@ -98,6 +106,18 @@ class CheckpointView(EntryTable):
     def world_size(self) -> int | None:
         """Ranks that saved it (:func:`ckptq.contract.saved_world_size`)."""
         return saved_world_size(self.metadata)[0]
+
+    @property
+    def files(self) -> list[Path]:
+        """The data files the metadata names (sorted)."""
+        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        rels = {str(getattr(i, "relative_path", "")) for i in storage.values()} - {""}
+        return [self.path / rel for rel in sorted(rels)]
+
+    def entries_in_order(self) -> dict[str, Entry]:
+        """The logical entries in the checkpoint's entry order (FQN -> entry), as
+        :func:`ckptq.contract.fold_entries` gives them (:meth:`entries` sorts them by FQN)."""
+        return dict(self._entries)
 
     def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
         """The whole logical tensor: a QuantizedTensor for native entries, else a plain tensor.
@@ -175,7 +195,7 @@ class CheckpointView(EntryTable):
             index = MetadataIndex(key, c.offsets)
             info = (self.metadata.storage_data or {}).get(index)
             rel = getattr(info, "relative_path", None)
-            if rel is None or type(info).__name__ == "ForeignLocation" or getattr(info, "transform_descriptors", None):
+            if rel is None or isinstance(info, ForeignLocation) or getattr(info, "transform_descriptors", None):
                 out = None
                 break
             start, length = int(info.offset), int(info.length)
@@ -426,50 +446,42 @@ def _check_archive(blob: bytes, where: str) -> None:
         )
 
 
-#: ``(name, detect, open)`` of the non-DCP sources, tried in order (see :func:`register_source`).
-_SOURCES: list[tuple[str, Callable[[Path], bool], Callable[[Path], Any]]] = []
+def _is_dcp(p: Path) -> bool:
+    return p.is_dir() and (p / METADATA_FILE).is_file() or p.name == METADATA_FILE
 
 
-def register_source(name: str, detect: Callable[[Path], bool], opener: Callable[[Path], Any]) -> None:
-    """Teach :func:`open_checkpoint` another kind of checkpoint.
+def _open_dcp(p: Path) -> CheckpointView:
+    return CheckpointView(p.parent if p.name == METADATA_FILE else p)
+
+
+#: The kinds of checkpoint :func:`open_checkpoint` tries, in order (:func:`register_source` appends).
+_SOURCES: list[SourceKind] = [SourceKind("DCP checkpoint", _is_dcp, _open_dcp), torchsave.SOURCE, safetensors.SOURCE]
+
+
+def register_source(name: str, detect: Callable[[Path], bool], opener: Callable[[Path], CheckpointSource]) -> None:
+    """Teach :func:`open_checkpoint` another kind of checkpoint (tried after ckptq's own).
 
     Args:
         name: what it is, for messages (``"Hugging Face safetensors"``).
         detect: ``path -> bool``, cheap (file names, a config file), never raising for paths of
             other kinds.
-        opener: ``path -> view``: an object with :class:`CheckpointView`'s interface (``path``,
-            ``entries``, ``entry``, ``__contains__``, ``read``, ``read_raw_bytes``, ``mapping``)
-            whose entries are :class:`ckptq.contract.Entry` s with ckptq descriptors.
+        opener: ``path -> view``: a :class:`ckptq.io.source.CheckpointSource` whose entries are
+            :class:`ckptq.contract.Entry` s with ckptq descriptors.
     """
-    _SOURCES.append((name, detect, opener))
+    _SOURCES.append(SourceKind(name, detect, opener))
 
 
-def open_checkpoint(path: PathLike) -> Any:
+def open_checkpoint(path: PathLike) -> CheckpointSource:
     """A read-only logical view of the checkpoint at ``path``: :class:`CheckpointView` for a DCP
-    directory (or its ``.metadata``), else the view of the first registered source that
-    recognizes it.
+    directory (or its ``.metadata``), else the view of the first listed source that recognizes it
+    (a ``torch.save`` file, a safetensors file or folder, then registered ones).
 
     Raises:
         CheckpointFormatError: nothing recognizes ``path`` (names what was tried), or it is
             malformed; UnsafeCheckpointError: it would run code.
     """
     p = Path(path)
-    if p.is_dir() and (p / ".metadata").is_file() or p.name == ".metadata":
-        return CheckpointView(p.parent if p.name == ".metadata" else p)
-    _load_builtin_sources()
-    for _, detect, opener in _SOURCES:
-        if detect(p):
-            return opener(p)
+    for kind in _SOURCES:
+        if kind.detect(p):
+            return kind.open(p)
     return CheckpointView(p)  # raises the DCP reader's precise error (missing, not DCP, ...)
-
-
-def _load_builtin_sources() -> None:
-    """Register ckptq's own non-DCP sources (once): each module's ``SOURCE`` (name, detect, opener)."""
-    import importlib
-
-    while _BUILTIN_SOURCE_MODULES:
-        register_source(*importlib.import_module(_BUILTIN_SOURCE_MODULES.pop(0)).SOURCE)
-
-
-#: Modules (below this one) whose ``SOURCE`` tuple is registered on the first non-DCP open.
-_BUILTIN_SOURCE_MODULES: list[str] = ["ckptq.io.torchsave", "ckptq.io.safetensors"]

@@ -44,6 +44,8 @@ __all__ = [
     "NATIVE",
     "HIGH_PRECISION",
     "MODES",
+    "DESCRIPTOR_NOTE",
+    "RECORD_FOREIGN",
     "component_fqn",
     "validate_mode",
     "read_record",
@@ -65,6 +67,11 @@ CKPTQ_KEY = "__ckptq__"
 CONTRACT_VERSION = 1
 NATIVE, HIGH_PRECISION = "native", "high_precision"
 MODES = (NATIVE, HIGH_PRECISION)
+#: Descriptor field: why a quantized tensor is stored or read in high precision (a foreign tensor whose
+#: shards are off the global block grid), for tools to show.
+DESCRIPTOR_NOTE = "note"
+#: Record field: True in a record made while reading a checkpoint that no ckptq wrote (another library's).
+RECORD_FOREIGN = "foreign"
 
 
 def component_fqn(fqn: str, component: str) -> str:
@@ -207,13 +214,18 @@ def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int]
     return desc
 
 
-def high_precision_descriptor(desc: Mapping, stored_dtype: torch.dtype, shape: Sequence[int] | None = None) -> dict:
+def high_precision_descriptor(
+    desc: Mapping, stored_dtype: torch.dtype, shape: Sequence[int] | None = None, *, note: str | None = None
+) -> dict:
     """A quantized tensor's descriptor (native or high precision) turned into that of its
-    high-precision entry stored as ``stored_dtype`` (of logical ``shape``, default the descriptor's)."""
+    high-precision entry stored as ``stored_dtype`` (of logical ``shape``, default the descriptor's),
+    with ``note`` (:data:`DESCRIPTOR_NOTE`) if given."""
     out = {k: v for k, v in desc.items() if k != "components"}
     out.update(mode=HIGH_PRECISION, stored_dtype=dtype_to_str(stored_dtype))
     if shape is not None:
         out["shape"] = [int(s) for s in shape]
+    if note is not None:
+        out[DESCRIPTOR_NOTE] = note
     return out
 
 

@@ -20,12 +20,25 @@ from torch.distributed.checkpoint.metadata import Metadata
 from . import adapters
 from .checkpoint import CheckpointView, open_checkpoint
 from .checksums import checksum_key
-from .contract import Entry, fold_entries, has_record, read_checksums, read_record, saved_world_size
+from .contract import (
+    DESCRIPTOR_NOTE,
+    HIGH_PRECISION,
+    NATIVE,
+    Entry,
+    has_record,
+    read_checksums,
+    read_record,
+    saved_world_size,
+)
+from .formats import from_components
 from .formats.base import dtype_to_str, str_to_dtype
+from .io.source import CheckpointSource
 
 __all__ = ["inspect_checkpoint"]
 
-PLAIN, NATIVE, HIGH_PRECISION, BYTES = "plain", "native", "high_precision", "bytes"
+#: The ``mode`` of a row that is no ckptq tensor: a plain tensor, or a non-tensor entry (ckptq
+#: tensors' rows carry their descriptor's mode, :data:`ckptq.contract.NATIVE` / ``HIGH_PRECISION``).
+PLAIN, BYTES = "plain", "bytes"
 
 
 def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> dict:
@@ -86,7 +99,7 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
     view = open_checkpoint(root)
     if isinstance(view, CheckpointView):
         metadata = view.metadata
-        entries = fold_entries(metadata, where=str(view.path))  # in the checkpoint's entry order
+        entries = view.entries_in_order()  # folded once, as the metadata was read
         stored = _dcp_stored(metadata)
     else:
         metadata, entries = None, {e.fqn: e for e in view.entries()}
@@ -160,7 +173,7 @@ def _row_of(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
         row["producer"] = " ".join(str(producer[k]) for k in ("name", "class", "layout") if producer.get(k))
     else:
         row["producer"] = adapters.describe_entry(e.fqn)
-    row["note"] = desc.get("note")
+    row["note"] = desc.get(DESCRIPTOR_NOTE)
     return row
 
 
@@ -206,10 +219,10 @@ def _stored_row(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
     )
 
 
-def _view_summary(view: Any, rows: list[dict]) -> dict:
+def _view_summary(view: CheckpointSource, rows: list[dict]) -> dict:
     """The summary of a non-DCP source: sizes and formats as for DCP; no world size or DCP version."""
     out = _summary(None, rows)
-    out.update(files=len(getattr(view, "files", ()) or ()), source=getattr(view, "source", None))
+    out.update(files=len(view.files), source=view.source)
     return out
 
 
@@ -275,8 +288,6 @@ def _value_stats(x: torch.Tensor) -> dict:
 
 
 def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
-    from .formats import from_components
-
     qt = from_components(desc, comps)
     out = _value_stats(qt.dequantize(torch.float32))
     cls = type(qt)
@@ -289,15 +300,14 @@ def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
     return out
 
 
-def _add_stats(view: Any, rows: list[dict], entries: Mapping[str, Entry], progress: bool) -> None:
+def _add_stats(view: CheckpointSource, rows: list[dict], entries: Mapping[str, Entry], progress: bool) -> None:
     from tqdm import tqdm
 
     for row in tqdm(rows, desc="reading", unit="tensor", disable=not progress, leave=False):
         e = entries[row["fqn"]]
         if e.kind == "bytes":
             row["stats"] = None
-            if isinstance(view, CheckpointView):
-                view.read_raw_bytes(e.fqn)  # checks the record is intact (never unpickled)
+            view.read_raw_bytes(e.fqn)  # checks the record is intact (never unpickled)
             continue
         value = view.read(e.fqn)
         if e.kind == "quantized":

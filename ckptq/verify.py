@@ -11,7 +11,11 @@ from pathlib import Path
 import torch
 
 from .checkpoint import open_checkpoint
+from .contract import read_checksums
 from .formats.base import QuantizedTensor
+from .io import torchsave
+from .io.reader import SafeFileSystemReader
+from .io.safetensors import check_safetensors_records, is_safetensors_source
 from .metrics import bit_exact, max_abs_error, sqnr_db
 
 __all__ = ["verify_checkpoints", "check_integrity"]
@@ -42,11 +46,6 @@ def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] 
         CheckpointFormatError / UnsafeCheckpointError: the metadata cannot be read (then no record
             can be located).
     """
-    from .contract import read_checksums
-    from .io import torchsave
-    from .io.reader import SafeFileSystemReader
-    from .io.safetensors import check_safetensors_records, is_safetensors_source
-
     if is_safetensors_source(Path(path)) or torchsave.detect(Path(path)):
         check = check_safetensors_records if is_safetensors_source(Path(path)) else torchsave.check_torchsave_records
         problems, verified, unverified = check(path, progress=progress)

@@ -19,7 +19,7 @@ import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.errors import CheckpointFormatError, ChecksumMismatchError
 from ckptq.io import read_metadata
-from ckptq.io.reader import check_record_header
+from ckptq.io.record_check import check_record_header
 from ckptq.io.records import locate_payload, payload_crc32, tensor_record
 from ckptq.io.writer import CheckpointDirWriter
 from ckptq.reshard import reshard_checkpoint

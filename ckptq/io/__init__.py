@@ -1,16 +1,17 @@
 """Safe reading of checkpoints (allow-listed unpickling of DCP metadata, a safe DCP reader, foreign
-records) and writing them (the offline writer, an atomic ``dcp.save`` storage writer)."""
+records, the other sources) and writing them (the offline writer, an atomic ``dcp.save`` storage writer).
+
+Modules: :mod:`~ckptq.io.reader` (the DCP storage reader), :mod:`~ckptq.io.metadata` (``.metadata``
+checks), :mod:`~ckptq.io.record_check` (one ``torch.save`` record opened and checked),
+:mod:`~ckptq.io.records` (record byte layout), :mod:`~ckptq.io.foreign` (other libraries' DCP records),
+:mod:`~ckptq.io.source` (the interface every checkpoint source implements), :mod:`~ckptq.io.torchsave`
+and :mod:`~ckptq.io.safetensors` (non-DCP sources), :mod:`~ckptq.io.safe_pickle`, :mod:`~ckptq.io.writer`.
+"""
 
 from __future__ import annotations
 
-from .reader import (
-    METADATA_FILE,
-    SafeFileSystemReader,
-    check_storage,
-    dcp_failure,
-    load_entries,
-    read_metadata,
-)
+from .metadata import METADATA_FILE, check_storage
+from .reader import SafeFileSystemReader, dcp_failure, load_entries, read_metadata
 from .safe_pickle import ALLOWED_GLOBALS, SafeUnpickler, safe_load, safe_loads
 from .writer import AtomicFileSystemWriter, ChecksumFileSystemWriter
 

@@ -12,10 +12,10 @@ one chunk per saved shard and a descriptor carrying its producer, so inspect, re
 load planner and ``CheckpointView`` treat it like a tensor ckptq saved. A tensor whose shards'
 block grids do not line up with the global grid (padding inside the global tensor) becomes a
 high-precision float32 entry instead, each shard dequantized with its own scales (the exact
-values), and says so in its descriptor's ``"note"``. :func:`read_foreign_items` serves the read
-items of those virtual entries from the records; :func:`load_record` is the restricted unpickler
-(torch's ``weights_only`` unpickler plus the adapters' declared globals, mapped to ckptq stand-ins;
-nothing else is resolved).
+values), and says so in its descriptor's note (:data:`ckptq.contract.DESCRIPTOR_NOTE`).
+:func:`read_foreign_items` serves the read items of those virtual entries from the records;
+:func:`load_record` is the restricted unpickler (torch's ``weights_only`` unpickler plus the
+adapters' declared globals, mapped to ckptq stand-ins; nothing else is resolved).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from .. import adapters, chunks
 from ..contract import (
     CKPTQ_KEY,
+    RECORD_FOREIGN,
     component_fqn,
     has_record,
     high_precision_descriptor,
@@ -52,6 +53,7 @@ from ..contract import (
     saved_world_size,
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
+from .record_check import check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
 
@@ -104,8 +106,6 @@ def load_record(blob: bytes, *, source: str) -> Any:
         UnsafeCheckpointError: the record references a global nobody declared (named).
         CheckpointFormatError: the record is truncated or corrupt.
     """
-    from .reader import check_record_header
-
     check_record_header(io.BytesIO(blob), source)  # the pickle's CRC-32: a flipped flag is an error
     globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
     try:
@@ -239,7 +239,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
             )
         desc = native_descriptor(qt0, fqn, shape, producer)
         if expect.problem is not None:
-            descriptors[fqn] = {**high_precision_descriptor(desc, torch.float32), "note": expect.problem}
+            descriptors[fqn] = high_precision_descriptor(desc, torch.float32, note=expect.problem)
             sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
             for box, inf in zip(boxes, infos, strict=False):
                 new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
@@ -269,9 +269,9 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     planner_data = dict(metadata.planner_data or {}) if isinstance(metadata.planner_data, Mapping) else {}
     world_size = record.get("world_size") or saved_world_size(metadata)[0] or 1
     extra = {k: v for k, v in record.items() if k not in ("version", "world_size", "tensors")}
-    planner_data[CKPTQ_KEY] = make_record(descriptors, world_size, **extra)
     if not has_record(metadata.planner_data):
-        planner_data[CKPTQ_KEY]["foreign"] = True  # no ckptq wrote this checkpoint
+        extra[RECORD_FOREIGN] = True  # no ckptq wrote this checkpoint
+    planner_data[CKPTQ_KEY] = make_record(descriptors, world_size, **extra)
     return dataclasses.replace(metadata, state_dict_metadata=sdm, storage_data=new_storage, planner_data=planner_data)
 
 

@@ -15,7 +15,7 @@ one place that relies on that layout:
   member (one per template).
 * :func:`locate_payload` finds the payload of a record on disk after the checks
   ``SafeFileSystemReader`` makes: the zip directory and ``data.pkl``'s CRC-32
-  (:func:`~ckptq.io.reader.check_record_header`), ``torch.load(weights_only=True)`` of the pickle
+  (:func:`~ckptq.io.record_check.check_record_header`), ``torch.load(weights_only=True)`` of the pickle
   with ``map_location="meta"`` (nothing of the payload is read or allocated), the dtype and shape
   against the metadata, a contiguous little-endian payload inside the record.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointFormatError, CkptqError
-from .reader import ReadView
+from .record_check import ReadView
 
 __all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
 
@@ -221,7 +221,7 @@ def locate_payload(
     """
     import zipfile
 
-    from .reader import check_chunk_tensor, check_record_header, load_weights_only
+    from .record_check import check_chunk_tensor, check_record_header, load_weights_only
 
     try:
         window = _ends(stream, start, length)

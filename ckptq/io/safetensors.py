@@ -29,6 +29,7 @@ from ..errors import CheckpointFormatError
 from ..formats import from_components
 from ..formats.base import QuantizedTensor, str_to_dtype
 from ..numerics import HP_FORMATS
+from .source import SourceKind
 
 __all__ = ["SafetensorsView", "is_safetensors_source", "check_safetensors_records", "INDEX_NAME"]
 
@@ -58,7 +59,7 @@ def _read_json(p: Path) -> dict | None:
 
 
 class SafetensorsView(EntryTable):
-    """Read-only logical view of a safetensors file or folder (:class:`ckptq.checkpoint.CheckpointView` interface).
+    """Read-only logical view of a safetensors file or folder (:class:`ckptq.io.source.CheckpointSource`).
 
     Args:
         path: a ``.safetensors`` file or a folder.
@@ -215,7 +216,7 @@ class SafetensorsView(EntryTable):
         f = self._where[name]
         return _load_checked(f, name, read_safetensors_table(self._file_meta.get(f)))
 
-    # ------------------------------------------------------------------ CheckpointView interface
+    # ------------------------------------------------------------------ CheckpointSource interface
     def hf_name(self, fqn: str) -> str:
         """The HF tensor name of a plain entry (the module path + ``.weight`` of a quantized one)."""
         if fqn in self._plain:
@@ -245,9 +246,16 @@ class SafetensorsView(EntryTable):
     def mapping(self, key: str) -> tuple | None:
         return None
 
+    def saved_chunks(self, key: str) -> list | None:
+        """None: tensors are read whole, through ``safetensors`` (each checked against its file's checksum)."""
+        return None
 
-#: ``(name, detect, opener)`` for :func:`ckptq.checkpoint.open_checkpoint`.
-SOURCE = ("Hugging Face safetensors", is_safetensors_source, SafetensorsView)
+    def close(self) -> None:
+        """Nothing to release (each read opens and closes its file)."""
+
+
+#: The kind :func:`ckptq.checkpoint.open_checkpoint` lists.
+SOURCE = SourceKind("Hugging Face safetensors", is_safetensors_source, SafetensorsView)
 
 
 def _load_checked(f: Path, name: str, table: dict | None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """``torch.save`` files as ckptq checkpoints (a source for :func:`ckptq.open_checkpoint`).
 
 A ``torch.save`` file of a dict of tensors (a model's ``state_dict()``, nested dicts flattened with
-``'.'``) is presented through the :class:`ckptq.checkpoint.CheckpointView` interface: plain tensors
+``'.'``) is presented as a :class:`ckptq.io.source.CheckpointSource`: plain tensors
 are ``"tensor"`` entries, foreign quantized tensors that a registered adapter knows (torchao's
 ``NVFP4Tensor`` / ``MXTensor`` / ``Float8Tensor``, TransformerEngine's) are ``"quantized"`` entries
 with ckptq descriptors (:func:`ckptq.contract.native_descriptor`, the adapter's ``producer``), read as
@@ -33,6 +33,7 @@ from ..contract import Entry, EntryTable, component_fqn, native_descriptor
 from ..errors import CheckpointFormatError
 from ..formats.base import QuantizedTensor
 from .foreign import load_record
+from .source import SourceKind
 
 __all__ = ["TorchSaveView", "detect", "check_torchsave_records"]
 
@@ -111,15 +112,19 @@ class TorchSaveView(EntryTable):
     Args:
         path: the file.
 
+    Implements :class:`ckptq.io.source.CheckpointSource`.
+
     Attributes:
         path: the file; ``files``: ``[path]``; ``source``: ``"torch.save file"``;
-        skipped: the keys of non-tensor values (not entries).
+        skipped: the keys of non-tensor values (not entries); ``world_size``: None (not recorded).
 
     Raises:
         UnsafeCheckpointError: the pickle references a global nobody maps (nothing is run).
         CheckpointFormatError: the file is corrupt or not a dict of tensors.
         UnsupportedFormatError: an adapter refuses a foreign tensor (names FQN, class and field).
     """
+
+    world_size = None
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -172,6 +177,13 @@ class TorchSaveView(EntryTable):
         """None: a torch.save file has no DCP flatten mapping."""
         return None
 
+    def saved_chunks(self, key: str) -> list | None:
+        """None: the entries are read whole (the file was loaded when the view was opened)."""
+        return None
 
-#: ``(name, detect, opener)`` for :func:`ckptq.checkpoint.open_checkpoint`.
-SOURCE = (NAME, detect, TorchSaveView)
+    def close(self) -> None:
+        """Nothing to release (the file is closed once loaded)."""
+
+
+#: The kind :func:`ckptq.checkpoint.open_checkpoint` lists.
+SOURCE = SourceKind(NAME, detect, TorchSaveView)
