@@ -40,7 +40,7 @@ __all__ = [
     "QuantizedLoadPlanner",
     "quantize_state_dict",
     "reshard_checkpoint",
-    "convert_checkpoint",
+    "ReshardOptions",
     "CkptqError",
     "CheckpointFormatError",
     "ChecksumMismatchError",
@@ -58,7 +58,7 @@ def __getattr__(name):  # planners and reshard import torch.distributed.checkpoi
         from . import planners
 
         return getattr(planners, name)
-    if name in ("reshard_checkpoint", "convert_checkpoint"):
+    if name in ("reshard_checkpoint", "ReshardOptions"):
         from . import reshard
 
         return getattr(reshard, name)

@@ -45,6 +45,7 @@ __all__ = [
     "HIGH_PRECISION",
     "MODES",
     "component_fqn",
+    "component_path",
     "validate_mode",
     "read_record",
     "has_record",
@@ -70,6 +71,12 @@ MODES = (NATIVE, HIGH_PRECISION)
 def component_fqn(fqn: str, component: str) -> str:
     """DCP key of one component of a natively saved quantized tensor: ``f"{fqn}.{component}"``."""
     return f"{fqn}.{component}"
+
+
+def component_path(path: tuple, component: str) -> tuple:
+    """DCP flatten mapping (state_dict path tuple) of one component of a quantized tensor whose
+    own mapping is ``path``: the last key gains ``.{component}``, as :func:`component_fqn` does."""
+    return (*path[:-1], f"{path[-1]}.{component}")
 
 
 def validate_mode(mode: str, where: str) -> str:
