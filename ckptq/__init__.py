@@ -39,7 +39,7 @@ __all__ = [
     "QuantizedLoadPlanner",
     "quantize_state_dict",
     "reshard_checkpoint",
-    "convert_checkpoint",
+    "ReshardOptions",
     "CkptqError",
     "CheckpointFormatError",
     "ChecksumMismatchError",
@@ -57,7 +57,7 @@ def __getattr__(name):  # planners and reshard import torch.distributed.checkpoi
         from . import planners
 
         return getattr(planners, name)
-    if name in ("reshard_checkpoint", "convert_checkpoint"):
+    if name in ("reshard_checkpoint", "ReshardOptions"):
         from . import reshard
 
         return getattr(reshard, name)

@@ -47,6 +47,7 @@ __all__ = [
     "DESCRIPTOR_NOTE",
     "RECORD_FOREIGN",
     "component_fqn",
+    "component_path",
     "validate_mode",
     "read_record",
     "has_record",
@@ -77,6 +78,12 @@ RECORD_FOREIGN = "foreign"
 def component_fqn(fqn: str, component: str) -> str:
     """DCP key of one component of a natively saved quantized tensor: ``f"{fqn}.{component}"``."""
     return f"{fqn}.{component}"
+
+
+def component_path(path: tuple, component: str) -> tuple:
+    """DCP flatten mapping (state_dict path tuple) of one component of a quantized tensor whose
+    own mapping is ``path``: the last key gains ``.{component}``, as :func:`component_fqn` does."""
+    return (*path[:-1], f"{path[-1]}.{component}")
 
 
 def validate_mode(mode: str, where: str) -> str:

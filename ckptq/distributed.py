@@ -6,7 +6,8 @@ gloo object collectives (no GPU needed): rank 0 prepares the output and broadcas
 process writes its share, every process reports success or its error,
 and only when all succeeded does rank 0 write ``.metadata`` and rename the output into place. A
 process that fails makes every process raise (:class:`~ckptq.errors.CkptqError` naming the failed
-ranks and their errors) and leaves no complete-looking output.
+ranks and their errors) and leaves no complete-looking output. :func:`prepare_write_commit` is
+that protocol, with or without a group.
 
 :func:`assign` is the work split: items (tensors) by estimated cost, largest first onto the process
 with the least so far (LPT), the same on every process.
@@ -16,11 +17,15 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .errors import CkptqError
 
-__all__ = ["Group", "assign", "torchrun_world_size"]
+__all__ = ["Group", "assign", "prepare_write_commit", "torchrun_world_size"]
+
+P = TypeVar("P")
+R = TypeVar("R")
 
 #: How long a collective waits for the slowest process (a share of a multi-TB job takes a while).
 TIMEOUT = datetime.timedelta(hours=12)
@@ -159,3 +164,55 @@ class Group:
         except BaseException as e:
             e.ckptq_reported = True  # type: ignore[attr-defined]  # a peer died: no further collectives
             raise
+
+
+def prepare_write_commit(
+    group: Group | None,
+    *,
+    prepare: Callable[[], P],
+    write: Callable[[P], Any],
+    commit: Callable[[P, list[Any]], R],
+    abort: Callable[[], None],
+    discard: Callable[[P], None],
+) -> R:
+    """Rank 0 prepares, every process writes, rank 0 commits once all succeeded.
+
+    ``prepare()`` runs on rank 0 (its result, or its error, goes to every process: all raise it);
+    ``write(prepared)`` on every process, returning what rank 0 needs from it (picklable);
+    ``commit(prepared, parts)`` on rank 0 with every process's part in rank order, once every
+    process reported success; its result is returned on every process. When anything fails
+    (anywhere): ``abort()`` on every process (drop local state, e.g. close files), then the
+    failure is reported to the others (they raise :class:`~ckptq.errors.CkptqError` naming it),
+    then ``discard(prepared)`` on rank 0, and the error is raised. With ``group`` None the same
+    steps run in this process alone (``commit`` gets ``[part]``).
+
+    Every process must call this with the same ``group`` and in the same order of collectives.
+    """
+    root = group is None or group.rank == 0
+    prepared: Any = None
+    if root:
+        try:
+            prepared = prepare()
+        except BaseException as e:
+            if group is None:
+                raise
+            prepared = e
+    if group is not None:
+        prepared = group.broadcast(prepared)
+        if isinstance(prepared, BaseException):
+            raise prepared
+    try:
+        part = write(prepared)
+        if group is None:
+            return commit(prepared, [part])
+        parts = group.gather_ok(part, to_root=True)  # raises on every process if one failed
+        result = commit(prepared, parts) if root else None
+        group.gather_ok("committed" if root else "ok")
+        return group.broadcast(result)
+    except BaseException as e:
+        abort()
+        if group is not None and not getattr(e, "ckptq_reported", False):
+            group.report_failure(e)  # the others fail their next collective with this (once done writing)
+        if root:
+            discard(prepared)
+        raise

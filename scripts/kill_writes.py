@@ -48,7 +48,7 @@ while True:
     elif op == "reshard":
         ckptq.reshard_checkpoint(src, dst, mesh="dp_shard=2,tp=2", plan="fsdp2-tp", overwrite=True)
     elif op == "convert":
-        ckptq.convert_checkpoint(src, dst, to="nvfp4", overwrite=True)
+        ckptq.reshard_checkpoint(src, dst, to="nvfp4", overwrite=True)
     else:
         export_checkpoint(src, dst, layout="compressed-tensors", overwrite=True)
 """
@@ -108,7 +108,7 @@ def run(
         "export": work / "ref-export",
     }
     ckptq.reshard_checkpoint(src, refs["reshard"], mesh="dp_shard=2,tp=2", plan="fsdp2-tp")
-    ckptq.convert_checkpoint(src, refs["convert"], to="nvfp4")
+    ckptq.reshard_checkpoint(src, refs["convert"], to="nvfp4")
     export_checkpoint(src, refs["export"], layout="compressed-tensors")
     rng = random.Random(seed)
     out = {}

@@ -145,7 +145,7 @@ def test_verify_path_checks_integrity(tmp_path):
 def test_offline_tools_write_checksums(tmp_path):
     sd = _state()
     _save(sd, tmp_path / "src", writer=dcp.FileSystemWriter)  # no checksums in the source
-    ckptq.convert_checkpoint(tmp_path / "src", tmp_path / "bf16", to="bfloat16")
+    ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "bf16", to="bfloat16")
     ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "r2", mesh="dp_shard=2", plan="fsdp2")
     from ckptq.verify import check_integrity
 

@@ -253,7 +253,7 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
                 "--misaligned",
                 "high-precision",
             ],
-            lambda dst: ckptq.convert_checkpoint(
+            lambda dst: ckptq.reshard_checkpoint(
                 path,
                 dst,
                 to="fp8_block",
@@ -265,7 +265,7 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
         ),
         (
             ["convert", path, tmp_path / "cli3", "--to", "fp16"],
-            lambda dst: ckptq.convert_checkpoint(path, dst, to="fp16"),
+            lambda dst: ckptq.reshard_checkpoint(path, dst, to="fp16"),
         ),
     ]
     for i, (args, call) in enumerate(cases):
@@ -292,7 +292,7 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
 
 def test_convert_with_fp8_dtype(ckpt, tmp_path):
     path, _ = ckpt
-    result = ckptq.convert_checkpoint(path, tmp_path / "out", to="fp8_tensor", fp8_dtype="e5m2")
+    result = ckptq.reshard_checkpoint(path, tmp_path / "out", to="fp8_tensor", fp8_dtype="e5m2")
     assert result["tensors"] == 6
     from ckptq.checkpoint import CheckpointView
 

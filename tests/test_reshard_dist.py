@@ -17,7 +17,7 @@ from ckptq.checksums import checksum_key
 from ckptq.contract import read_checksums
 from ckptq.distributed import assign
 from ckptq.io import read_metadata
-from ckptq.reshard import convert_checkpoint, reshard_checkpoint
+from ckptq.reshard import reshard_checkpoint
 from ckptq.verify import check_integrity, verify_checkpoints
 
 RULES = ["*.q_proj.weight=col", "*.o_proj.weight=row"]
@@ -47,6 +47,7 @@ def test_assign_balances_bytes():
 def _worker(rank, world_size, command, src, dst, options, fail_rank):
     import ckptq.reshard as r
     from ckptq.io import writer
+    from ckptq.reshard import transform
 
     if rank == fail_rank:
 
@@ -55,8 +56,8 @@ def _worker(rank, world_size, command, src, dst, options, fail_rank):
 
         writer.CheckpointDirWriter.add_encoded = broken
         writer.CheckpointDirWriter.add_chunk = broken
-    counts = _count_work(r, writer)
-    fn = r.reshard_checkpoint if command == "reshard" else r.convert_checkpoint
+    counts = _count_work(transform, writer)
+    fn = r.reshard_checkpoint  # convert: the options carry to=...
     try:
         out = fn(src, dst, distributed=True, **options)
     except Exception as e:  # noqa: BLE001 - reported to the test
@@ -64,10 +65,10 @@ def _worker(rank, world_size, command, src, dst, options, fail_rank):
     return ("ok", out["processes"], out["process_rank"], out["bytes_per_rank"], sorted(out["requantized"]), counts)
 
 
-def _count_work(reshard_module, writer_module) -> dict:
-    """Count, in this process, the tensors computed (``_materialize``) and the tensor records written."""
+def _count_work(transform_module, writer_module) -> dict:
+    """Count, in this process, the tensors computed (``materialize``) and the tensor records written."""
     counts = {"computed": 0, "records": 0}
-    materialize, add_entry = reshard_module._materialize, writer_module.CheckpointDirWriter._add_entry_chunk
+    materialize, add_entry = transform_module.materialize, writer_module.CheckpointDirWriter._add_entry_chunk
 
     def counted_materialize(*args, **kwargs):
         counts["computed"] += 1
@@ -77,21 +78,21 @@ def _count_work(reshard_module, writer_module) -> dict:
         counts["records"] += 1
         return add_entry(self, *args, **kwargs)
 
-    reshard_module._materialize = counted_materialize
+    transform_module.materialize = counted_materialize
     writer_module.CheckpointDirWriter._add_entry_chunk = counted_add_entry
     return counts
 
 
 def _one_process_work(fn, src, dst, options) -> dict:
-    import ckptq.reshard as r
     from ckptq.io import writer
+    from ckptq.reshard import transform
 
-    saved = r._materialize, writer.CheckpointDirWriter._add_entry_chunk
+    saved = transform.materialize, writer.CheckpointDirWriter._add_entry_chunk
     try:
-        counts = _count_work(r, writer)
+        counts = _count_work(transform, writer)
         return {"report": fn(src, dst, **options), **counts}
     finally:
-        r._materialize, writer.CheckpointDirWriter._add_entry_chunk = saved
+        transform.materialize, writer.CheckpointDirWriter._add_entry_chunk = saved
 
 
 @pytest.mark.slow
@@ -106,7 +107,7 @@ def _one_process_work(fn, src, dst, options) -> dict:
 )
 def test_two_processes_write_the_one_process_checkpoint(src, tmp_path, command, options):
     one, two = tmp_path / "one", tmp_path / "two"
-    fn = reshard_checkpoint if command == "reshard" else convert_checkpoint
+    fn = reshard_checkpoint  # convert: the options carry to=...
     single = _one_process_work(fn, src, one, options)
     ref = single["report"]
     results = run_distributed(2, _worker, command, str(src), str(two), options, -1)
@@ -197,7 +198,7 @@ def test_torchrun_cli_splits_the_work(src, tmp_path):
 def _check_record_places(md) -> None:
     """Records of one file do not overlap, and each run of adjacent records (one tensor's, which
     one process writes) starts at a multiple of RECORD_ALIGN: processes never write one page."""
-    from ckptq.reshard import RECORD_ALIGN
+    from ckptq.io.pipeline import RECORD_ALIGN
 
     by_file: dict = {}
     for info in md.storage_data.values():

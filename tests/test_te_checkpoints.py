@@ -166,8 +166,8 @@ def test_inspect_te_checkpoint_shows_real_formats(te_ckpt):
 
 def test_convert_te_checkpoint_to_native_and_high_precision(te_ckpt, tmp_path):
     path, sd = te_ckpt
-    ckptq.convert_checkpoint(path, tmp_path / "native", to="native")
-    ckptq.convert_checkpoint(path, tmp_path / "fp32", to="float32")
+    ckptq.reshard_checkpoint(path, tmp_path / "native", to="native")
+    ckptq.reshard_checkpoint(path, tmp_path / "fp32", to="float32")
     native, fp32 = CheckpointView(tmp_path / "native"), CheckpointView(tmp_path / "fp32")
     for fqn, t in sd.items():
         if not fqn.endswith("weight"):
@@ -328,9 +328,9 @@ def test_two_rank_te_shards_off_the_global_grid_read_in_high_precision(tmp_path)
     )
     assert bit_exact(view.read("bk"), want)  # each shard dequantized with its own scales
     with pytest.raises(ckptq.ShardingError, match=r"(?s)'bk'.*block grids.*--misaligned high-precision"):
-        ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native")  # named, nothing written
+        ckptq.reshard_checkpoint(tmp_path / "ck", tmp_path / "out", to="native")  # named, nothing written
     assert not (tmp_path / "out").exists()
-    ckptq.convert_checkpoint(tmp_path / "ck", tmp_path / "out", to="native", misaligned="high-precision")
+    ckptq.reshard_checkpoint(tmp_path / "ck", tmp_path / "out", to="native", misaligned="high-precision")
     assert bit_exact(CheckpointView(tmp_path / "out").read("bk"), want)  # kept in high precision, exact
 
 

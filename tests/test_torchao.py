@@ -352,7 +352,7 @@ def test_inspect_and_convert_dcp_checkpoint(ao_ckpt, tmp_path):
         name = fqn.split(".")[2]
         assert (rows[fqn]["format"], rows[fqn]["mode"]) == (CASES[name][2], "native"), fqn
         assert rows[fqn]["producer"] == f"torchao {type(t).__name__}"
-    ckptq.convert_checkpoint(path, tmp_path / "native", to="native")
+    ckptq.reshard_checkpoint(path, tmp_path / "native", to="native")
     native = CheckpointView(tmp_path / "native")
     for fqn, t in sd.items():
         if fqn.endswith("bias"):
@@ -427,8 +427,8 @@ from ckptq.checkpoint import CheckpointView, open_checkpoint
 from ckptq.inspect import inspect_checkpoint
 from ckptq.metrics import bit_exact
 want = torch.load({str(tmp_path / "want.pt")!r})
-ckptq.convert_checkpoint({str(path)!r}, {str(tmp_path / "n1")!r}, to="native")
-ckptq.convert_checkpoint({str(f)!r}, {str(tmp_path / "n2")!r}, to="native")
+ckptq.reshard_checkpoint({str(path)!r}, {str(tmp_path / "n1")!r}, to="native")
+ckptq.reshard_checkpoint({str(f)!r}, {str(tmp_path / "n2")!r}, to="native")
 inspect_checkpoint({str(f)!r}); inspect_checkpoint({str(path)!r})
 import json
 producers = json.loads(open({str(tmp_path / "producers.json")!r}).read())

@@ -7,7 +7,18 @@ from typing import Annotated
 
 import typer
 
-__all__ = ["JsonOpt", "CheckpointArg"]
+__all__ = [
+    "JsonOpt",
+    "CheckpointArg",
+    "SrcArg",
+    "DstArg",
+    "MeshOpt",
+    "PlanOpt",
+    "RuleOpt",
+    "MisalignedOpt",
+    "OverwriteOpt",
+    "DryRunOpt",
+]
 
 JsonOpt = Annotated[
     bool,
@@ -21,4 +32,33 @@ CheckpointArg = Annotated[
         metavar="PATH",
         show_default=False,
     ),
+]
+
+# ---------------------------------------------------------------- reshard and convert (overwrite: also export)
+SrcArg = Annotated[
+    Path, typer.Argument(help="Source DCP checkpoint directory (only read).", metavar="SRC", show_default=False)
+]
+DstArg = Annotated[
+    Path, typer.Argument(help="Destination directory (written atomically).", metavar="DST", show_default=False)
+]
+MeshOpt = Annotated[str, typer.Option("--mesh", help="Target mesh, e.g. 'dp_shard=4,tp=2' or '8'.")]
+PlanOpt = Annotated[
+    str,
+    typer.Option("--plan", help="Preset (replicate, fsdp2, fsdp2-tp) or a JSON/YAML file of FQN glob -> placements."),
+]
+RuleOpt = Annotated[
+    list[str] | None, typer.Option("--rule", help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col'. Repeatable.")
+]
+MisalignedOpt = Annotated[
+    str,
+    typer.Option(
+        "--misaligned",
+        help=(
+            "'error' (write nothing) or 'high-precision' (export tensors whose target cuts split blocks, dequantized)."
+        ),
+    ),
+]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print the per-rank plan and alignment problems; write nothing.")
 ]

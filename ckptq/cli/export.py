@@ -9,7 +9,7 @@ import typer
 
 from . import _output as out
 from ._app import command
-from ._options import JsonOpt
+from ._options import JsonOpt, OverwriteOpt
 
 __all__ = ["export"]
 
@@ -59,7 +59,7 @@ def export(
         Path | None,
         typer.Option("--config", help="Base config.json to add quantization_config to (default: the source folder's)."),
     ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")] = False,
+    overwrite: OverwriteOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded)."""

@@ -3,49 +3,21 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from . import _output as out
 from ._app import command
-from ._options import JsonOpt
+from ._options import DryRunOpt, DstArg, JsonOpt, MeshOpt, MisalignedOpt, OverwriteOpt, PlanOpt, RuleOpt, SrcArg
 
 __all__ = ["reshard", "convert"]
 
-SrcArg = Annotated[
-    Path, typer.Argument(help="Source DCP checkpoint directory (only read).", metavar="SRC", show_default=False)
-]
-DstArg = Annotated[
-    Path, typer.Argument(help="Destination directory (written atomically).", metavar="DST", show_default=False)
-]
-MeshOpt = Annotated[str, typer.Option("--mesh", help="Target mesh, e.g. 'dp_shard=4,tp=2' or '8'.")]
-PlanOpt = Annotated[
-    str,
-    typer.Option("--plan", help="Preset (replicate, fsdp2, fsdp2-tp) or a JSON/YAML file of FQN glob -> placements."),
-]
-RuleOpt = Annotated[
-    list[str] | None, typer.Option("--rule", help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col'. Repeatable.")
-]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
-DryRunOpt = Annotated[
-    bool, typer.Option("--dry-run", help="Print the per-rank plan and alignment problems; write nothing.")
-]
 GroupedOpt = Annotated[
     str | None,
     typer.Option("--grouped", help="'stack' X0..X{N-1} into one (N, ...) X, or 'split' 3-D X into X0..X{N-1}."),
 ]
 GroupedGlobOpt = Annotated[str, typer.Option("--grouped-glob", help="Which stems --grouped applies to (fnmatch).")]
-MisalignedOpt = Annotated[
-    str,
-    typer.Option(
-        "--misaligned",
-        help=(
-            "'error' (write nothing) or 'high-precision' (export tensors whose target cuts split blocks, dequantized)."
-        ),
-    ),
-]
 DtypeOpt = Annotated[
     str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")
 ]
@@ -56,6 +28,26 @@ def _distributed() -> bool:
     from ..distributed import torchrun_world_size
 
     return torchrun_world_size() > 1
+
+
+def _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output) -> None:
+    """Run ``options`` with the flags both commands take, and report (rank 0 under torchrun)."""
+    import dataclasses
+
+    from ..reshard import reshard_checkpoint
+
+    options = dataclasses.replace(
+        options,
+        mesh=mesh,
+        plan=plan,
+        rules=rule or (),
+        misaligned=misaligned,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        progress=out.progress_enabled(),
+        distributed=_distributed() and not dry_run,
+    )
+    _report(reshard_checkpoint(src, dst, options), dry_run=dry_run, json_output=json_output)
 
 
 def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
@@ -130,25 +122,10 @@ def reshard(
 
     Under torchrun (more than one process) the tensors are split over the processes.
     """
-    from ..reshard import reshard_checkpoint
+    from ..reshard import ReshardOptions
 
-    result = reshard_checkpoint(
-        src,
-        dst,
-        mesh=mesh,
-        plan=plan,
-        rules=rule or (),
-        mode=mode,
-        dtype=dtype,
-        grouped=grouped,
-        grouped_glob=grouped_glob,
-        misaligned=misaligned,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        progress=out.progress_enabled(),
-        distributed=_distributed() and not dry_run,
-    )
-    _report(result, dry_run=dry_run, json_output=json_output)
+    options = ReshardOptions(mode=mode, dtype=dtype, grouped=grouped, grouped_glob=grouped_glob)
+    _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output)
 
 
 @command("convert")
@@ -186,24 +163,7 @@ def convert(
 
     Under torchrun (more than one process) the tensors are split over the processes.
     """
-    from ..reshard import convert_checkpoint
+    from ..reshard import ReshardOptions
 
-    result = convert_checkpoint(
-        src,
-        dst,
-        to=to,
-        block=block,
-        two_d=two_d,
-        columnwise=columnwise,
-        fp8_dtype=fp8_dtype,
-        pow2=pow2,
-        mesh=mesh,
-        plan=plan,
-        rules=rule or (),
-        misaligned=misaligned,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        progress=out.progress_enabled(),
-        distributed=_distributed() and not dry_run,
-    )
-    _report(result, dry_run=dry_run, json_output=json_output)
+    options = ReshardOptions(to=to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2)
+    _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output)

@@ -22,6 +22,7 @@ from ..contract import (
     CKPTQ_KEY,
     NATIVE,
     component_fqn,
+    component_path,
     emit_components,
     high_precision_descriptor,
     make_record,
@@ -164,7 +165,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     f"state_dict entry; rename that entry or save '{entry.fqn}' in high_precision mode"
                 )
             if path is not None:
-                self.mappings[cfqn] = (*path[:-1], f"{path[-1]}.{spec.name}")
+                self.mappings[cfqn] = component_path(path, spec.name)
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()

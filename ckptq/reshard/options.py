@@ -1,0 +1,148 @@
+"""The options of ``ckptq reshard`` / ``ckptq convert`` as one object, and the one call that runs them.
+
+``ckptq convert SRC DST --to X`` is ``ckptq reshard`` with ``to``: :func:`reshard_checkpoint` parses
+a :class:`ReshardOptions` (option text as the CLI spells it, or library values), opens the source,
+plans (:func:`~ckptq.reshard.plan.plan_reshard`) and, unless ``dry_run``, writes
+(:func:`~ckptq.reshard.run.run_reshard`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .. import parse
+from ..checkpoint import open_checkpoint
+from ..contract import MODES, NATIVE
+from ..errors import UsageError
+from ..layout import LayoutPlan, MeshSpec
+from ..parse import HP_DTYPES
+from .plan import GROUPED, MISALIGNED, plan_reshard
+from .run import run_reshard
+
+__all__ = ["ReshardOptions", "reshard_checkpoint"]
+
+_RECIPE_OPTIONS = ("block", "two_d", "columnwise", "fp8_dtype", "pow2")
+
+
+def _spelled(choices: Sequence[str]) -> tuple[str, ...]:
+    """Choices as the CLI spells them (``high-precision``)."""
+    return tuple(c.replace("_", "-") for c in choices)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReshardOptions:
+    """What ``ckptq reshard`` and ``ckptq convert`` take (the CLI builds one from its flags).
+
+    Attributes:
+        mesh: target mesh, ``"dp_shard=4,tp=2"``, ``"8"`` or a :class:`~ckptq.layout.MeshSpec`.
+        plan: a preset (``replicate``, ``fsdp2``, ``fsdp2-tp``), a JSON/YAML file of FQN glob ->
+            placements, or a :class:`~ckptq.layout.LayoutPlan`; ``rules``: fsdp2-tp ``GLOB=col|row`` strings.
+        mode: ``None`` (keep), ``"native"`` or ``"high-precision"`` for every quantized tensor.
+        dtype: storage dtype of high-precision output (``bfloat16``, ``float16``, ``float32``).
+        grouped: ``"stack"`` / ``"split"`` grouped weights whose stems match ``grouped_glob``.
+        to: convert every quantized tensor: ``native`` (natively in its own format, e.g. a
+            TransformerEngine checkpoint's tensors as ckptq components), ``nvfp4``, ``mxfp8``,
+            ``fp8_block``, ``fp8_tensor``, or ``bfloat16``/``float16``/``float32`` (dequantized;
+            then also the dtype of ``misaligned`` output). Not with ``mode``.
+        block, two_d, columnwise, fp8_dtype, pow2: recipe options of a format ``to`` (``None``: its
+            default); ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``.
+        misaligned: ``"error"`` or ``"high-precision"`` (export tensors whose cuts split blocks).
+        overwrite: replace an existing destination. dry_run: plan only, write nothing.
+        progress: ``True`` for a tqdm bar on stderr (bytes and bytes/s; rank 0's share when
+            distributed), or a callable given the bytes of each chunk written.
+        distributed: split the writing over the processes of a ``torch.distributed`` job (every
+            process calls with the same options; see :func:`~ckptq.reshard.run.run_reshard`).
+            ``ckptq reshard|convert`` set it when started by ``torchrun`` with more than one process;
+            each requantized tensor is computed by one process.
+    """
+
+    mesh: str | MeshSpec = "1"
+    plan: str | LayoutPlan = "fsdp2"
+    rules: Sequence[str] = ()
+    mode: str | None = None
+    dtype: str | torch.dtype = "bfloat16"
+    grouped: str | None = None
+    grouped_glob: str = "*weight"
+    to: str | None = None
+    block: str | tuple[int, int] | None = None
+    two_d: bool | None = None
+    columnwise: bool | None = None
+    fp8_dtype: str | torch.dtype | None = None
+    pow2: bool | None = None
+    misaligned: str = "error"
+    overwrite: bool = False
+    dry_run: bool = False
+    progress: bool | Callable[[int], None] | None = None
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(self.rules or ()))
+
+    def planning(self) -> dict:
+        """The keyword arguments of :func:`~ckptq.reshard.plan.plan_reshard` (library spellings).
+
+        Raises:
+            UsageError: option text that does not parse, ``to`` with ``mode``, recipe options
+                without a format ``to`` or that it does not take.
+        """
+        recipe = {k: getattr(self, k) for k in _RECIPE_OPTIONS}
+        if self.to is None:
+            if any(v is not None for v in recipe.values()):
+                raise UsageError(
+                    "--block, --two-d, --columnwise, --fp8-dtype and --pow2 are recipe options of --to FORMAT"
+                )
+            options = dict(
+                mode=parse.parse_choice("--mode", self.mode, _spelled(MODES)), hp_dtype=parse.parse_hp_dtype(self.dtype)
+            )
+        else:
+            if self.mode is not None:
+                raise UsageError(f"--to {self.to} and --mode {self.mode}: give one of them")
+            to = parse.parse_target(self.to)
+            to_recipe = parse.parse_recipe(to, **recipe)
+            hp_dtype = HP_DTYPES[to] if to in HP_DTYPES else parse.parse_hp_dtype(self.dtype)
+            if to == NATIVE:  # every quantized tensor natively in its own format
+                options = dict(mode=NATIVE, hp_dtype=hp_dtype)
+            else:
+                options = dict(to=to, to_recipe=to_recipe, hp_dtype=hp_dtype)
+        return dict(
+            options,
+            grouped=parse.parse_choice("--grouped", self.grouped, GROUPED),
+            grouped_glob=self.grouped_glob,
+            misaligned=parse.parse_choice("--misaligned", self.misaligned, _spelled(MISALIGNED)),
+        )
+
+
+def reshard_checkpoint(
+    src: str | os.PathLike, dst: str | os.PathLike, options: ReshardOptions | None = None, **fields
+) -> dict:
+    """Lay checkpoint ``src`` out for a target mesh in ``dst``, converting its tensors if asked
+    (``ckptq reshard`` and ``ckptq convert``): plan, then write.
+
+    Args:
+        options: a :class:`ReshardOptions`; ``fields``: any of its fields, given or overriding
+            (``reshard_checkpoint(src, dst, mesh="2", to="nvfp4")``).
+
+    Returns:
+        ``{"plan": ReshardPlan.summary()}`` and, unless ``dry_run``, the keys of
+        :func:`~ckptq.reshard.run.run_reshard`'s report.
+
+    Raises:
+        UsageError: option text that does not parse (:meth:`ReshardOptions.planning`).
+        ShardingError: misaligned tensors (nothing is written). CkptqError: ``dst`` exists or
+        overlaps ``src``; see :func:`~ckptq.reshard.plan.plan_reshard`.
+    """
+    o = dataclasses.replace(options, **fields) if options is not None else ReshardOptions(**fields)
+    planning = o.planning()
+    mesh = parse.parse_mesh(o.mesh)
+    layout = parse.parse_plan(mesh, o.plan, o.rules)
+    view = open_checkpoint(src)
+    plan = plan_reshard(view, mesh, layout, **planning)
+    summary = plan.summary()
+    if o.dry_run:
+        return {"plan": summary}
+    report = run_reshard(view, plan, dst, overwrite=o.overwrite, progress=o.progress, distributed=o.distributed)
+    return {**report, "plan": summary}

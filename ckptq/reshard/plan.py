@@ -1,0 +1,301 @@
+"""Planning a reshard / convert from metadata alone: one :class:`TensorJob` per output entry.
+
+:func:`plan_reshard` decides, for every logical entry of the source (after grouped stack/split),
+what is written (quantized in a format and recipe, a plain tensor of a dtype, or a verbatim bytes
+record), its placements and target boxes on the mesh, the first target rank holding each distinct
+box, the stored bytes per rank, and whether a native tensor would be cut inside a block (a problem
+that stops the run before anything is written, or a note when it is written in high precision).
+Nothing is read but the metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from .. import chunks
+from ..checkpoint import CheckpointView
+from ..contract import HIGH_PRECISION, MODES, NATIVE, Entry
+from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
+from ..formats import FORMATS, format_class
+from ..formats.base import dtype_to_str, str_to_dtype
+from ..layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
+from ..parse import HP_DTYPES
+
+__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
+
+#: What ``misaligned`` may say: stop (write nothing) or write those tensors dequantized.
+MISALIGNED = ("error", HIGH_PRECISION)
+#: What ``grouped`` may say.
+GROUPED = ("stack", "split")
+
+
+@dataclasses.dataclass
+class TensorJob:
+    """How one output entry is produced and laid out."""
+
+    fqn: str  # output logical name
+    sources: list[Entry]  # one, or the members of a grouped stack
+    member: int | None  # grouped split: index into the source's leading dim
+    out: str  # "quantized", "tensor" or "bytes"
+    out_format: str | None
+    out_recipe: dict | None
+    out_dtype: torch.dtype | None  # stored dtype of a tensor entry / logical dtype of quantized
+    shape: tuple[int, ...]
+    placements: tuple
+    owners: list[tuple[int, chunks.Box]]  # (rank, box), first rank of each distinct box
+    bytes_per_rank: dict[int, int]
+    problem: str | None = None
+    note: str | None = None
+
+
+@dataclasses.dataclass
+class ReshardPlan:
+    """The full plan: jobs, bytes per target rank and alignment problems (nothing read yet)."""
+
+    src: Path
+    mesh: MeshSpec
+    jobs: list[TensorJob]
+
+    @property
+    def problems(self) -> list[str]:
+        return [j.problem for j in self.jobs if j.problem]
+
+    def bytes_per_rank(self) -> dict[int, int]:
+        out: dict[int, int] = {r: 0 for r in range(self.mesh.world_size)}
+        for j in self.jobs:
+            for r, b in j.bytes_per_rank.items():
+                out[r] += b
+        return out
+
+    def summary(self) -> dict:
+        """JSON-friendly description (what ``--dry-run`` prints)."""
+        per_rank = self.bytes_per_rank()
+        return {
+            "source": str(self.src),
+            "mesh": str(self.mesh),
+            "world_size": self.mesh.world_size,
+            "ranks": [
+                {
+                    "rank": r,
+                    "file": f"__{r}_0.distcp",
+                    "bytes": b,
+                    "chunks": sum(1 for j in self.jobs for rr, _ in j.owners if rr == r),
+                }
+                for r, b in per_rank.items()
+            ],
+            "tensors": [
+                {
+                    "fqn": j.fqn,
+                    "out": j.out,
+                    "format": j.out_format or (dtype_to_str(j.out_dtype) if j.out_dtype else "bytes"),
+                    "shape": list(j.shape),
+                    "placements": format_placements(j.placements) if j.placements else "",
+                    "problem": j.problem,
+                    "note": j.note,
+                }
+                for j in self.jobs
+            ],
+            "problems": self.problems,
+        }
+
+
+# --------------------------------------------------------------------------------------- planning
+_MEMBER_RE = re.compile(r"^(?P<stem>.*?)(?P<idx>\d+)$")
+
+
+def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
+    found: dict[str, dict[int, Entry]] = {}
+    for e in view.entries():
+        m = _MEMBER_RE.match(e.fqn)
+        if e.kind == "bytes" or not m or not fnmatch.fnmatchcase(m.group("stem"), glob):
+            continue
+        found.setdefault(m.group("stem"), {})[int(m.group("idx"))] = e
+    groups = {}
+    for stem, members in found.items():
+        n = len(members)
+        if sorted(members) != list(range(n)) or n < 2 or stem in view:
+            continue
+        ms = [members[i] for i in range(n)]
+        first = ms[0]
+        for e in ms[1:]:
+            if (e.kind, e.shape, e.dtype) != (first.kind, first.shape, first.dtype) or (
+                (e.descriptor or {}).get("recipe") != (first.descriptor or {}).get("recipe") or e.format != first.format
+            ):
+                raise CheckpointFormatError(
+                    f"grouped stack '{stem}': member '{e.fqn}' ({e.format or e.dtype}, {e.shape}) differs "
+                    f"from '{first.fqn}' ({first.format or first.dtype}, {first.shape}); members must share "
+                    f"shape, format and recipe"
+                )
+        groups[stem] = ms
+    return groups
+
+
+def plan_reshard(
+    view: CheckpointView,
+    mesh: MeshSpec,
+    layout: LayoutPlan,
+    *,
+    mode: str | None = None,
+    hp_dtype: torch.dtype = torch.bfloat16,
+    to: str | None = None,
+    to_recipe: dict | None = None,
+    grouped: str | None = None,
+    grouped_glob: str = "*weight",
+    misaligned: str = "error",
+) -> ReshardPlan:
+    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``layout`` (reads metadata only).
+
+    Args:
+        mode: ``None`` keeps each tensor's mode; ``"native"`` re-encodes high-precision entries of
+            quantized tensors in their recorded format; ``"high_precision"`` dequantizes to ``hp_dtype``.
+        to: convert quantized (and high-precision quantized) tensors to this format
+            (``nvfp4``, ``mxfp8``, ``fp8_block``, ``fp8_tensor``) with ``to_recipe``, or to a plain
+            dtype name (``bfloat16``, ``float16``, ``float32``).
+        grouped: ``"stack"`` turns ``X0..X{N-1}`` (stems matching ``grouped_glob``) into one
+            (N, ...) entry ``X``; ``"split"`` turns 3-D entries matching ``grouped_glob`` into
+            ``X0..X{N-1}``. Per-member scales and amax become / come from the leading batch dim.
+        misaligned: ``"error"`` (default: report and write nothing) or ``"high_precision"``
+            (write those tensors dequantized).
+
+    Raises:
+        UnsupportedFormatError: bad options. CheckpointFormatError: inconsistent grouped members.
+    """
+    if mode is not None and mode not in MODES:
+        raise UnsupportedFormatError(f"mode '{mode}': expected {' or '.join(MODES)}")
+    if misaligned not in MISALIGNED:
+        raise UnsupportedFormatError(f"misaligned='{misaligned}': expected {' or '.join(MISALIGNED)}")
+    if grouped is not None and grouped not in GROUPED:
+        raise UnsupportedFormatError(f"grouped='{grouped}': expected stack or split")
+    if to is not None and to not in FORMATS and to not in HP_DTYPES:
+        raise UnsupportedFormatError(f"--to {to}: expected one of {sorted(FORMATS)} or {sorted(HP_DTYPES)}")
+    if to in FORMATS:
+        format_class(to).Recipe(**(to_recipe or {}))  # validate early
+
+    units: list[tuple[str, list[Entry], int | None]] = []
+    stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
+    in_group = {e.fqn for ms in stacked.values() for e in ms}
+    for e in view.entries():
+        if e.fqn in in_group:
+            continue
+        if grouped == "split" and e.kind != "bytes" and len(e.shape) == 3 and fnmatch.fnmatchcase(e.fqn, grouped_glob):
+            units += [(f"{e.fqn}{i}", [e], i) for i in range(e.shape[0])]
+        else:
+            units.append((e.fqn, [e], None))
+    units += [(stem, ms, None) for stem, ms in stacked.items()]
+    units.sort(key=lambda u: u[0])
+
+    jobs = [
+        _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned)
+        for fqn, sources, member in units
+    ]
+    if grouped == "stack" and not stacked:
+        raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
+    return ReshardPlan(view.path, mesh, jobs)
+
+
+def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+    src = sources[0]
+    if src.kind == "bytes":
+        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
+    shape = tuple(src.shape)
+    if len(sources) > 1:
+        shape = (len(sources),) + shape
+    if member is not None:
+        shape = shape[1:]
+    desc = src.descriptor
+    out, fmt, recipe, dtype = "tensor", None, None, src.dtype
+    if src.kind == "quantized":
+        out, fmt, recipe = "quantized", desc["format"], desc.get("recipe", {})
+    elif desc is not None and mode == NATIVE:  # high-precision entry of a quantized tensor
+        out, fmt, recipe, dtype = "quantized", desc["format"], desc.get("recipe", {}), str_to_dtype(desc["dtype"])
+    if to is not None and desc is not None:
+        if to in FORMATS:
+            out, fmt, recipe = "quantized", to, dict(to_recipe or {})
+            dtype = str_to_dtype(desc["dtype"])
+        else:
+            out, fmt, recipe, dtype = "tensor", None, None, HP_DTYPES[to]
+    if out == "quantized" and mode == HIGH_PRECISION:
+        out, fmt, recipe, dtype = "tensor", None, None, hp_dtype
+    foreign_note = desc.get("note") if desc is not None and src.kind == "tensor" and out == "quantized" else None
+    if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
+        out, fmt, recipe, dtype = "tensor", None, None, src.dtype
+    placements = layout.placements(fqn, len(shape))
+    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
+    owners, seen = [], set()
+    for r, b in enumerate(boxes):
+        if b not in seen and math.prod(b[1]) > 0:
+            seen.add(b)
+            owners.append((r, b))
+    if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
+        owners = [(0, boxes[0])]
+    job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
+    if foreign_note:
+        if misaligned == "error":
+            job.problem = f"tensor '{fqn}' ({desc['format']}): {foreign_note}"
+        else:
+            job.note = f"kept in high precision ({dtype_to_str(dtype)}): {foreign_note}"
+    if out == "quantized":
+        cls = format_class(fmt)
+        specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
+        align = chunks.alignment(specs, len(shape))
+        try:
+            for _, b in owners:
+                if not chunks.is_aligned(align, shape, b):
+                    chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)  # raises with details
+        except ShardingError as e:
+            if misaligned == "error":
+                job.problem = str(e)
+            else:
+                job.out, job.out_format, job.out_recipe, job.out_dtype = "tensor", None, None, hp_dtype
+                job.note = f"written in high precision ({dtype_to_str(hp_dtype)}): {e}"
+    key = _json_key(job.out_recipe)
+    for r, b in owners:
+        job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b, key)
+    return job
+
+
+def _box_bytes(job: TensorJob, box: chunks.Box, recipe_key: str) -> int:
+    """Stored bytes of ``box`` of the job's output (quantized: the components that follow the
+    matrix dims; per-tensor scalars are counted once, not per box)."""
+    if job.out != "quantized" or job.problem:
+        return math.prod(box[1]) * job.out_dtype.itemsize
+    total = 0
+    for itemsize, dims in _spec_dims(job.out_format, recipe_key, len(job.shape)):
+        if dims:
+            n = itemsize
+            for d, div in dims:
+                n *= _component_extent(box[0][d], box[1][d], div, job.shape[d])
+            total += n
+    return total
+
+
+def _json_key(recipe: dict | None) -> str:
+    return json.dumps(recipe, sort_keys=True, default=dtype_to_str)  # fp8_dtype may be a torch.dtype
+
+
+@functools.cache
+def _spec_dims(fmt: str, recipe_json: str, ndim: int) -> tuple:
+    """Per component of a rank-``ndim`` tensor: (itemsize, ((logical dim, divisor), ...)) -- only
+    components that follow a matrix dim; sizes along any shape follow from these."""
+    cls = format_class(fmt)
+    probe_shape = (1,) * ndim
+    out = []
+    for spec in cls.component_specs(probe_shape, cls._recipe_from_json(json.loads(recipe_json))):
+        if not spec.is_per_tensor(ndim):
+            out.append((spec.dtype.itemsize, tuple((dm.logical_dim, dm.divisor) for dm in spec.dims)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _component_extent(off: int, size: int, div: int, full: int) -> int:
+    if size == 0:
+        return 0
+    return chunks.cdiv(off + size, div) - off // div

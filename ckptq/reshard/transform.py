@@ -1,0 +1,60 @@
+"""Whole-tensor transformation of a job whose bytes change: read, stack/split, re-encode or dequantize.
+
+Only jobs that cannot be copied by byte range come here (:mod:`ckptq.reshard.run`): each reads its
+source tensor(s) whole, so peak memory is about one source tensor plus its transformed copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from ..checkpoint import CheckpointView
+from ..formats import format_class, requantize
+from ..formats.base import QuantizedTensor, slice_box
+from ..metrics import sqnr_db
+from .plan import TensorJob
+
+__all__ = ["materialize"]
+
+
+def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None) -> tuple[Any, float | None]:
+    """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
+    values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
+    the seconds spent reading the sources."""
+    t0 = time.perf_counter()
+    parts = [view.read(e.fqn) for e in job.sources]
+    if timing is not None:
+        timing["read"] = timing.get("read", 0.0) + time.perf_counter() - t0
+    if len(parts) > 1:  # grouped stack: per-member components gain a leading batch dim
+        if isinstance(parts[0], QuantizedTensor):
+            q0 = parts[0]
+            comps = {k: torch.stack([p._components[k] for p in parts]) for k in q0._components}
+            src: Any = type(q0)(comps, (len(parts),) + tuple(q0.shape), q0.dtype, q0.recipe)
+        else:
+            src = torch.stack(parts)
+    else:
+        src = parts[0]
+    del parts
+    if job.member is not None:  # grouped split: member i of the leading (batch) dim
+        i = job.member
+        if isinstance(src, QuantizedTensor):
+            sub = slice_box(src, ((i,) + (0,) * (src.ndim - 1), (1,) + tuple(src.shape[1:])))
+            src = type(sub)({k: v[0] for k, v in sub._components.items()}, tuple(src.shape[1:]), src.dtype, src.recipe)
+        else:
+            src = src[i]
+    if job.out == "quantized":
+        cls = format_class(job.out_format)
+        recipe = cls._recipe_from_json(job.out_recipe)
+        if isinstance(src, cls) and src.recipe == recipe:
+            return src, None
+        out = requantize(src, job.out_format, **dataclasses.asdict(recipe))
+        if out.dtype != job.out_dtype:
+            out = type(out)(out._components, out.shape, job.out_dtype, out.recipe)
+        ref = src.dequantize(torch.float32) if isinstance(src, QuantizedTensor) else src.float()
+        return out, sqnr_db(ref, out.dequantize(torch.float32))
+    values = src.dequantize(job.out_dtype) if isinstance(src, QuantizedTensor) else src
+    return (values.to(job.out_dtype) if values.dtype != job.out_dtype else values), None
