@@ -10,7 +10,7 @@
 - :func:`read_metadata` opens a checkpoint directory for tools (``ckptq inspect``) with clear
   :class:`~ckptq.errors.CheckpointFormatError` s for missing, truncated and non-DCP paths.
 
-This module is ckptq's error boundary for reading (issue 9): every malformed checkpoint a reader
+This module is ckptq's error boundary for reading: every malformed checkpoint a reader
 path meets (``read_metadata``, ``CheckpointView``, ``inspect``, ``verify``, ``load_entries``,
 ``dcp.load`` with :class:`SafeFileSystemReader`) becomes a ``CheckpointFormatError`` naming the
 file, the entry and what to do, before anything large is allocated. Metadata-level checks live in
