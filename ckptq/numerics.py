@@ -1,7 +1,7 @@
 """Reference numerics: the spec every backend (C++, CUDA) must match bit for bit.
 
 Pure PyTorch, vectorized, on plain tensors. All scale math is fp32 in exactly the operation order of
-DESIGN.md section 2, which follows TransformerEngine's kernels:
+docs/formats.md (the written spec), which follows TransformerEngine's kernels (TE ``main`` at d0067d0):
 
 * ``common/recipe/recipe_common.cuh::compute_scale_from_amax`` (FP8 per-tensor and blockwise scales),
 * ``common/util/ptx_arch_spec.cuh::float_to_e8m0`` and ``ptx.cuh::exp2f_rcp`` (MXFP8 E8M0 scales),

@@ -63,7 +63,7 @@ from ckptq.io import AtomicFileSystemWriter, SafeFileSystemReader, dcp_failure, 
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
 from ckptq.verify import check_integrity  # noqa: E402
 
-#: format name -> quantization recipe (the DESIGN.md defaults, spelled out).
+#: format name -> quantization recipe (the defaults of docs/formats.md, "9. Recipes", spelled out).
 FORMATS: dict[str, dict] = {
     "nvfp4": {},  # 1x16 blocks, e4m3 block scales, fp32 amax
     "mxfp8": {},  # 1x32 blocks, e8m0 scales, e4m3 data
@@ -128,7 +128,7 @@ _E2M1_LUT = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, 
 def consumer_weights(folder: Path, layout: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str]:
     """The Linear weights of an exported HF folder, decoded by the layout's consumer: compressed-tensors'
     own dequantizer (the ``compressed-tensors`` layout, and DeepSeek FP8 through its FP8BlockDequantizer)
-    when it is installed, else / for ModelOpt the layout's reference formula (notes section 3)."""
+    when it is installed, else / for ModelOpt the layout's decode formula (docs/producers.md 4.1)."""
     from safetensors.torch import load_file
 
     idx = json.loads((folder / "model.safetensors.index.json").read_text())

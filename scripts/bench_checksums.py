@@ -1,4 +1,4 @@
-"""Benchmark: what checksums cost a save and a load (issue 9: < 5% of save time).
+"""Benchmark: what checksums cost a save and a load (goal: < 5% of save time).
 
 One command: ``python scripts/bench_checksums.py [--gb 1.0] [--repeat 5] [--workdir DIR]``.
 

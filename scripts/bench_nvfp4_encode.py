@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""NVFP4 encode on the GPU (issue 11 part 3): bf16 -> nvfp4 against a device-to-device copy.
+"""NVFP4 encode on the GPU (the streaming 1x16 encode): bf16 -> nvfp4 against a device-to-device copy.
 
     python scripts/bench_nvfp4_encode.py --json out.json
 
@@ -12,8 +12,8 @@ so drift hits all cases alike):
   encode kernel);
 * ``single-pass``: ``ckptq.quantize(x, "nvfp4", amax=a)`` (amax given: the encode kernel alone);
 * both with ``CKPTQ_NVFP4_ENCODE=tile`` (the new encode arithmetic in the one-tile-per-CTA
-  kernel instead of the streaming kernel) and ``CKPTQ_NVFP4_ENCODE=baseline`` (the encode kernel of
-  before issue 11), and the amax kernel alone (``ckptq.ops.amax``).
+  kernel instead of the streaming kernel) and ``CKPTQ_NVFP4_ENCODE=baseline`` (the earlier encode
+  kernel: per-block division, threshold E2M1 rounding), and the amax kernel alone (``ckptq.ops.amax``).
 
 Each case's time is the faster of (a) the median over ``--reps`` rounds of ``--iters`` back-to-back
 calls timed with CUDA events and (b) the median over the rounds of the replay of a CUDA graph of
@@ -195,7 +195,7 @@ def main(argv=None):
     t_copy = copy.result()["t_s"]
     p = torch.cuda.get_device_properties(dev)
     res = {
-        "what": "bf16->nvfp4 encode vs device-to-device copy (issue 11 part 3)",
+        "what": "bf16->nvfp4 encode vs device-to-device copy (streaming 1x16 encode)",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": f"{p.name} ({p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)",
         "torch": torch.__version__,

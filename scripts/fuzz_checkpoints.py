@@ -1,4 +1,4 @@
-"""Fuzz ckptq's reader paths with mutated real checkpoints (issue 9, item 4).
+"""Fuzz ckptq's reader paths with mutated real checkpoints.
 
 Builds real checkpoints (every format, 1 and 2 ranks, native and high precision, a
 TransformerEngine-shaped one through the stand-in in ``tests/te_standin``), mutates copies of them

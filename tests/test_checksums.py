@@ -1,4 +1,4 @@
-"""Checksums (issue 9): every chunk ckptq writes carries a crc32c of its bytes; loads verify them.
+"""Checksums: every chunk ckptq writes carries a crc32c of its bytes; loads verify them.
 
 Corruption is made by flipping one bit in the middle of a record's byte range (inside the tensor
 payload, where torch's own zip reader notices nothing), so each test would pass silently without

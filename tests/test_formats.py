@@ -1,8 +1,8 @@
 """The quantized tensor subclasses and ``ckptq.quantize``: layouts, overrides, errors, the ops that
 checkpointing needs (and only those), serialization and DTensor.
 
-Expected component layouts are written here from the DESIGN.md section 2 table (``_layout``), not
-taken from the formats' own ``component_specs``, so a drift of either is caught.
+Expected component layouts are written here from the component tables of docs/formats.md (``_layout``),
+not taken from the formats' own ``component_specs``, so a drift of either is caught.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SHAPE = (288, 400)
 
 
 def _layout(fmt: str, recipe: dict, shape) -> dict:
-    """DESIGN.md section 2: component -> (dtype, per component dim: (logical dim, divisor))."""
+    """docs/formats.md (sections 3-6 and 8): component -> (dtype, per component dim: (logical dim, divisor))."""
     nb = len(shape) - 2
     batch = [(d, 1) for d in range(nb)]
     m, k = nb, nb + 1

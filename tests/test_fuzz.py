@@ -1,4 +1,4 @@
-"""Malformed checkpoints are ckptq errors on every reader path (issue 9, items 2 and 4).
+"""Malformed checkpoints are ckptq errors on every reader path.
 
 * a bounded deterministic run of ``scripts/fuzz_checkpoints.py`` (every format, 1 and 2 ranks, native
   and high precision, a TE-shaped checkpoint): no uncaught error, hang, code execution, large

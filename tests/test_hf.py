@@ -3,7 +3,7 @@
 Checked three ways: the files as the layouts specify them (names, dtypes, shapes, config); the
 import back into ckptq (components bit-exact); and the consumers' own decode, i.e. compressed-tensors'
 own decompression when it is installed, and the ModelOpt / DeepSeek reference formulas written
-independently here from the notes (../shared/reference/formats-in-the-wild.md sections 3-4).
+independently here from their documented decodes (docs/producers.md, "4.1 Tensor layouts").
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def _block_reference(w, s, bm, bk):
 
 @pytest.mark.parametrize("layout,fmt", PAIRS)
 def test_consumer_reference_formulas(plain, exports, layout, fmt):
-    """The layouts' own decode formulas, written here from the notes, against ckptq's dequantize."""
+    """The layouts' own decode formulas (docs/producers.md 4.1), written here, against ckptq's dequantize."""
     dst, res = exports[(layout, fmt)]
     tensors = _read_all(dst)
     for fqn in QUANTIZED:
@@ -508,7 +508,8 @@ def test_single_file_and_cli_export(plain, tmp_path):
 
 # ----------------------------------------------------------------------------- a third-party folder
 def _modelopt_quantize(x):
-    """NVFP4 as ModelOpt's NVFP4QTensor does it (notes section 3.1), written here independently:
+    """NVFP4 as ModelOpt's NVFP4QTensor does it (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``
+    at a2fbac7; docs/producers.md 4.1 and 5), written here independently:
     ws2 = amax/2688; ws = e4m3(clamp(blk_amax / (6 * ws2), 2^-9, 448)); q = e2m1(x / (ws * ws2))."""
     m, k = x.shape
     ws2 = x.abs().amax() / 2688.0

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*assuming the intent is to (sav
 
 SHAPE = (256, 384)
 NUMEL = 256 * 384
-# Hand-computed stored bytes of one (256, 384) tensor per format (DESIGN.md section 2).
+# Hand-computed stored bytes of one (256, 384) tensor per format (component tables of docs/formats.md).
 EXPECTED_NATIVE_BYTES = {
     "nv": 49152 + 6144 + 4,  # data u8 (256, 192), scale e4m3 (256, 24), amax f32 ()
     "nv2d": 49152 + 16 * 24 + 4,  # 16x16 blocks: scale (16, 24)

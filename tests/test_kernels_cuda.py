@@ -177,7 +177,7 @@ def test_current_stream_and_device_guard_cuda():
     K.assert_same(r.components(), q.components(), "side stream")
 
 
-# ------------------------------------------------------- NVFP4 encode (issue 11 part 3)
+# ------------------------------------------------------- NVFP4 encode (magic-number E2M1 rounding, streaming kernel)
 # The CUDA nvfp4 encode rounds to E2M1 with one fp32 add of a magic number (kernels.cuh,
 # e2m1_magic_bits), takes block amaxes of bf16 / fp16 sources from the raw words and reads the
 # encode multiplier from a per-CTA table of the 256 scale bytes. These tests put products
@@ -272,8 +272,8 @@ def test_nvfp4_every_16bit_pattern_cuda(dtype, amax):
 
 
 def test_nvfp4_baseline_encode_switch_cuda(monkeypatch):
-    """CKPTQ_NVFP4_ENCODE=baseline runs the encode kernel of before issue 11 (the benchmark's
-    baseline): the same bytes as the reference and as the default kernel."""
+    """CKPTQ_NVFP4_ENCODE=baseline runs the earlier encode kernel (per-block division, threshold E2M1
+    rounding; the benchmark's baseline): the same bytes as the reference and as the default kernel."""
     _need_cuda_backend()
     x = K.random_hp((3, 96, 512), seed=12).to(DEV)
     for src in (x, x.to(torch.bfloat16), K.make_source("mxfp8", {}, x)):

@@ -1,4 +1,4 @@
-"""Numerics of the four formats against DESIGN.md section 2 (the spec).
+"""Numerics of the four formats against the spec (docs/formats.md).
 
 Layers, from the bottom up:
 
@@ -7,10 +7,10 @@ Layers, from the bottom up:
    fields of all 256 codes (nearest finite code, ties to the even code, saturation), so torch's
    cast is verified rather than assumed.
 2. Scale rules: ``fp8_scale_from_amax`` and the NVFP4 global encode scale, edge cases included.
-3. Whole formats against a scalar re-implementation of DESIGN.md section 2 written in this file
+3. Whole formats against a scalar re-implementation of docs/formats.md written in this file
    with numpy fp32 arithmetic (no ckptq code involved), bit for bit, on random and special inputs.
 4. Fixed small inputs whose bytes are derived by hand in the comments.
-5. amax 0 / inf / NaN per format, with the exact scales DESIGN.md prescribes.
+5. amax 0 / inf / NaN per format, with the exact scales docs/formats.md prescribes.
 6. SQNR floors of dequantize(quantize(x)) on Gaussian inputs, each with its reasoning.
 """
 
@@ -98,9 +98,9 @@ def fp8_ref_decode(codes: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def assert_codes_equal(got: np.ndarray, want: np.ndarray, dtype: torch.dtype, what: str = "data") -> None:
-    """FP8 codes equal, except that any NaN code matches any NaN code (DESIGN.md: "NaN stays NaN";
-    the payload and sign of a NaN are not part of the spec: torch writes 0x7F for E5M2, IEEE's quiet
-    NaN would be 0x7E)."""
+    """FP8 codes equal, except that any NaN code matches any NaN code (NaN stays NaN; this comparison
+    leaves the NaN's payload and sign aside: torch writes 0x7F for E5M2, IEEE's quiet NaN would be
+    0x7E)."""
 
     def canon(c):
         c = np.asarray(c, dtype=np.uint8)
@@ -484,7 +484,7 @@ def test_fp32_constants_are_correctly_rounded(name, denom):
 
 
 # =============================================================================================== #
-# 3. Scalar spec of each format (numpy fp32, written from DESIGN.md section 2 only)               #
+# 3. Scalar spec of each format (numpy fp32, written from docs/formats.md only)                   #
 # =============================================================================================== #
 _NP_FLT_MAX = np.finfo(np.float32).max
 _INV_448 = F32(1) / F32(448)
@@ -933,7 +933,7 @@ def test_hand_nvfp4_one_block_amax6_enc_is_one(backend):
 
 
 def test_nvfp4_operation_order_block_scale(backend):
-    # DESIGN.md: s = e4m3(amax_b * (S_enc * (1/6))), the product S_enc * (1/6) first. Inputs found by
+    # docs/formats.md: s = e4m3(amax_b * (S_enc * (1/6))), the product S_enc * (1/6) first. Inputs found by
     # a search for a pair where the order decides the byte (all values are exact fp32):
     #   A = 54.81887435913086 (tensor amax), b = 3.7932701110839844 (block amax)
     #   S_enc = 2688 / A; b * (S_enc * fl(1/6)) = 31.0 exactly: a tie between E4M3 30 (m=7) and
@@ -948,7 +948,7 @@ def test_nvfp4_operation_order_block_scale(backend):
 
 
 def test_nvfp4_operation_order_encode_multiplier(backend):
-    # DESIGN.md: enc = min(1 / (float(s) * S_dec), FLT_MAX), not S_enc / s. Found by a search:
+    # docs/formats.md: enc = min(1 / (float(s) * S_dec), FLT_MAX), not S_enc / s. Found by a search:
     #   A = 42.90931701660156, block amax b = 36.255470275878906 -> s = 384 (0x7C);
     #   x = 4.597426891326904: x * (1 / (384 * S_dec)) = 0.74999994 -> nearest 0.5 -> code 1,
     #   whereas x * (S_enc / 384) = 0.75000006 -> 1.0 -> code 2.

@@ -211,7 +211,7 @@ def test_plan_file_and_bad_arguments(src, tmp_path):
     assert tensors["model.norm.weight"]["placements"] == "(R)"
     for args in (["--mesh", "dp=two"], ["--plan", "nonsense"], ["--plan", "fsdp2-tp", "--mesh", "4"]):
         res = runner.invoke(app, ["reshard", str(path), str(tmp_path / "x"), *args])
-        assert res.exit_code == 2 and "Error:" in res.output, args  # usage errors exit 2 (issue 12)
+        assert res.exit_code == 2 and "Error:" in res.output, args  # usage errors exit 2
     res = runner.invoke(app, ["convert", str(path), str(tmp_path / "x"), "--to", "mxfp8", "--two-d"])
     assert res.exit_code == 2 and "--two-d" in res.output
 

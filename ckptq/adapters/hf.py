@@ -6,7 +6,7 @@ component, in which on-disk dtype, through which *codec* (a named, exact or boun
 Everything layout-specific lives here; :mod:`ckptq.io.safetensors` (import) and
 :mod:`ckptq.export` (export) only walk these tables.
 
-Layouts (facts: ``../shared/reference/formats-in-the-wild.md`` sections 2-4)::
+Layouts (facts: docs/producers.md, "4. Hugging Face folders")::
 
     layout              format      HF tensors of module m (dtype)                                  codec
     modelopt            nvfp4       m.weight (u8, M x K/2), m.weight_scale (e4m3, M x K/16),

@@ -5,41 +5,42 @@ TE is never imported. Objects are recognized by their class's module and qualifi
 works on anything that carries TE's attribute names (``_data``, ``_rowwise_scale_inv``, ...), so a
 live TE tensor, a DTensor holding one, and a payload from a TE DCP record are handled alike.
 
-Layout facts (``../shared/reference/transformer-engine.md``, TE ``main`` at d0067d0; TE paths below
-are relative to its repo root). Logical shape (M, K): TE flattens leading dims, ckptq needs rank 2.
-Scale padding contents are undefined in TE (section 0): they are stripped on read and zeroed on write.
+Layout facts: docs/producers.md, "2. TransformerEngine" (TE ``main`` at d0067d0; TE paths below are
+relative to ``transformer_engine/pytorch/`` in its repo). Logical shape (M, K): TE flattens leading
+dims, ckptq needs rank 2. Scale padding contents are undefined in TE (docs/producers.md, 2.1): they
+are stripped on read and zeroed on write.
 
 =====================  ==========================================================  ==========
 TE class               buffers (uint8 unless noted) -> ckptq components             format
 =====================  ==========================================================  ==========
 Float8Tensor           ``_data`` (M, K) -> data; ``_transpose`` (K, M) (Hopper       fp8_tensor
                        columnwise copy, derived); ``_scale_inv`` fp32 (1,) ->
-                       scale_inv (). Section 1.1, ``tensor/float8_tensor.py``.
+                       scale_inv (). producers.md 2.2, ``tensor/float8_tensor.py``.
 MXFP8Tensor            ``_rowwise_data`` (M, K) -> data; ``_rowwise_scale_inv``     mxfp8
                        (rup(M,128), rup(K/32,4)) -> scale (M, K/32);
                        ``_columnwise_data`` (M, K) -> columnwise_data;
                        ``_columnwise_scale_inv`` (rup(M/32,4), rup(K,128)) ->
-                       columnwise_scale (M/32, K). Section 1.2.
+                       columnwise_scale (M/32, K). producers.md 2.3.
 NVFP4Tensor            ``_rowwise_data`` (M, K/2) -> data; ``_rowwise_scale_inv``   nvfp4
                        E4M3 (rup(M,128), rup(K/16,4)) -> scale (M, K/16), or every
                        16th row (M/16, K/16) for 16x16 tiles; ``_amax_rowwise`` fp32
                        (1,) -> amax (). Columnwise (K, M/2) / (rup(K,128),
                        rup(M/16,4)) not stored: derived (2-D) or requantized (1-D).
-                       Section 1.3, ``tensor/storage/nvfp4_tensor_storage.py``.
+                       producers.md 2.4, ``tensor/storage/nvfp4_tensor_storage.py``.
 Float8BlockwiseQTensor ``_rowwise_data`` (M, K) -> data; ``_rowwise_scale_inv`` fp32  fp8_block
                        2-D: (cdiv(M,128), rup(cdiv(K,128),4)) -> (M/128, K/128);
                        1-D: (cdiv(K,128), rup(M,4)) transposed -> (M, K/128).
                        Columnwise (K, M) not stored: derived (2-D) or requantized
-                       (1-D). Section 1.4, C++ ``Float8BlockQuantizer::get_scale_shape``.
+                       (1-D). producers.md 2.5, C++ ``Float8BlockQuantizer::get_scale_shape``.
 =====================  ==========================================================  ==========
 
-GEMM swizzle (MXFP8/NVFP4 ``_with_gemm_swizzled_scales``, section 1.6): 128x4 tiles in cuBLAS order,
+GEMM swizzle (MXFP8/NVFP4 ``_with_gemm_swizzled_scales``, docs/producers.md 1.3): 128x4 tiles in cuBLAS order,
 the view/permute ``S.view(Mp/128, 4, 32, Kp/4, 4).permute(0, 3, 2, 1, 4)`` and its inverse, shared
 with torchao in :mod:`ckptq.adapters._swizzle`; MXFP8 columnwise buffers hold the swizzle of the
 *transposed* (K, M/32) scale matrix.
 
-Pickles (section 3.2): :data:`PICKLE_GLOBALS` maps every global a TE DCP record references to the
-stand-ins below (reconstructors -> :class:`TEPayload`, quantizer classes -> :class:`QuantizerState`,
+Pickles (docs/producers.md 2.7): :data:`PICKLE_GLOBALS` maps every global a TE DCP record references to
+the stand-ins below (reconstructors -> :class:`TEPayload`, quantizer classes -> :class:`QuantizerState`,
 both ``DType`` enums -> :func:`te_dtype`), for ckptq's restricted unpickler.
 """
 
@@ -92,7 +93,7 @@ TE_CLASSES: dict[tuple[str, str], str] = {
 
 # ============================================================================ TE enums and records
 class TEDType(enum.IntEnum):
-    """TE's ``DType`` values (``common/include/transformer_engine/transformer_engine.h``, section 0)."""
+    """TE's ``DType`` values (``transformer_engine/common/include/transformer_engine/transformer_engine.h``)."""
 
     kByte = 0
     kInt16 = 1
@@ -204,7 +205,7 @@ class Float8BlockQuantizerState(QuantizerState):
     type_name = "Float8BlockQuantizer"
 
 
-# ---------------------------------------------------------------- reconstructors (section 3.2 payloads)
+# ------------------------------------------------ reconstructors (payloads: docs/producers.md 2.7)
 def make_float8(data, fp8_dtype, fp8_scale_inv, dtype, shape, data_transpose=None) -> TEPayload:
     """``float8_tensor._make_float8_tensor_in_reduce_ex``: (data, fp8_dtype, scale_inv, dtype, shape
     [, data_transpose]); the transpose is pickled only when ``_data`` is None; no quantizer."""
@@ -395,7 +396,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C/2) uint8 -> (R, C) E2M1 codes; element 2i is the low nibble (section 1.3)."""
+    """(R, C/2) uint8 -> (R, C) E2M1 codes; element 2i is the low nibble (docs/producers.md 1.1)."""
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
 
 
@@ -439,7 +440,8 @@ def _held(obj: Any, desc: _TELayout, specs: dict[str, tuple[tuple[int, ...], tor
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise CheckpointFormatError(
                 f"{_where(fqn, desc.te_class)}: buffer {attr} is {got}, expected {dtype} {tuple(shape)} for "
-                f"logical shape {desc.shape} (TE layout, reference section 1)."
+                f"logical shape {desc.shape} in TransformerEngine's layout of this class (TE main, 2026-08). The "
+                f"tensor or record does not match it: it comes from a TE version ckptq does not map, or is damaged."
             )
         out[attr] = t
     return out
@@ -513,7 +515,7 @@ def _float8_insert(obj, qt, d, fqn):
     b["_scale_inv"].copy_(c["scale_inv"].reshape(1))
     if "_data" in b:
         b["_data"].copy_(data)
-    if "_transpose" in b:  # exact: the transpose cache is a byte transpose (section 6)
+    if "_transpose" in b:  # exact: the transpose cache is a byte transpose of _data
         b["_transpose"].copy_(data.t())
         if hasattr(obj, "_transpose_invalid"):
             obj._transpose_invalid = False
@@ -564,7 +566,7 @@ def _mxfp8_insert(obj, qt, d, fqn):
     sqnr = None
     if "columnwise_data" in c:
         cdata, cscale = c["columnwise_data"], c["columnwise_scale"]
-    else:  # 1-D columnwise is quantized independently from HP values: requantize (section 1.2)
+    else:  # 1-D columnwise is quantized independently from HP values: requantize (producers.md 2.3)
         cc, sqnr = _requantized(qt.dequantize(torch.float32), "mxfp8")
         cdata, cscale = cc["data"].t(), cc["scale"].t()
     b["_columnwise_data"].copy_(_u8(cdata))
@@ -617,7 +619,7 @@ def _nvfp4_extract(obj, d, fqn):
     b = _held(obj, d, _nvfp4_specs(d), fqn)
     m, k = d.shape
     scale = _read_scales(b["_rowwise_scale_inv"], m, cdiv(k, 16), d.swizzled)
-    if d.recipe["two_d"]:  # 2-D mode: each 16x16 tile's scale repeated on its 16 rows (section 1.3)
+    if d.recipe["two_d"]:  # 2-D mode: each 16x16 tile's scale repeated on its 16 rows (docs/producers.md 2.4)
         tiles = scale[::16]
         if not torch.equal(tiles.repeat_interleave(16, 0)[:m], scale):
             d.recipe["two_d"] = False  # not tile-constant: keep it exact as 1x16 scales
@@ -645,7 +647,7 @@ def _nvfp4_insert(obj, qt, d, fqn):
     if "_columnwise_data" not in b:
         return None
     sqnr = None
-    if two_d:  # exact: nvfp4_data_transpose + nvfp4_2d_scale_transpose (section 1.3)
+    if two_d:  # exact: nvfp4_data_transpose + nvfp4_2d_scale_transpose (producers.md 2.4)
         cdata = _pack_fp4(_unpack_fp4(c["data"]).t())
         cscale = scale.t().repeat_interleave(16, 0)[:k]
     else:  # 1-D columnwise is quantized from HP values with the same amax: requantize
@@ -703,7 +705,7 @@ def _float8_block_insert(obj, qt, d, fqn):
     if "_columnwise_data" not in b:
         return None
     sqnr = None
-    if two_d:  # exact: fp8_transpose + scale transpose (section 1.4)
+    if two_d:  # exact: fp8_transpose + scale transpose (producers.md 2.5)
         cdata, cscale = data.t(), scale.t()
     else:  # 1-D columnwise: x.T quantized with 1x128 blocks along M; requantize
         cc, sqnr = _requantized(

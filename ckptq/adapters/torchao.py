@@ -4,7 +4,7 @@ torchao is never imported. Live objects are recognized by their class's module a
 (:data:`AO_CLASSES`); records rebuilt from torchao pickles (``torch.save`` files, DCP records written
 by DCP's default planner) are :class:`TorchAOPayload` subclasses carrying the same attribute names
 (``qdata``, ``scale``, ``per_tensor_scale``, ``is_swizzled_scales``, ...), so both are handled alike.
-Facts: ``../shared/reference/formats-in-the-wild.md`` section 1 (torchao 0.18.0, read from the wheel).
+Facts: docs/producers.md, "3. torchao" (torchao 0.18.0, read from the wheel).
 
 =================  ===============================================================  ===========
 torchao class      fields -> ckptq components                                       ckptq format

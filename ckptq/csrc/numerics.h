@@ -1,6 +1,6 @@
 // Per-element and per-block numerics shared by the CPU (requantize_cpu.cpp) and CUDA
 // (cuda/*.cu) kernels. Every function here is the C++ transcription of one function of the
-// spec, ckptq/numerics.py, in exactly its fp32 operation order (DESIGN.md section 2).
+// spec, ckptq/numerics.py, in exactly its fp32 operation order (written down in docs/formats.md).
 //
 // Rules that keep both backends bit-exact with the reference:
 //  * every arithmetic operation is one IEEE fp32 operation: build with no fast-math and no FMA

@@ -1,7 +1,7 @@
 // Host-side plan of one ckptq::requantize / ckptq::amax call, shared by the CPU and CUDA
 // implementations: parses the op's arguments, checks them (TORCH_CHECK, messages name the
 // format, shape and dtype), and allocates the outputs in the canonical compact layout of
-// DESIGN.md section 2. Everything is in an anonymous namespace: each extension gets its own copy.
+// docs/formats.md. Everything is in an anonymous namespace: each extension gets its own copy.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,4 +1,4 @@
-"""Quantized formats: ``fp8_tensor``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (DESIGN.md section 2)."""
+"""Quantized formats: ``fp8_tensor``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (spec: docs/formats.md)."""
 
 from __future__ import annotations
 

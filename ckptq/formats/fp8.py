@@ -1,6 +1,6 @@
 """FP8 per-tensor (`fp8_tensor`) and blockwise (`fp8_block`, 1x128 / 128x128) formats.
 
-Layouts (DESIGN.md section 2), logical (..., M, K):
+Layouts (docs/formats.md, "3. `fp8_tensor`" and "4. `fp8_block`"), logical (..., M, K):
 * ``fp8_tensor``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (...) -- one decode multiplier per matrix.
 * ``fp8_block``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (..., ceil(M/bm), ceil(K/bk)).
 Numerics: :mod:`ckptq.numerics` (TE ``compute_scale_from_amax``).

@@ -1,7 +1,7 @@
 """MXFP8 (`mxfp8`): E4M3 elements, one E8M0 scale per 1x32 block along K.
 
-Layout (DESIGN.md section 2), logical (..., M, K): ``data`` e4m3 (..., M, K); ``scale`` E8M0 stored as
-uint8 (..., M, ceil(K/32)); optional independently quantized columnwise copy (TE 1-D MXFP8):
+Layout (docs/formats.md, "5. `mxfp8`"), logical (..., M, K): ``data`` e4m3 (..., M, K); ``scale`` E8M0
+stored as uint8 (..., M, ceil(K/32)); optional independently quantized columnwise copy (TE 1-D MXFP8):
 ``columnwise_data`` e4m3 (..., M, K) and ``columnwise_scale`` uint8 (..., ceil(M/32), K).
 Numerics: :func:`ckptq.numerics.quantize_mxfp8` (TE ``float_to_e8m0`` scale rounding).
 """

@@ -1,7 +1,7 @@
 """NVFP4 (`nvfp4`): E2M1 elements packed two per byte, E4M3 block scales, fp32 per-tensor amax.
 
-Layout (DESIGN.md section 2), logical (..., M, K), K even: ``data`` uint8 (..., M, K/2) with element 2i
-in the low nibble; ``scale`` float8_e4m3fn (..., M, ceil(K/16)) for 1x16 blocks, or
+Layout (docs/formats.md, "6. `nvfp4`"), logical (..., M, K), K even: ``data`` uint8 (..., M, K/2) with
+element 2i in the low nibble; ``scale`` float8_e4m3fn (..., M, ceil(K/16)) for 1x16 blocks, or
 (..., ceil(M/16), ceil(K/16)) for 16x16 blocks (``two_d``); ``amax`` fp32 (...).
 Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 """

@@ -103,7 +103,7 @@ def _pow2(n: int) -> bool:
 
 
 def _cuda_supports(src: dict, dst: dict) -> bool:
-    """Block shapes the CUDA kernels take (all of DESIGN.md's; exotic fp8_block shapes use the
+    """Block shapes the CUDA kernels take (every default block; exotic fp8_block shapes use the
     reference): power-of-two blocks, column blocks of 16..512, and a target block that fits the
     kernel's tile (bm <= 4 * 256 / max(8, bk / 16) rows)."""
     if src["format"] == "fp8_block":

@@ -15,7 +15,7 @@
 //    pass over the source (for FP8 / NVFP4 sources on the raw codes, see seg_amax_raw); the
 //    encode pass then walks the tiles in reverse order so that its first tiles are the ones the
 //    amax pass read last (possibly still in L2).
-//  * nvfp4 targets (issue 11 part 3): E2M1 rounding by one fp32 add of a magic number
+//  * nvfp4 targets: E2M1 rounding by one fp32 add of a magic number
 //    (e2m1_magic_bits), the encode multiplier from a per-CTA table of the 256 scale bytes; and for
 //    bf16 / fp16 sources with 1x16 blocks and K % 16 == 0 a separate streaming kernel
 //    (nv1d_kernel: persistent CTAs, tiles brought into shared memory by bulk asynchronous copies
@@ -42,7 +42,7 @@ namespace cudak {
 using namespace ckptq::num;
 
 enum SrcKind : int { S_F32 = 0, S_BF16, S_F16, S_FP8, S_MX, S_NV };
-// MXCW: mxfp8 + columnwise copy. NVB: nvfp4 with the encode of before issue 11 (per-block division,
+// MXCW: mxfp8 + columnwise copy. NVB: nvfp4 with the earlier encode (per-block division,
 // threshold-style E2M1 rounding), kept as the benchmark baseline (CKPTQ_NVFP4_ENCODE=baseline).
 enum DstKind : int { D_F32 = 0, D_BF16, D_F16, D_FP8T, D_FP8B, D_MX, D_NV, D_MXCW, D_NVB };
 __host__ __device__ constexpr bool is_nv(int D) { return D == D_NV || D == D_NVB; }
@@ -167,8 +167,8 @@ __device__ __forceinline__ uint32_t nvfp4_code_gpu(float x, float enc) {
 }
 
 // ------------------------------------------------------- NVFP4 encode without integer-ALU work
-// (issue 11 part 3). sm_90 has no E2M1 conversion, and the threshold count / bit rounding of
-// e2m1_index costs about 11 integer-pipe instructions per element. Here an element costs one fp32
+// sm_90 has no E2M1 conversion, and the threshold count / bit rounding of e2m1_index costs
+// about 11 integer-pipe instructions per element. Here an element costs one fp32
 // multiply and one fp32 add (FMA pipe), two min/max, two integer multiplies (FMA pipe) and two
 // funnel shifts.
 //
@@ -748,7 +748,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_for(S, D)) requant_kernel
   process_tile<S, D, R>(p, t, g, s_blk, s_col, s_enc);
 }
 
-// ------------------------------------------------- streaming nvfp4 1x16 encode (issue 11 part 3)
+// ------------------------------------------------------------------- streaming nvfp4 1x16 encode
 // bf16 / fp16 -> nvfp4 with 1x16 blocks and K % 16 == 0 (aligned): every 16-element block is 32
 // contiguous source bytes -> 8 data bytes + 1 scale byte at the same block index, so the whole
 // batch is one 1-D stream of blocks. Persistent CTAs walk tiles of kNvTile blocks (16 KB of

@@ -68,8 +68,8 @@ int src_kind(Fmt f) {
 // nvfp4 encode kernel choice, CKPTQ_NVFP4_ENCODE (benchmark switches; the bytes are the same):
 // unset = the streaming kernel for bf16 / fp16 1x16 (two-pass: amax kernel, then the streaming
 // kernel in reverse tile order); "tile" = the new encode arithmetic in the one-tile-per-CTA kernel;
-// "baseline" = the kernel of before issue 11 part 3. Read at every call (the benchmark switches it
-// within one process).
+// "baseline" = the earlier encode (D_NVB: per-block division, threshold-style E2M1 rounding). Read
+// at every call (the benchmark switches it within one process).
 enum class NvMode { Stream, Tile, Baseline };
 NvMode nvfp4_mode() {
   const char* v = std::getenv("CKPTQ_NVFP4_ENCODE");
@@ -197,7 +197,7 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   fill_source(k, p);
   int D = dst_kind(p);
   const NvMode nv_mode = D == D_NV ? nvfp4_mode() : NvMode::Stream;
-  if (nv_mode == NvMode::Baseline) D = D_NVB;  // same bytes, the encode of before issue 11
+  if (nv_mode == NvMode::Baseline) D = D_NVB;  // same bytes, the earlier (baseline) encode
   // Target geometry and support (mirrored by ckptq.ops._cuda_supports).
   int G = 1;
   if (p.df == Fmt::FP8_BLOCK || p.df == Fmt::MXFP8 || p.df == Fmt::NVFP4) {

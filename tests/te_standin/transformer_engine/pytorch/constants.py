@@ -1,6 +1,6 @@
 """Stand-in for ``transformer_engine/pytorch/constants.py``: the ``DType`` IntEnum and block sizes.
 
-Values from ``common/include/transformer_engine/transformer_engine.h`` (reference section 0). An
+Values from ``transformer_engine/common/include/transformer_engine/transformer_engine.h``. An
 IntEnum pickles as ``(transformer_engine.pytorch.constants.DType, (value,))``.
 """
 

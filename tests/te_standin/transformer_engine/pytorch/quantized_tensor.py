@@ -1,5 +1,5 @@
 """Stand-in for ``transformer_engine/pytorch/quantized_tensor.py``: ``Quantizer`` and the wrapper
-base ``QuantizedTensor`` (reference sections 0 and 3.1).
+base ``QuantizedTensor`` (docs/producers.md, 2.1).
 
 The wrapper is a ``torch.Tensor._make_wrapper_subclass`` with the *logical* shape and a fake
 high-precision dtype; bytes live in inner buffers named as in TE. Dispatch implements only what

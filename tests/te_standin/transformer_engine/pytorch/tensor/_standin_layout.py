@@ -1,7 +1,7 @@
 """Layout helpers of the stand-in (not a TE module): padded scale shapes, the GEMM swizzle written
 as TE's index map, and element decoders used by the stand-in's TE-order ``dequantize``.
 
-Swizzle (reference section 1.6, ``common/cast/mxfp8/swizzle.cuh::gemm_swizzled_scale_idx``): for a
+Swizzle (docs/producers.md 1.3, ``common/cast/mxfp8/swizzle.cuh::gemm_swizzled_scale_idx``): for a
 compact scale matrix S[i, j] padded to (rup(rows, 128), rup(cols, 4)), the byte of S[i, j] lives at
 ``tile * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + (j % 4)`` with
 ``tile = (i // 128) * num_tiles_x + j // 4`` and ``num_tiles_x = padded_cols / 4``.
@@ -63,7 +63,7 @@ def random_bytes(shape, generator: torch.Generator, dtype: torch.dtype = torch.u
     return raw.view(dtype).reshape(shape)
 
 
-# E2M1 values by 4-bit code (reference section 1.3, sign bit is bit 3).
+# E2M1 values by 4-bit code (docs/producers.md 1.1, sign bit is bit 3).
 E2M1 = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float32
 )

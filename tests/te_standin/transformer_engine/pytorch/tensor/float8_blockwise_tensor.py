@@ -1,4 +1,4 @@
-"""Stand-in for ``transformer_engine/pytorch/tensor/float8_blockwise_tensor.py`` (reference 1.4, 2.2, 3.2).
+"""Stand-in for ``transformer_engine/pytorch/tensor/float8_blockwise_tensor.py`` (docs/producers.md 2.5, 2.7).
 
 Buffers (logical (M, K), any M, K): ``_rowwise_data`` uint8 (M, K); ``_columnwise_data`` uint8 (K, M);
 fp32 scales, never swizzled (C++ ``Float8BlockQuantizer::get_scale_shape``):

@@ -1,4 +1,4 @@
-"""Stand-in for ``transformer_engine/pytorch/tensor/float8_tensor.py`` (reference sections 1.1, 3.2).
+"""Stand-in for ``transformer_engine/pytorch/tensor/float8_tensor.py`` (docs/producers.md 2.2, 2.7).
 
 Buffers: ``_data`` uint8 (M, K) rowwise FP8 codes (None when only columnwise is held),
 ``_transpose`` uint8 (K, M) (Hopper's columnwise copy, ``_transpose_invalid``), ``_scale_inv``
@@ -100,7 +100,7 @@ class Float8Tensor(QuantizedTensor):
         return _make_float8_tensor_in_reduce_ex(data, fp8_dtype, fp8_scale_inv, dtype, shape)
 
     def dequantize(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """TE CPU fallback order: ``_data.view(fp8).float() * _scale_inv`` (reference 2.1)."""
+        """TE CPU fallback order: ``_data.view(fp8).float() * _scale_inv`` (docs/producers.md 2.2)."""
         fp8 = _TORCH_FP8[int(self._fp8_dtype)]
         codes = self._data if self._data is not None else self._transpose.t()
         return (codes.view(fp8).float() * self._scale_inv.float()).to(dtype)

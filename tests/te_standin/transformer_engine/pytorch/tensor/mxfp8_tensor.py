@@ -1,4 +1,4 @@
-"""Stand-in for ``transformer_engine/pytorch/tensor/mxfp8_tensor.py`` (reference sections 1.2, 1.6, 3.2).
+"""Stand-in for ``transformer_engine/pytorch/tensor/mxfp8_tensor.py`` (docs/producers.md 1.3, 2.3, 2.7).
 
 Buffers (logical (M, K), M % 32 == K % 32 == 0 in TE):
 ``_rowwise_data`` uint8 (M, K); ``_rowwise_scale_inv`` uint8 E8M0 (rup(M,128), rup(K/32,4)) indexed

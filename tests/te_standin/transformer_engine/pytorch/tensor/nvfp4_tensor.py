@@ -1,11 +1,11 @@
-"""Stand-in for ``transformer_engine/pytorch/tensor/nvfp4_tensor.py`` (reference sections 1.3, 2.4, 3.2).
+"""Stand-in for ``transformer_engine/pytorch/tensor/nvfp4_tensor.py`` (docs/producers.md 2.4, 2.7).
 
 Buffers (logical (M, K), M % 16 == K % 16 == 0 in TE):
 ``_rowwise_data`` uint8 (M, K/2), element 2i in the low nibble; ``_rowwise_scale_inv`` uint8 E4M3
 (rup(M,128), rup(K/16,4)) indexed [row, kblock] (2-D mode: each 16x16 tile's scale repeated on its
 16 rows); ``_columnwise_data`` uint8 (K, M/2) (transposed, packed along M);
 ``_columnwise_scale_inv`` uint8 (rup(K,128), rup(M/16,4)); ``_amax_rowwise``/``_amax_columnwise``
-fp32 (1,). Swizzled scales: both buffers hold the swizzle of their padded matrix (section 1.6).
+fp32 (1,). Swizzled scales: both buffers hold the swizzle of their padded matrix (producers.md 1.3).
 """
 
 from __future__ import annotations
