@@ -481,7 +481,31 @@ def open_checkpoint(path: PathLike) -> CheckpointSource:
             malformed; UnsafeCheckpointError: it would run code.
     """
     p = Path(path)
+    refuse_data_file(p)
     for kind in _SOURCES:
         if kind.detect(p):
             return kind.open(p)
     return CheckpointView(p)  # raises the DCP reader's precise error (missing, not DCP, ...)
+
+
+def refuse_data_file(path: PathLike) -> None:
+    """Refuse one ``.distcp`` data file given as a checkpoint: its records can only be located
+    and checked through the checkpoint's ``.metadata``, in the folder that holds both.
+
+    Raises:
+        CheckpointFormatError: ``path`` is a file named ``*.distcp``; the message names the folder
+            to pass instead (or says that its ``.metadata`` is missing).
+    """
+    p = Path(path)
+    if p.suffix != ".distcp" or p.is_dir():
+        return
+    folder = p.parent
+    if (folder / METADATA_FILE).is_file():
+        raise CheckpointFormatError(
+            f"{p} is one data file of the DCP checkpoint {folder}: its records are read through the "
+            f"checkpoint's .metadata; pass the folder instead ({folder})"
+        )
+    raise CheckpointFormatError(
+        f"{p} is a DCP data file, and {folder} has no .metadata to locate its records: pass the "
+        f"checkpoint folder (the one holding .metadata and the .distcp files)"
+    )

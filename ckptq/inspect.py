@@ -170,7 +170,8 @@ def _row_of(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
     desc = e.descriptor or {}
     producer = desc.get("producer")
     if isinstance(producer, Mapping):
-        row["producer"] = " ".join(str(producer[k]) for k in ("name", "class", "layout") if producer.get(k))
+        parts = (str(producer[k]) for k in ("name", "class", "layout") if producer.get(k))
+        row["producer"] = " ".join(dict.fromkeys(parts))  # "modelopt", not "modelopt modelopt" (name = layout)
     else:
         row["producer"] = adapters.describe_entry(e.fqn)
     row["note"] = desc.get(DESCRIPTOR_NOTE)

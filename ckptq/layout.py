@@ -293,6 +293,13 @@ class LayoutPlan:
                 if v not in TP_RULES:
                     raise UsageError(f"fsdp2-tp rule {k}={v}: expected {' or '.join(TP_RULES)}")
 
+    def unmatched_rules(self, fqns: Sequence[str]) -> list[str]:
+        """The fsdp2-tp rule globs that match none of ``fqns`` (the checkpoint's tensors); ``[]``
+        for other plans (a placement file's globs may be written for several models)."""
+        if self.preset != "fsdp2-tp":
+            return []
+        return [g for g in self.rules if not any(fnmatch.fnmatchcase(f, g) for f in fqns)]
+
     def placements(self, fqn: str, ndim: int) -> tuple[Placement, ...]:
         n = len(self.mesh.sizes)
         if ndim == 0 or self.preset == "replicate":

@@ -51,13 +51,20 @@ def parse_mesh(text: str | MeshSpec) -> MeshSpec:
     if isinstance(text, MeshSpec):
         return text
     text = str(text).strip()
-    if re.fullmatch(r"\d+", text) and int(text) >= 1:
+    if re.fullmatch(r"\d+", text):
+        if int(text) < 1:
+            raise UsageError(f"--mesh {text}: a mesh has at least 1 rank (e.g. --mesh 8 or --mesh dp_shard=4,tp=2)")
         return MeshSpec(("dp_shard",), (int(text),))
     names, sizes = [], []
     for part in text.split(","):
         m = re.fullmatch(r"\s*([A-Za-z_][\w]*)\s*=\s*(\d+)\s*", part)
-        if not m or int(m.group(2)) < 1:
-            raise UsageError(f"--mesh {text}: expected comma-separated name=size pairs such as dp_shard=4,tp=2")
+        if m and int(m.group(2)) < 1:
+            raise UsageError(f"--mesh {text}: mesh dim '{m.group(1)}' has size {m.group(2)}; sizes are >= 1")
+        if not m:
+            raise UsageError(
+                f"--mesh {text}: expected a rank count such as 8, or comma-separated name=size pairs "
+                f"such as dp_shard=4,tp=2"
+            )
         names.append(m.group(1))
         sizes.append(int(m.group(2)))
     if len(set(names)) != len(names):
@@ -120,6 +127,26 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
     if not isinstance(data, dict) or not all(isinstance(v, (list, tuple)) for v in data.values()):
         raise UsageError(f"--plan {path}: expected a mapping of FQN glob -> list of placements")
     return _layout_plan(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
+
+
+def check_rules(layout: LayoutPlan, fqns: Sequence[str], *, allow_unmatched: bool = False) -> list[str]:
+    """The ``--rule`` globs of ``layout`` that match no tensor of ``fqns`` (the source checkpoint's).
+
+    Raises:
+        UsageError: ``--rule`` given with a plan other than fsdp2-tp (which alone takes rules), or
+            globs that match nothing and not ``allow_unmatched`` (the message names the globs, some
+            of the tensors and ``--allow-unmatched``).
+    """
+    if layout.preset not in ("fsdp2-tp", "file") and layout.rules:
+        raise UsageError(f"--rule applies to --plan fsdp2-tp only (the plan is {layout.preset})")
+    unmatched = layout.unmatched_rules(fqns)
+    if unmatched and not allow_unmatched:
+        shown = ", ".join(list(fqns)[:6]) + (", ..." if len(fqns) > 6 else "")
+        raise UsageError(
+            f"--rule {', '.join(unmatched)}: matches no tensor of the checkpoint ({shown}); "
+            f"fix the glob, or pass --allow-unmatched to go on with a warning"
+        )
+    return unmatched
 
 
 def _layout_plan(mesh: MeshSpec, preset: str, rules: Mapping[str, Any]) -> LayoutPlan:

@@ -10,18 +10,23 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import open_checkpoint
+from .checkpoint import open_checkpoint, refuse_data_file
 from .contract import read_checksums
 from .formats.base import QuantizedTensor
 from .io import torchsave
 from .io.reader import SafeFileSystemReader
 from .io.safetensors import check_safetensors_records, is_safetensors_source
-from .metrics import bit_exact, max_abs_error, sqnr_db
+from .metrics import bit_exact, encoding_of, max_abs_error, sqnr_bound, sqnr_db
 
 __all__ = ["verify_checkpoints", "check_integrity"]
 
 
-def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] | None = None) -> dict:
+def check_integrity(
+    path: str | os.PathLike,
+    *,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> dict:
     """Read every record of the DCP checkpoint at ``path`` once and check it (``ckptq verify PATH``).
 
     Each record must be intact (inside its file, loadable with ``weights_only=True``, of the dtype
@@ -33,6 +38,7 @@ def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] 
             checksum per tensor into each file's ``__metadata__``: :data:`ckptq.checksums.SAFETENSORS_KEY`),
             or a ``torch.save`` file (the CRC-32 of each zip member, which torch writes).
         progress: called with the byte length of each record checked.
+        on_total: called once, before the first record, with the bytes to check (DCP checkpoints).
 
     Returns:
         ``{"problems": [{"fqn", "offsets", "file", "start", "end", "problem"}],
@@ -46,6 +52,7 @@ def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] 
         CheckpointFormatError / UnsafeCheckpointError: the metadata cannot be read (then no record
             can be located).
     """
+    refuse_data_file(path)
     if is_safetensors_source(Path(path)) or torchsave.detect(Path(path)):
         check = check_safetensors_records if is_safetensors_source(Path(path)) else torchsave.check_torchsave_records
         problems, verified, unverified = check(path, progress=progress)
@@ -57,6 +64,9 @@ def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] 
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, True)
+    nbytes = sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values())
+    if on_total:
+        on_total(nbytes)
     problems, verified, unverified = reader.check_records(progress=progress)
     rows = [
         {
@@ -73,7 +83,7 @@ def check_integrity(path: str | os.PathLike, *, progress: Callable[[int], None] 
         rows,
         verified,
         unverified,
-        sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values()),
+        nbytes,
         read_checksums(metadata.planner_data, where=str(path)) is not None,
     )
 
@@ -120,80 +130,119 @@ def _exact(a, b) -> bool:
     return bit_exact(a, b)
 
 
+def _judge(row: dict, same_rep: bool, floating: bool, encodings, quantized, min_sqnr: float | None) -> str:
+    """The status of a compared tensor pair (see :func:`verify_checkpoints`); sets its bound."""
+    if row["bit_exact"]:
+        return "bit_exact"
+    if min_sqnr is not None:
+        row["bound_db"], row["bound"] = min_sqnr, "--min-sqnr"
+    elif same_rep:
+        return "mismatch"
+    elif not floating:  # different integer (or bool) dtypes: the values must be equal
+        return "ok" if row["max_abs_error"] == 0 else "mismatch"
+    else:
+        bound = sqnr_bound(*encodings, quantized=quantized)
+        if bound is None:
+            return "no_bound"
+        row["bound_db"], row["bound"] = bound
+    s = row["sqnr_db"]
+    return "ok" if s is not None and not math.isnan(s) and s >= row["bound_db"] else "below_threshold"
+
+
+def _compare(va, vb, fqn: str, min_sqnr: float | None) -> dict:
+    """One row of :func:`verify_checkpoints`."""
+    row = {
+        "fqn": fqn,
+        "a": None,
+        "b": None,
+        "status": None,
+        "bit_exact": None,
+        "max_abs_error": None,
+        "sqnr_db": None,
+        "bound_db": None,
+        "bound": None,
+    }
+    if fqn not in va or fqn not in vb:
+        row["status"] = "missing_in_a" if fqn not in va else "missing_in_b"
+        return row
+    ea, eb = va.entry(fqn), vb.entry(fqn)
+    if "bytes" in (ea.kind, eb.kind):
+        row["a"], row["b"] = (
+            ea.kind if ea.kind == "bytes" else "tensor",
+            eb.kind if eb.kind == "bytes" else "tensor",
+        )
+        same = ea.kind == eb.kind == "bytes" and va.read_raw_bytes(fqn)[0] == vb.read_raw_bytes(fqn)[0]
+        row["bit_exact"] = same
+        row["status"] = "bit_exact" if same else "mismatch"
+        return row
+    if tuple(ea.shape) != tuple(eb.shape):
+        row["a"], row["b"] = list(ea.shape), list(eb.shape)
+        row["status"] = "shape_mismatch"
+        return row
+    xa, xb = va.read(fqn), vb.read(fqn)
+    row["a"], row["b"] = _describe(xa), _describe(xb)
+    same_rep = _same_representation(xa, xb)
+    row["bit_exact"] = same_rep and _exact(xa, xb)
+    encodings = (encoding_of(xa), encoding_of(xb))
+    quantized = (isinstance(xa, QuantizedTensor), isinstance(xb, QuantizedTensor))
+    ha = xa.dequantize(torch.float32) if quantized[0] else xa
+    hb = xb.dequantize(torch.float32) if quantized[1] else xb
+    del xa, xb
+    floating = ha.is_floating_point() and hb.is_floating_point()
+    if floating:
+        row["max_abs_error"] = max_abs_error(ha, hb)
+        row["sqnr_db"] = math.inf if row["bit_exact"] else _sqnr(ha, hb)
+    elif not row["bit_exact"]:
+        row["max_abs_error"] = max_abs_error(ha.double(), hb.double())
+    row["status"] = _judge(row, same_rep, floating, encodings, quantized, min_sqnr)
+    return row
+
+
 def verify_checkpoints(
     path_a: str | os.PathLike,
     path_b: str | os.PathLike,
     *,
     min_sqnr: float | None = None,
     progress: Callable[[], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> dict:
     """Compare checkpoints ``A`` and ``B`` (any layout, world size and mode), one tensor at a time.
 
     Per logical tensor: bit-exact (same format and recipe, or same plain dtype: every stored byte
     equal), max abs error and SQNR (dB) of the high-precision values (quantized tensors
-    dequantized in fp32). A tensor *fails* when it is missing from one side, its shape differs,
-    a same-representation pair is not bit-exact and no ``min_sqnr`` is given, or its SQNR is below
-    ``min_sqnr``. Non-tensor entries must have identical stored records.
+    dequantized in fp32). A tensor *fails* when it is missing from one side, its shape differs, or:
+
+    - with ``min_sqnr``: it is not bit-exact and its SQNR is below ``min_sqnr``;
+    - without: a same-representation pair is not bit-exact; a pair of different formats, recipes or
+      float dtypes has an SQNR below the floor its two encodings allow
+      (:func:`ckptq.metrics.sqnr_bound`: e.g. 19 dB for NVFP4 vs its high-precision values, 25 dB for
+      two E4M3 encodings), or no floor is known for it (status ``no_bound``: pass ``min_sqnr``);
+      a pair of different integer dtypes has values that differ.
+
+    Non-tensor entries must have identical stored records.
+
+    Args:
+        progress: called after each tensor compared.
+        on_total: called once, before the first, with the number of entries to compare.
 
     Returns:
-        ``{"tensors": [{"fqn", "a", "b", "status", "bit_exact", "max_abs_error", "sqnr_db"}],
-        "summary": {"compared", "bit_exact", "failed", "ok", "min_sqnr"}}``; ``status`` is one of
+        ``{"tensors": [{"fqn", "a", "b", "status", "bit_exact", "max_abs_error", "sqnr_db",
+        "bound_db", "bound"}], "summary": {"compared", "bit_exact", "failed", "no_bound", "ok",
+        "min_sqnr"}}``; ``bound_db`` / ``bound`` are the SQNR floor a tensor was judged by and its
+        reason (``min_sqnr`` / ``"--min-sqnr"`` when given), else None; ``status`` is one of
         ``bit_exact``, ``ok``, ``missing_in_a``, ``missing_in_b``, ``shape_mismatch``, ``mismatch``,
-        ``below_threshold``.
+        ``below_threshold``, ``no_bound``.
 
     Raises:
         CheckpointFormatError / UnsafeCheckpointError: a checkpoint cannot be read.
     """
     va, vb = open_checkpoint(path_a), open_checkpoint(path_b)
     names = sorted({e.fqn for e in va.entries()} | {e.fqn for e in vb.entries()})
+    if on_total:
+        on_total(len(names))
     rows = []
     for fqn in names:
-        row = {
-            "fqn": fqn,
-            "a": None,
-            "b": None,
-            "status": None,
-            "bit_exact": None,
-            "max_abs_error": None,
-            "sqnr_db": None,
-        }
-        rows.append(row)
-        if fqn not in va or fqn not in vb:
-            row["status"] = "missing_in_a" if fqn not in va else "missing_in_b"
-            continue
-        ea, eb = va.entry(fqn), vb.entry(fqn)
-        if "bytes" in (ea.kind, eb.kind):
-            row["a"], row["b"] = (
-                ea.kind if ea.kind == "bytes" else "tensor",
-                eb.kind if eb.kind == "bytes" else "tensor",
-            )
-            same = ea.kind == eb.kind == "bytes" and va.read_raw_bytes(fqn)[0] == vb.read_raw_bytes(fqn)[0]
-            row["bit_exact"] = same
-            row["status"] = "bit_exact" if same else "mismatch"
-            continue
-        if tuple(ea.shape) != tuple(eb.shape):
-            row["a"], row["b"] = list(ea.shape), list(eb.shape)
-            row["status"] = "shape_mismatch"
-            continue
-        xa, xb = va.read(fqn), vb.read(fqn)
-        row["a"], row["b"] = _describe(xa), _describe(xb)
-        same_rep = _same_representation(xa, xb)
-        row["bit_exact"] = same_rep and _exact(xa, xb)
-        ha = xa.dequantize(torch.float32) if isinstance(xa, QuantizedTensor) else xa
-        hb = xb.dequantize(torch.float32) if isinstance(xb, QuantizedTensor) else xb
-        del xa, xb
-        if ha.is_floating_point() and hb.is_floating_point():
-            row["max_abs_error"] = max_abs_error(ha, hb)
-            row["sqnr_db"] = math.inf if row["bit_exact"] else _sqnr(ha, hb)
-        elif not row["bit_exact"]:
-            row["max_abs_error"] = max_abs_error(ha.double(), hb.double())
-        if row["bit_exact"]:
-            row["status"] = "bit_exact"
-        elif min_sqnr is None:
-            row["status"] = "mismatch" if same_rep else "ok"
-        else:
-            s = row["sqnr_db"]
-            row["status"] = "ok" if s is not None and not math.isnan(s) and s >= min_sqnr else "below_threshold"
+        rows.append(_compare(va, vb, fqn, min_sqnr))
         if progress:
             progress()
     failed = [r for r in rows if r["status"] not in ("bit_exact", "ok")]
@@ -203,6 +252,7 @@ def verify_checkpoints(
             "compared": len(rows),
             "bit_exact": sum(1 for r in rows if r["status"] == "bit_exact"),
             "failed": len(failed),
+            "no_bound": sum(1 for r in rows if r["status"] == "no_bound"),
             "ok": not failed,
             "min_sqnr": min_sqnr,
         },

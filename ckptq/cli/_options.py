@@ -47,7 +47,12 @@ PlanOpt = Annotated[
     typer.Option("--plan", help="Preset (replicate, fsdp2, fsdp2-tp) or a JSON/YAML file of FQN glob -> placements."),
 ]
 RuleOpt = Annotated[
-    list[str] | None, typer.Option("--rule", help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col'. Repeatable.")
+    list[str] | None,
+    typer.Option(
+        "--rule",
+        help="fsdp2-tp rule GLOB=col|row, e.g. '*.q_proj.weight=col' (repeatable). A glob that matches no "
+        "tensor is an error.",
+    ),
 ]
 MisalignedOpt = Annotated[
     str,
@@ -60,5 +65,8 @@ MisalignedOpt = Annotated[
 ]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 DryRunOpt = Annotated[
-    bool, typer.Option("--dry-run", help="Print the per-rank plan and alignment problems; write nothing.")
+    bool,
+    typer.Option(
+        "--dry-run", help="Print what would be written (per tensor and rank) and alignment problems; write nothing."
+    ),
 ]

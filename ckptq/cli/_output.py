@@ -8,11 +8,10 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, NoReturn
 
 import typer
-from tabulate import tabulate
 
 __all__ = [
     "echo",
@@ -58,6 +57,8 @@ def echo_table(rows: Sequence[Sequence[Any]], headers: Sequence[str], *, empty: 
     if not rows:
         typer.echo(empty)
         return
+    from tabulate import tabulate  # imported here: ``ckptq --help`` does not need it
+
     typer.echo(tabulate(rows, headers=list(headers), tablefmt="simple", disable_numparse=True))
 
 
@@ -132,14 +133,33 @@ def progress_enabled() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+class _Bar:
+    """What :func:`byte_progress` yields: call it with an amount done; :meth:`set_total` gives the bar
+    its total (then it shows a percentage and an ETA). Both are no-ops without a bar."""
+
+    def __init__(self, bar: Any = None):
+        self._bar = bar
+
+    def __call__(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def set_total(self, total: int) -> None:
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
+
 @contextlib.contextmanager
-def byte_progress(desc: str, total: int | None = None) -> Iterator[Callable[[int], None]]:
-    """A tqdm bar of bytes done and bytes/s on stderr (when :func:`progress_enabled`); yields the
-    function to call with each amount of bytes done (a no-op without a bar)."""
+def byte_progress(desc: str, total: int | None = None, *, unit: str = "B") -> Iterator[_Bar]:
+    """A tqdm bar on stderr (when :func:`progress_enabled`) of bytes done and bytes/s (``unit="B"``)
+    or of items (another ``unit``, e.g. ``"tensor"``); yields a :class:`_Bar` to call with each
+    amount done and to give the total once known."""
     if not progress_enabled():
-        yield lambda n: None
+        yield _Bar()
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr) as bar:
-        yield bar.update
+    scale = dict(unit_scale=True, unit_divisor=1024) if unit == "B" else {}
+    with tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, **scale) as bar:
+        yield _Bar(bar)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 from . import _output as out
@@ -11,16 +12,24 @@ from ._options import JsonOpt
 __all__ = ["doctor"]
 
 
-@command("doctor")
+@command(
+    "doctor",
+    short_help="Report versions and which kernel backends are active, and why not.",
+    examples=["ckptq doctor", "ckptq doctor --json", "CKPTQ_BACKEND=cpu ckptq doctor   # exit 1 if cpu is not active"],
+)
 def doctor(json_output: JsonOpt = False) -> None:
     """Report versions and which kernel backends (reference, cpu, cuda) are active, and why not.
 
-    Exits 1 when CKPTQ_BACKEND forces a backend that is not available.
+    Exits 1 when CKPTQ_BACKEND forces a backend that is not available, or names no backend.
     """
     from .. import __version__
     from ..ops import backend_report
+    from ..ops._backends import BACKENDS
 
     report = {"ckptq": __version__, "python": platform.python_version(), **backend_report()}
+    env = os.environ.get("CKPTQ_BACKEND") or None
+    invalid = env is not None and env not in BACKENDS
+    forced = None if invalid else report.get("forced")
     if json_output:
         out.echo_json(report)
     else:
@@ -29,7 +38,7 @@ def doctor(json_output: JsonOpt = False) -> None:
                 ["ckptq", report["ckptq"]],
                 ["torch", report["torch"]],
                 ["python", report["python"]],
-                ["forced backend", report.get("forced") or "-"],
+                ["forced backend", f"{env!r} (not a backend)" if invalid else (forced or "-")],
             ],
             ["ENVIRONMENT", ""],
         )
@@ -38,6 +47,7 @@ def doctor(json_output: JsonOpt = False) -> None:
             [[name, "yes" if b.get("active") else "no", b.get("reason", "")] for name, b in report["backends"].items()],
             ["BACKEND", "ACTIVE", "REASON"],
         )
-    forced = report.get("forced")
+    if invalid:
+        out.fail(f"CKPTQ_BACKEND={env!r} is not a backend: set it to one of {', '.join(BACKENDS)}, or unset it")
     if forced and not report["backends"].get(forced, {}).get("active"):
         out.fail(f"CKPTQ_BACKEND forces backend '{forced}', which is not available; unset CKPTQ_BACKEND or build it")

@@ -14,7 +14,15 @@ from ._options import JsonOpt, OverwriteOpt
 __all__ = ["export"]
 
 
-@command("export")
+@command(
+    "export",
+    short_help="Write a checkpoint as a Hugging Face safetensors folder in a serving layout.",
+    examples=[
+        "ckptq export ckpt hf-modelopt --layout modelopt",
+        "ckptq export ckpt hf-ct --layout compressed-tensors --max-shard-size 2GB",
+        "ckptq export ckpt hf-fp8 --layout deepseek-fp8 --format fp8_block --rename '*=model.*'",
+    ],
+)
 def export(
     src: Annotated[
         Path,

@@ -14,7 +14,16 @@ _HEADERS = ["FQN", "FORMAT", "MODE", "SHAPE", "DTYPE", "SIZE", "BITS/ELEM", "CHU
 _STATS_HEADERS = ["MIN", "MAX", "NAN", "INF", "SCALE_MIN", "SCALE_MAX", "AMAX"]
 
 
-@command("inspect")
+@command(
+    "inspect",
+    short_help="Show the tensors of a checkpoint: format, shape, size, bits per element.",
+    examples=[
+        "ckptq inspect ckpt            # a DCP checkpoint folder",
+        "ckptq inspect ckpt --stats    # also value ranges, NaN/Inf counts, scale ranges, NVFP4 amax",
+        "ckptq inspect hf-folder       # ModelOpt, compressed-tensors, DeepSeek-FP8 safetensors folders",
+        "ckptq inspect model.pt --json",
+    ],
+)
 def inspect(
     path: CheckpointArg,
     stats: bool = typer.Option(
@@ -25,7 +34,11 @@ def inspect(
     ),
     json_output: JsonOpt = False,
 ) -> None:
-    """Show the tensors of a checkpoint: format, logical shape, stored size, bits per element, chunks."""
+    """Show the tensors of a checkpoint: format, logical shape, stored size, bits per element, chunks.
+
+    The summary's "size / bf16" is the stored size of the tensors over the size of the same tensors
+    at 2 bytes per element (plain float32 tensors count 4 bytes against 2, so it can exceed 1).
+    """
     from ..inspect import inspect_checkpoint
 
     report = inspect_checkpoint(path, stats=stats, progress=stats and out.progress_enabled())
@@ -82,7 +95,7 @@ def _print_summary(s: dict) -> None:
             f"{out.format_bytes(s['object_bytes'])})",
         ],
         ["total size", f"{out.format_bytes(s['total_bytes'])} ({s['total_bytes']} bytes)"],
-        ["vs bf16", f"{ratio} of {out.format_bytes(s['bf16_bytes'])}"],
+        ["size / bf16", f"{ratio}: stored tensor bytes / {out.format_bytes(s['bf16_bytes'])} (2 bytes per element)"],
         ["formats", ", ".join(f"{k}: {v}" for k, v in s["formats"].items()) or "-"],
         ["world size", world],
         ["files", str(s["files"])],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated
 
 import typer
@@ -21,6 +22,12 @@ GroupedGlobOpt = Annotated[str, typer.Option("--grouped-glob", help="Which stems
 DtypeOpt = Annotated[
     str, typer.Option("--dtype", help="Storage dtype of high-precision entries: bfloat16, float16, float32.")
 ]
+AllowUnmatchedOpt = Annotated[
+    bool, typer.Option("--allow-unmatched", help="Warn about --rule globs that match no tensor instead of failing.")
+]
+PerRankOpt = Annotated[
+    bool, typer.Option("--per-rank", help="List every target rank (large meshes are summarized by default).")
+]
 
 
 def _distributed() -> bool:
@@ -30,7 +37,9 @@ def _distributed() -> bool:
     return torchrun_world_size() > 1
 
 
-def _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output) -> None:
+def _run(
+    src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output
+) -> None:
     """Run ``options`` with the flags both commands take, and report (rank 0 under torchrun)."""
     import dataclasses
 
@@ -41,38 +50,72 @@ def _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, js
         mesh=mesh,
         plan=plan,
         rules=rule or (),
+        allow_unmatched=allow_unmatched,
         misaligned=misaligned,
         overwrite=overwrite,
         dry_run=dry_run,
         progress=out.progress_enabled(),
         distributed=_distributed() and not dry_run,
     )
-    _report(reshard_checkpoint(src, dst, options), dry_run=dry_run, json_output=json_output)
+    result = reshard_checkpoint(src, dst, options)
+    _report(result, dst, dry_run=dry_run, json_output=json_output, per_rank=per_rank)
 
 
-def _report(result: dict, *, dry_run: bool, json_output: bool) -> None:
+#: Meshes with more ranks than this print the first and last few (``--per-rank``: all of them).
+_RANKS_SHOWN = 16
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _report(result: dict, dst, *, dry_run: bool, json_output: bool, per_rank: bool = False) -> None:
     if result.get("process_rank", int(os.environ.get("RANK", "0") or 0)) != 0:
         return  # under torchrun, rank 0 reports for the job
     summary = result["plan"]
+    for glob in summary.get("unmatched_rules") or ():
+        out.warning(f"--rule {glob} matches no tensor of the checkpoint (ignored)")
     if dry_run:
         if json_output:
             out.echo_json(summary)
         else:
-            _print_plan(summary)
+            _print_plan(summary, per_rank)
+        total = sum(r["bytes"] for r in summary["ranks"])
+        out.log(
+            f"dry run: nothing written; would write {dst} for {_plural(summary['world_size'], 'rank')} "
+            f"({_plural(len(summary['ranks']), 'file')}, {out.format_bytes(total)})"
+        )
         if summary["problems"]:
             out.fail(f"{len(summary['problems'])} tensor(s) cannot be laid out natively (see PROBLEM)")
         return
     if json_output:
         out.echo_json(result)
         return
-    _print_plan(summary)
+    _print_plan(summary, per_rank)
     for fqn, s in result["requantized"].items():
         out.log(f"requantized '{fqn}': SQNR {s:.2f} dB vs the source values")
     by = f" by {result['processes']} processes" if result.get("processes", 1) > 1 else ""
-    out.log(f"wrote {result['path']} for {result['world_size']} ranks{by}")
+    out.log(f"wrote {result['path']} for {_plural(result['world_size'], 'rank')}{by}")
 
 
-def _print_plan(summary: dict) -> None:
+def _rank_rows(ranks: list[dict], per_rank: bool) -> list[list]:
+    """One row per rank; for a large mesh (unless ``per_rank``) the first and last few and a line
+    for the ranks between, with their total size."""
+    rows = [[r["rank"], r["file"], out.format_bytes(r["bytes"]), r["chunks"]] for r in ranks]
+    if per_rank or len(rows) <= _RANKS_SHOWN:
+        return rows
+    k = _RANKS_SHOWN // 4
+    middle = ranks[k:-k]
+    between = [
+        f"... {len(middle)} more",
+        "(--per-rank for all)",
+        out.format_bytes(sum(r["bytes"] for r in middle)),
+        sum(r["chunks"] for r in middle),
+    ]
+    return rows[:k] + [between] + rows[-k:]
+
+
+def _print_plan(summary: dict, per_rank: bool = False) -> None:
     rows = [
         [
             t["fqn"],
@@ -86,10 +129,7 @@ def _print_plan(summary: dict) -> None:
     ]
     out.echo_table(rows, ["FQN", "OUT", "FORMAT", "SHAPE", "PLACEMENTS", "PROBLEM"], empty="No entries.")
     out.echo()
-    out.echo_table(
-        [[r["rank"], r["file"], out.format_bytes(r["bytes"]), r["chunks"]] for r in summary["ranks"]],
-        ["RANK", "FILE", "BYTES", "CHUNKS"],
-    )
+    out.echo_table(_rank_rows(summary["ranks"], per_rank), ["RANK", "FILE", "BYTES", "CHUNKS"])
     for p in summary["problems"]:
         out.warning(p)
     for t in summary["tensors"]:
@@ -97,13 +137,23 @@ def _print_plan(summary: dict) -> None:
             out.warning(f"'{t['fqn']}': {t['note']}")
 
 
-@command("reshard")
+@command(
+    "reshard",
+    short_help="Lay a checkpoint out for a target mesh (one file per target rank).",
+    examples=[
+        "ckptq reshard ckpt ckpt-4 --mesh 4 --dry-run                 # what would be written",
+        "ckptq reshard ckpt ckpt-tp --mesh dp_shard=4,tp=2 --plan fsdp2-tp --rule 'proj.weight=col'",
+        "ckptq reshard ckpt-experts ckpt-stacked --grouped stack      # weight0..weight{N-1} -> (N, ...)",
+        "torchrun --nproc-per-node 8 -m ckptq reshard ckpt ckpt-64 --mesh 64   # split over 8 processes",
+    ],
+)
 def reshard(
     src: SrcArg,
     dst: DstArg,
     mesh: MeshOpt = "1",
     plan: PlanOpt = "fsdp2",
     rule: RuleOpt = None,
+    allow_unmatched: AllowUnmatchedOpt = False,
     mode: Annotated[
         str | None,
         typer.Option(
@@ -116,6 +166,7 @@ def reshard(
     misaligned: MisalignedOpt = "error",
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
+    per_rank: PerRankOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor.
@@ -125,10 +176,19 @@ def reshard(
     from ..reshard import ReshardOptions
 
     options = ReshardOptions(mode=mode, dtype=dtype, grouped=grouped, grouped_glob=grouped_glob)
-    _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output)
+    _run(src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output)
 
 
-@command("convert")
+@command(
+    "convert",
+    short_help="Requantize a checkpoint to another format, or write it in high precision.",
+    examples=[
+        "ckptq convert ckpt ckpt-nvfp4 --to nvfp4 --two-d       # requantize every quantized tensor",
+        "ckptq convert ckpt ckpt-fp8 --to fp8_block --block 1x128",
+        "ckptq convert ckpt ckpt-hp --to bfloat16               # high-precision export",
+        "ckptq convert te-ckpt ckpt-native --to native          # a TE checkpoint as ckptq tensors",
+    ],
+)
 def convert(
     src: SrcArg,
     dst: DstArg,
@@ -143,7 +203,18 @@ def convert(
             ),
         ),
     ],
-    block: Annotated[str | None, typer.Option("--block", help="fp8_block block, e.g. 1x128 (default 128x128).")] = None,
+    block: Annotated[
+        str | None,
+        typer.Option(
+            "--block",
+            metavar="RxC",
+            help="fp8_block block: 128x128 (default) or 1x128, the blocks its consumers (TransformerEngine, "
+            "DeepSeek) support; other sizes need --allow-any-block.",
+        ),
+    ] = None,
+    allow_any_block: Annotated[
+        bool, typer.Option("--allow-any-block", help="Accept an fp8_block block no known consumer supports.")
+    ] = False,
     two_d: Annotated[bool | None, typer.Option("--two-d/--one-d", help="nvfp4: 16x16 blocks instead of 1x16.")] = None,
     columnwise: Annotated[
         bool | None, typer.Option("--columnwise/--no-columnwise", help="mxfp8: also store the columnwise copy.")
@@ -153,9 +224,11 @@ def convert(
     mesh: MeshOpt = "1",
     plan: PlanOpt = "fsdp2",
     rule: RuleOpt = None,
+    allow_unmatched: AllowUnmatchedOpt = False,
     misaligned: MisalignedOpt = "error",
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
+    per_rank: PerRankOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
     """Write every quantized tensor of a checkpoint natively, in another format, or in high precision
@@ -165,5 +238,23 @@ def convert(
     """
     from ..reshard import ReshardOptions
 
+    if block is not None and not allow_any_block and to.strip().lower() == "fp8_block":
+        _check_block(block)
     options = ReshardOptions(to=to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2)
-    _run(src, dst, options, mesh, plan, rule, misaligned, overwrite, dry_run, json_output)
+    _run(src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output)
+
+
+#: fp8_block blocks that consumers of the format read: 128x128 (weights) and 1x128 (activations,
+#: and the weights of some DeepSeek-style checkpoints), as TransformerEngine and DeepSeek-V3 use.
+_SUPPORTED_BLOCKS = ("128x128", "1x128")
+
+
+def _check_block(block: str) -> None:
+    """A usage error for an fp8_block ``--block`` that no known consumer reads."""
+    text = block.strip().lower().replace(" ", "")
+    if re.fullmatch(r"\d+x\d+", text) and text not in _SUPPORTED_BLOCKS:  # other text: the library's error
+        out.usage_error(
+            f"--block {block}: fp8_block's consumers (TransformerEngine, DeepSeek-V3 checkpoints, vLLM) read "
+            f"{' or '.join(_SUPPORTED_BLOCKS)} blocks; pass --allow-any-block to write {block} anyway",
+            "ckptq convert",
+        )

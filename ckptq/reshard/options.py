@@ -41,6 +41,8 @@ class ReshardOptions:
         mesh: target mesh, ``"dp_shard=4,tp=2"``, ``"8"`` or a :class:`~ckptq.layout.MeshSpec`.
         plan: a preset (``replicate``, ``fsdp2``, ``fsdp2-tp``), a JSON/YAML file of FQN glob ->
             placements, or a :class:`~ckptq.layout.LayoutPlan`; ``rules``: fsdp2-tp ``GLOB=col|row`` strings.
+        allow_unmatched: a rule glob that matches no tensor of the source is listed in the summary's
+            ``unmatched_rules`` instead of raising :class:`~ckptq.errors.UsageError`.
         mode: ``None`` (keep), ``"native"`` or ``"high-precision"`` for every quantized tensor.
         dtype: storage dtype of high-precision output (``bfloat16``, ``float16``, ``float32``).
         grouped: ``"stack"`` / ``"split"`` grouped weights whose stems match ``grouped_glob``.
@@ -63,6 +65,7 @@ class ReshardOptions:
     mesh: str | MeshSpec = "1"
     plan: str | LayoutPlan = "fsdp2"
     rules: Sequence[str] = ()
+    allow_unmatched: bool = False
     mode: str | None = None
     dtype: str | torch.dtype = "bfloat16"
     grouped: str | None = None
@@ -131,7 +134,8 @@ def reshard_checkpoint(
         :func:`~ckptq.reshard.run.run_reshard`'s report.
 
     Raises:
-        UsageError: option text that does not parse (:meth:`ReshardOptions.planning`).
+        UsageError: option text that does not parse (:meth:`ReshardOptions.planning`), or a
+            ``--rule`` glob that matches no tensor (:func:`ckptq.parse.check_rules`).
         ShardingError: misaligned tensors (nothing is written). CkptqError: ``dst`` exists or
         overlaps ``src``; see :func:`~ckptq.reshard.plan.plan_reshard`.
     """
@@ -140,8 +144,9 @@ def reshard_checkpoint(
     mesh = parse.parse_mesh(o.mesh)
     layout = parse.parse_plan(mesh, o.plan, o.rules)
     view = open_checkpoint(src)
+    unmatched = parse.check_rules(layout, [e.fqn for e in view.entries()], allow_unmatched=o.allow_unmatched)
     plan = plan_reshard(view, mesh, layout, **planning)
-    summary = plan.summary()
+    summary = {**plan.summary(), "unmatched_rules": unmatched}
     if o.dry_run:
         return {"plan": summary}
     report = run_reshard(view, plan, dst, overwrite=o.overwrite, progress=o.progress, distributed=o.distributed)
