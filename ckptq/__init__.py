@@ -47,40 +47,43 @@ __all__ = [
     "UsageError",
 ]
 
-#: Public name -> the submodule that defines it (imported when the name is first read).
-_LAZY = {
-    **dict.fromkeys(
-        (
-            "quantize",
-            "requantize",
-            "from_components",
-            "QuantizedTensor",
-            "Float8Tensor",
-            "Float8BlockTensor",
-            "MXFP8Tensor",
-            "NVFP4Tensor",
-        ),
-        ".formats",
-    ),
-    **dict.fromkeys(("QuantizedSavePlanner", "QuantizedLoadPlanner", "quantize_state_dict"), ".planners"),
-    **dict.fromkeys(("reshard_checkpoint", "ReshardOptions"), ".reshard"),
-}
+_FORMATS = (
+    "quantize",
+    "requantize",
+    "from_components",
+    "QuantizedTensor",
+    "Float8Tensor",
+    "Float8BlockTensor",
+    "MXFP8Tensor",
+    "NVFP4Tensor",
+)
+_PLANNERS = ("QuantizedSavePlanner", "QuantizedLoadPlanner", "quantize_state_dict")
+_RESHARD = ("reshard_checkpoint", "ReshardOptions")
 
 
 def __getattr__(name: str):
-    """A public name of :data:`__all__` from its submodule, or a submodule (``ckptq.io``,
-    ``ckptq.formats``, ...) after a plain ``import ckptq``."""
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later reads skip this function
-        return value
-    if not name.startswith("_"):
+    """A public name of :data:`__all__` from its submodule (imported on first use), or a submodule
+    (``ckptq.io``, ``ckptq.formats``, ...) after a plain ``import ckptq``."""
+    if name in _FORMATS:
+        from . import formats as module
+    elif name in _PLANNERS:
+        from . import planners as module
+    elif name in _RESHARD:
+        from . import reshard as module
+    elif name == "io":  # ckptq.io.SafeFileSystemReader after a plain `import ckptq`
+        return importlib.import_module(".io", __name__)
+    elif not name.startswith("_"):
         try:
             return importlib.import_module(f".{name}", __name__)
         except ModuleNotFoundError as e:
             if e.name != f"{__name__}.{name}":
                 raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(module, name)
+    globals()[name] = value  # later reads skip this function
+    return value
 
 
 def __dir__() -> list[str]:
