@@ -1041,8 +1041,8 @@ def verdict(rows: list[dict]) -> tuple[int, str]:
     if failed:
         return 1, _short(f"FAILED: {len(failed)} of {len(checks)} checks: {'; '.join(failed)}")
     return 0, _short(
-        f"PASSED: {len(checks)}/{len(checks)} checks, {len(rows)} format(s): bit-exact reloads and "
-        f"{SOURCE_RANKS}->4 reshard, flipped bits caught, SQNR >= floors, HF decodes in bounds"
+        f"PASSED: {len(checks)}/{len(checks)} checks on {len(rows)} format{'s' if len(rows) > 1 else ''}: reloads + "
+        f"{SOURCE_RANKS}->4 reshard bit-exact, bit flip caught, SQNR >= floor, HF decodes in bound"
     )
 
 
@@ -1189,7 +1189,7 @@ def _run(formats: list[str], args) -> int:
     n_failed = sum(not c["ok"] for r in rows for c in r["checks"])
     log("")
     log(
-        f"checks: {n_checks}, {n_failed} failed ({n_checks // max(len(rows), 1)} per format: inspect, reloads, "
+        f"checks: {n_checks}, {n_failed} failed (per format: inspect, reloads, "
         f"checksums, bit flip, high precision, SQNR, HF decodes, {SOURCE_RANKS}->{spec.world_size} ranks)"
     )
     for r in rows:

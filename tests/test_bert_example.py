@@ -125,7 +125,10 @@ def test_main_job_one_format(main_job):
     # the default output: one screen of at most 120 columns, ending with the verdict
     lines = r.stdout.rstrip("\n").splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 120, r.stdout
-    assert lines[-1].startswith("PASSED: 11/11 checks, 1 format(s)") and res["verdict"] == lines[-1], lines[-1]
+    assert (
+        lines[-1].startswith("PASSED: 11/11 checks on 1 format: reloads + 2->4 reshard bit-exact")
+        and res["verdict"] == lines[-1]
+    ), lines[-1]
     assert "ckptq inspect" in r.stdout and "Shape" not in r.stdout  # the inspect tables only with --verbose
     hf = row["hf_export"]
     assert sorted(hf) == ["compressed-tensors", "modelopt"]
@@ -250,7 +253,7 @@ def test_verdict():
     """The main job's last line and exit code come from its checks: all held -> PASSED and 0; any
     failed (or a format without checks) -> FAILED naming them, and 1; the line fits 120 columns."""
     code, line = minilm.verdict([_row("nvfp4"), _row("mxfp8")])
-    assert code == 0 and line.startswith("PASSED: 8/8 checks, 2 format(s): bit-exact reloads") and len(line) <= 120
+    assert code == 0 and line.startswith("PASSED: 8/8 checks on 2 formats: reloads + 2->4") and len(line) < 120
     code, line = minilm.verdict([_row("nvfp4"), _row("mxfp8", "flipped bit caught")])
     assert (code, line) == (1, "FAILED: 1 of 8 checks: mxfp8 flipped bit caught")
     code, line = minilm.verdict([_row("nvfp4", *[c["check"] for c in _row("x")["checks"]])] * 4)
