@@ -122,6 +122,18 @@ def test_main_job_one_format(main_job):
     assert len(list((work / "nvfp4-2ranks").glob("*.distcp"))) == 2
     assert sorted(p.name for p in (work / "nvfp4-resharded").glob("*.distcp")) == [f"__{i}_0.distcp" for i in range(4)]
     assert "(SS(0,2), S(0))" in r.stdout and "(S(0), S(1))" in r.stdout  # FSDP2 over TP, column and row
+    # the default output: one screen of at most 120 columns, ending with the verdict
+    lines = r.stdout.rstrip("\n").splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 120, r.stdout
+    assert (
+        lines[-1].startswith("PASSED: 11/11 checks on 1 format: reloads + 2->4 reshard bit-exact")
+        and res["verdict"] == lines[-1]
+    ), lines[-1]
+    assert "ckptq inspect" in r.stdout and "Shape" not in r.stdout  # the inspect tables only with --verbose
+    hf = row["hf_export"]
+    assert sorted(hf) == ["compressed-tensors", "modelopt"]
+    for v in hf.values():  # ckptq's own decode is there whatever is installed, within its bound
+        assert v["ckptq_decode"]["within_bound"] and v["ckptq_decode"]["max_ulps"] <= 2
 
 
 def _flip_a_byte(ckpt: Path, fqn: str) -> None:
@@ -163,6 +175,11 @@ def test_main_job_sees_a_flipped_bit(main_job, encoder):
     assert result["differ"] == [embedding, weight]
     assert (result["bit_exact"], result["plain_exact"]) == ("35/36", "67/68")
     assert minilm.sharded_problems(result)  # which makes the main job exit 1
+    code, line = minilm.verdict([{"format": "nvfp4", "checks": minilm.sharded_checks(result, "nvfp4")}])
+    assert (
+        code == 1
+        and line == "FAILED: 2 of 2 checks: nvfp4 2->4 ranks reshard bit-exact; nvfp4 2->4 ranks plain unchanged"
+    )
 
 
 @pytest.mark.parametrize(
@@ -177,9 +194,9 @@ def test_main_job_sees_a_flipped_bit(main_job, encoder):
     ],
 )
 def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypatch, fmt, layout):
-    """README command 1 installs no test extras: the main job's HF reload then uses the layouts'
-    reference formulas, which must decode every layout/format it exports (exactly, except NVFP4's
-    global scale: within 2 fp32 ulp, see ckptq/adapters/hf.py)."""
+    """README command 1 installs no test extras: the main job's "ckptq decode" column (the layouts'
+    formulas) needs no library and decodes every layout/format it exports (exactly, except NVFP4's
+    global scale: within 2 fp32 ulp, see ckptq/adapters/hf.py); the library column says why not."""
     import torch.distributed.checkpoint as dcp
 
     import ckptq
@@ -190,10 +207,88 @@ def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypat
     q = ckptq.quantize(torch.randn(160, 256, generator=g), fmt)
     dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
     export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout=layout, ignore=())
-    got, how = minilm.consumer_weights(tmp_path / "hf", layout, ["layer.weight"])
-    assert how == "reference formula"
+    t = minilm.load_hf_folder(tmp_path / "hf")
+    got = minilm.formula_weights(t, ["layer.weight"])
     want = q.dequantize(torch.float32)
     if fmt == "nvfp4":
         assert torch.allclose(got["layer.weight"], want, rtol=2 * 2**-23, atol=0)
     else:
         assert torch.equal(got["layer.weight"], want)
+    assert minilm.compare_decoded(fmt, got, {"layer.weight": want}, library=False)["within_bound"]
+    lib, why = minilm.library_weights(tmp_path / "hf", t, layout, ["layer.weight"])
+    assert lib is None and why == ("no library decoder" if layout == "modelopt" else "not installed")
+
+
+def test_library_decode_column(tmp_path):
+    """compressed-tensors 0.20 decodes NVFP4 into bf16 (then casts to the fp32 asked for): the main
+    job's library column is ckptq's weights rounded to bf16, which its bound accepts and labels; a
+    decode off by more than that fails the bound, and so does ckptq's own beyond 2 fp32 ulp."""
+    pytest.importorskip("compressed_tensors")
+    import torch.distributed.checkpoint as dcp
+
+    import ckptq
+    from ckptq.export import export_checkpoint
+
+    q = ckptq.quantize(torch.randn(160, 256, generator=torch.Generator().manual_seed(1)) * 0.05, "nvfp4")
+    dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout="compressed-tensors", ignore=())
+    t = minilm.load_hf_folder(tmp_path / "hf")
+    lib, how = minilm.library_weights(tmp_path / "hf", t, "compressed-tensors", ["layer.weight"])
+    assert how == "compressed-tensors CompressedTensorsDequantizer" and "layer.weight_packed" in t  # t untouched
+    want = {"layer.weight": q.dequantize(torch.float32)}
+    r = minilm.compare_decoded("nvfp4", lib, want, library=True)
+    assert r["within_bound"] and r["bf16_output"] and not r["exact"]
+    assert torch.equal(lib["layer.weight"], want["layer.weight"].bfloat16().float())  # here exactly so
+    off = {"layer.weight": lib["layer.weight"] * 1.01}
+    assert not minilm.compare_decoded("nvfp4", off, want, library=True)["within_bound"]
+    assert not minilm.compare_decoded("nvfp4", lib, want, library=False)["within_bound"]
+
+
+def _row(fmt: str, *failed: str) -> dict:
+    names = ["ckptq inspect", "native reload bit-exact", "flipped bit caught", "2->4 ranks reshard bit-exact"]
+    return {"format": fmt, "checks": [minilm.check(n, n not in failed, "detail") for n in names]}
+
+
+def test_verdict():
+    """The main job's last line and exit code come from its checks: all held -> PASSED and 0; any
+    failed (or a format without checks) -> FAILED naming them, and 1; the line fits 120 columns."""
+    code, line = minilm.verdict([_row("nvfp4"), _row("mxfp8")])
+    assert code == 0 and line.startswith("PASSED: 8/8 checks on 2 formats: reloads + 2->4") and len(line) < 120
+    code, line = minilm.verdict([_row("nvfp4"), _row("mxfp8", "flipped bit caught")])
+    assert (code, line) == (1, "FAILED: 1 of 8 checks: mxfp8 flipped bit caught")
+    code, line = minilm.verdict([_row("nvfp4", *[c["check"] for c in _row("x")["checks"]])] * 4)
+    assert code == 1 and line.startswith("FAILED: 16 of 16 checks: nvfp4 ckptq inspect;") and len(line) == 120
+    assert minilm.verdict([{"format": "nvfp4", "checks": []}]) == (1, "FAILED: 1 of 0 checks: nvfp4: no check ran")
+    assert minilm.verdict([])[0] == 1
+
+
+def test_summary_table_fits():
+    """The default output's table is at most 120 columns wide with its widest cells ("n/a (not
+    installed)", a decode outside its bound, fp8_block's sharded recipe)."""
+    row = {
+        "format": "fp8_tensor",
+        "quantized_tensors": 36,
+        "plain_tensors": 68,
+        "bit_exact_count": 36,
+        "plain_exact_count": 68,
+        "native_bytes": 1,
+        "native_over_bf16_weights": 0.5,
+        "sqnr_db": 31.55,
+        "checksums_verified": 176,
+        "checksum_records": 176,
+        "flip_caught": True,
+        "cos_mean": 0.99,
+        "cos_min": 0.98,
+        "hf_export": {
+            "compressed-tensors": {
+                "ckptq_decode": {"decoder": "formula", "emb_equal": False, "emb_max_abs_diff": 1e-7},
+                "library_decode": {"decoder": None, "why": "not installed"},
+            }
+        },
+        "sharded": {"quantized_tensors": 36, "plain_tensors": 68, "exact_count": 36, "plain_exact_count": 68},
+    }
+    row["hf_export"]["compressed-tensors"]["ckptq_decode"].update(bf16_output=False, within_bound=False)
+    table = minilm.summary_table([{**row, "format": "fp8_block"}, row])
+    text = minilm.text_table(minilm.SUMMARY_HEADERS, table)
+    assert max(map(len, text.splitlines())) <= 120
+    assert "n/a (not installed)" in text and "104/104 (1x128)" in text and "1.0e-07 OUT" in text
