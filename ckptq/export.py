@@ -127,7 +127,7 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
             module = name[: -len(".weight")] if name.endswith(".weight") else name
             target = fmt or e.format
             fm = lay.format_map(target)
-            src_recipe = dict((e.descriptor or {}).get("recipe", {})) if e.kind == "quantized" else {}
+            src_recipe = dict(e.descriptor.recipe) if e.kind == "quantized" else {}
             if fmt is None:
                 hf.check_exportable(fm, lay, e.fqn, target, src_recipe, e.shape)
                 recipe, requant = src_recipe, False

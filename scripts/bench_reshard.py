@@ -314,7 +314,7 @@ md, tensors = {{}}, {{}}
 for fqn, shape in shapes.items():
     desc = native_descriptor(probe, fqn, shape)
     for spec in probe.component_specs(shape, probe.recipe):
-        key = desc["components"][spec.name]["fqn"]
+        key = desc.components[spec.name].fqn
         cshape = spec.shape(shape)
         if spec.dims:  # FSDP2 Shard(0) over SAVERS ranks (torch.chunk boxes)
             step = -(-cshape[0] // SAVERS)

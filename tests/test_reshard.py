@@ -107,7 +107,7 @@ def test_misaligned_high_precision_export(src, tmp_path):
     assert res.exit_code == 0, res.output
     out = CheckpointView(dst)
     e = out.entry("model.layers.0.mlp.weight")
-    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "fp8_block"
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor.format == "fp8_block"
     assert bit_exact(
         out.read("model.layers.0.mlp.weight"), sd["model"]["layers.0.mlp.weight"].dequantize(torch.bfloat16)
     )
@@ -133,7 +133,7 @@ def test_grouped_stack_and_split_round_trip(src, tmp_path):
     assert runner.invoke(app, ["reshard", str(path), str(stacked), "--grouped", "stack", "--mesh", "2"]).exit_code == 0
     e = CheckpointView(stacked).entry("model.experts.weight")
     assert e.kind == "quantized" and e.shape == (2, 256, 128)
-    assert e.descriptor["components"]["scale_inv"]["shape"] == [2]  # one scale per member
+    assert e.descriptor.components["scale_inv"].shape == (2,)  # one scale per member
     st = CheckpointView(stacked).read("model.experts.weight")
     for i in range(2):
         assert bit_exact(st.components()["data"][i], sd["model"][f"experts.weight{i}"].components()["data"])
@@ -192,7 +192,7 @@ def test_convert_to_high_precision_then_native_again(src, tmp_path):
     hp, back = tmp_path / "hp", tmp_path / "back"
     assert runner.invoke(app, ["convert", str(path), str(hp), "--to", "bfloat16"]).exit_code == 0
     e = CheckpointView(hp).entry("model.layers.0.q_proj.weight")
-    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "nvfp4"
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor.format == "nvfp4"
     assert runner.invoke(app, ["reshard", str(hp), str(back), "--mode", "native"]).exit_code == 0
     got = CheckpointView(back).read("model.layers.0.q_proj.weight")
     ref = ckptq.quantize(sd["model"]["layers.0.q_proj.weight"].dequantize(torch.bfloat16), "nvfp4")

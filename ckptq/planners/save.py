@@ -182,7 +182,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 items.append(self._item(entry.fqn, entry.box, entry.global_shape, self.dtype, entry.sharded))
                 self._objects[entry.fqn] = entry
         planner_data = dict(plan.planner_data or {})
-        planner_data[CKPTQ_KEY] = descriptors
+        planner_data[CKPTQ_KEY] = {fqn: desc.as_dict() for fqn, desc in descriptors.items()}  # builtins on the wire
         planner_data[_SCALARS_KEY] = scalars
         self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
         return self.plan

@@ -26,6 +26,7 @@ from .. import chunks
 from ..checkpoint import CheckpointView
 from ..contract import (
     CKPTQ_KEY,
+    Descriptor,
     component_fqn,
     component_path,
     emit_components,
@@ -36,7 +37,7 @@ from ..contract import (
 from ..distributed import Group, prepare_write_commit
 from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
-from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
+from ..formats.base import QuantizedTensor, slice_box
 from ..io.pipeline import LaidRecord, WriterThread, place_records
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
 from . import transform
@@ -133,7 +134,7 @@ class _RunState:
         self.transform_s += other.transform_s
         self.whole_read_s += other.whole_read_s
 
-    def add_output(self, view, job: TensorJob, desc: dict | None) -> None:
+    def add_output(self, view, job: TensorJob, desc: Descriptor | None) -> None:
         """Record job's descriptor (None: a plain tensor or bytes entry) and its flatten mappings
         (a quantized output's per component: :func:`~ckptq.contract.component_path`)."""
         if desc is not None:
@@ -142,7 +143,7 @@ class _RunState:
         if base is None:
             return
         if job.out == "quantized":
-            for name in desc["components"]:
+            for name in desc.components:
                 self.mappings[component_fqn(job.fqn, name)] = component_path(base, name)
         else:
             self.mappings[job.fqn] = base
@@ -284,7 +285,7 @@ def _copy_source(view, job: TensorJob) -> bool:
         if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
             return False
         cls = format_class(job.out_format)
-        if cls._recipe_from_json(src.descriptor.get("recipe", {})) != cls._recipe_from_json(job.out_recipe):
+        if cls._recipe_from_json(src.descriptor.recipe) != cls._recipe_from_json(job.out_recipe):
             return False
     elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
         return False
@@ -297,22 +298,18 @@ def _src_key(job: TensorJob, o: LaidRecord) -> str:
     return src.keys[o.part] if o.part is not None else src.fqn
 
 
-def _copy_descriptor(job: TensorJob) -> dict | None:
+def _copy_descriptor(job: TensorJob) -> Descriptor | None:
     """The descriptor of a job copied by byte range (that of :func:`_write_job` for the same bytes)."""
     src = job.sources[0]
     if job.out == "tensor":
         return (
             high_precision_descriptor(src.descriptor, job.out_dtype, job.shape) if src.descriptor is not None else None
         )
-    desc = dict(src.descriptor, shape=list(job.shape))
+    desc = dataclasses.replace(src.descriptor, shape=job.shape)
     probe = from_components(
-        desc,
-        {
-            name: torch.empty(c["shape"], dtype=str_to_dtype(c["dtype"]), device="meta")
-            for name, c in desc["components"].items()
-        },
+        desc, {name: torch.empty(c.shape, dtype=c.dtype, device="meta") for name, c in desc.components.items()}
     )  # no data: for the descriptor
-    return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
+    return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.producer)
 
 
 # ------------------------------------------------------------------------------ writing
@@ -373,7 +370,7 @@ def _write_job(view, job: TensorJob, outs: list[LaidRecord], pipe: WriterThread,
         state.requantized[job.fqn] = sqnr
     if isinstance(out, QuantizedTensor):
         kept = sqnr is None and src.descriptor is not None  # the source's bytes: its producer record stays
-        desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.get("producer") if kept else None)
+        desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.producer if kept else None)
         for box, records in _by_piece(outs):
             pieces = {c.name: c for c in emit_components(slice_box(out, box, fqn=job.fqn), job.fqn, out.shape, box)}
             for o in records:
