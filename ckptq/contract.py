@@ -1,4 +1,4 @@
-"""The on-disk contract of ckptq ("ckptq layout v1") inside an ordinary DCP checkpoint.
+"""The on-disk contract of ckptq ("ckptq contract v1") inside an ordinary DCP checkpoint.
 
 This module is the one place that knows it; the save planner, the offline writer, the checkpoint
 view, inspect, reshard and the foreign-format adapters all go through it.

@@ -415,7 +415,7 @@ def _target_layout():
     from ckptq import parse
 
     mesh = parse.parse_mesh(TARGET_MESH)
-    return mesh, parse.parse_plan(mesh, TARGET_PLAN, TP_RULES)
+    return mesh, parse.parse_placement_rules(mesh, TARGET_PLAN, TP_RULES)
 
 
 def _load_worker(rank: int, world_size: int, work: str, formats: list[str], names: list[str]) -> dict:
@@ -620,7 +620,7 @@ def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
             "bytes_per_target_rank": report["bytes_per_rank"],
         }
     t_reshard = time.perf_counter() - t0
-    from ckptq.layout import format_placements
+    from ckptq.placement import format_placements
 
     log(
         f"sharded: resharded offline to mesh {spec} ({spec.world_size} ranks, one file each), plan "

@@ -230,7 +230,7 @@ def _tree_bytes(path):
 
 
 def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
-    from ckptq.layout import MeshSpec
+    from ckptq.placement import MeshSpec
 
     path, _ = ckpt
     cases = [

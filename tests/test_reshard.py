@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.cli import app
-from ckptq.layout import rank_boxes
 from ckptq.metrics import bit_exact
-from ckptq.parse import parse_mesh, parse_placement, parse_plan
+from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
+from ckptq.placement import rank_boxes
 from ckptq.reshard import plan_reshard, run_reshard
 from ckptq.verify import verify_checkpoints
 
@@ -55,9 +55,9 @@ def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
     path, sd = src
     before = _files(path)
     mesh = parse_mesh("dp_shard=2,tp=2")
-    layout = parse_plan(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
+    rules = parse_placement_rules(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
     view = CheckpointView(path)
-    plan = plan_reshard(view, mesh, layout)
+    plan = plan_reshard(view, mesh, rules)
     dst = tmp_path / "dst"
     run_reshard(view, plan, dst)
     assert _files(path) == before  # the source is never modified
@@ -217,10 +217,10 @@ def test_plan_file_and_bad_arguments(src, tmp_path):
 
 
 def test_planning_needs_no_tensor_memory():
-    """2048-rank plan of a large layout from metadata alone (the scale benchmark, tiny here)."""
+    """2048-rank plan of a large model from metadata alone (the scale benchmark, tiny here)."""
     mesh = parse_mesh("dp_shard=256,tp=8")
-    layout = parse_plan(mesh, "fsdp2-tp", ["*q_proj*=col"])
-    boxes = rank_boxes((16384, 16384), mesh, layout.placements("l.q_proj.weight", 2))
+    rules = parse_placement_rules(mesh, "fsdp2-tp", ["*q_proj*=col"])
+    boxes = rank_boxes((16384, 16384), mesh, rules.placements("l.q_proj.weight", 2))
     assert len(boxes) == 2048 and boxes[1] == ((2048, 0), (8, 16384))  # tp rank 1 of dp rank 0
     assert sum(s[0] * s[1] for _, s in boxes) == 16384 * 16384
 

@@ -258,8 +258,8 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from ckptq.chunks import narrow_box
-    from ckptq.layout import rank_boxes
     from ckptq.parse import parse_mesh
+    from ckptq.placement import rank_boxes
 
     tef = standin()
     if layout == "fsdp2-tp":

@@ -27,8 +27,8 @@ from ..contract import HIGH_PRECISION, MODES, NATIVE, Entry
 from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import FORMATS, format_class
 from ..formats.base import dtype_to_str
-from ..layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
 from ..parse import HP_DTYPES
+from ..placement import MeshSpec, PlacementRules, format_placements, rank_boxes
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
 
@@ -40,7 +40,7 @@ GROUPED = ("stack", "split")
 
 @dataclasses.dataclass
 class TensorJob:
-    """How one output entry is produced and laid out."""
+    """How one output entry is produced and where its chunks go (placements, owner ranks)."""
 
     fqn: str  # output logical name
     sources: list[Entry]  # one, or the members of a grouped stack
@@ -147,7 +147,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
 def plan_reshard(
     view: CheckpointView,
     mesh: MeshSpec,
-    layout: LayoutPlan,
+    placement_rules: PlacementRules,
     *,
     mode: str | None = None,
     hp_dtype: torch.dtype = torch.bfloat16,
@@ -157,7 +157,7 @@ def plan_reshard(
     grouped_glob: str = "*weight",
     misaligned: str = "error",
 ) -> ReshardPlan:
-    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``layout`` (reads metadata only).
+    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``placement_rules`` (reads metadata only).
 
     Args:
         mode: ``None`` keeps each tensor's mode; ``"native"`` re-encodes high-precision entries of
@@ -199,7 +199,7 @@ def plan_reshard(
     units.sort(key=lambda u: u[0])
 
     jobs = [
-        _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned)
+        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned)
         for fqn, sources, member in units
     ]
     if grouped == "stack" and not stacked:
@@ -207,7 +207,7 @@ def plan_reshard(
     return ReshardPlan(view.path, mesh, jobs)
 
 
-def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
     src = sources[0]
     if src.kind == "bytes":
         return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
@@ -233,7 +233,7 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
     foreign_note = desc.note if desc is not None and src.kind == "tensor" and out == "quantized" else None
     if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
         out, fmt, recipe, dtype = "tensor", None, None, src.dtype
-    placements = layout.placements(fqn, len(shape))
+    placements = placement_rules.placements(fqn, len(shape))
     boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
     owners, seen = [], set()
     for r, b in enumerate(boxes):
