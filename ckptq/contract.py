@@ -1,4 +1,4 @@
-"""The on-disk contract of ckptq ("ckptq layout v1") inside an ordinary DCP checkpoint.
+"""The on-disk contract of ckptq ("ckptq contract v1") inside an ordinary DCP checkpoint.
 
 This module is the one place that knows it; the save planner, the offline writer, the checkpoint
 view, inspect, reshard and the foreign-format adapters all go through it.
@@ -18,13 +18,16 @@ view, inspect, reshard and the foreign-format adapters all go through it.
   library through :mod:`ckptq.adapters`), builtins only.
 
 :func:`fold_entries` validates a checkpoint's descriptors against its metadata once and folds
-component entries into logical :class:`Entry` s; nothing above it re-derives a key or re-validates.
+component entries into logical :class:`Entry` s, each with its typed :class:`Descriptor`; nothing
+above it re-derives a key, re-validates or reads a descriptor's JSON (``Descriptor.as_dict`` is
+what goes into ``.metadata``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +63,8 @@ __all__ = [
     "saved_world_size",
     "ComponentChunk",
     "emit_components",
+    "Descriptor",
+    "ComponentDescriptor",
     "native_descriptor",
     "high_precision_descriptor",
 ]
@@ -144,9 +149,11 @@ def _short(x: Any, limit: int = 200) -> str:
     return r if len(r) <= limit else r[:limit] + "...'"
 
 
-def make_record(tensors: Mapping[str, dict], world_size: int, **extra: Any) -> dict:
-    """The value stored under ``planner_data[CKPTQ_KEY]`` (builtins only)."""
-    return {"version": CONTRACT_VERSION, "world_size": int(world_size), "tensors": dict(tensors), **extra}
+def make_record(tensors: Mapping[str, Descriptor | dict], world_size: int, **extra: Any) -> dict:
+    """The value stored under ``planner_data[CKPTQ_KEY]`` (builtins only: a :class:`Descriptor`
+    is stored as its :meth:`~Descriptor.as_dict`, a dict as it is)."""
+    tensors = {k: d.as_dict() if isinstance(d, Descriptor) else d for k, d in tensors.items()}
+    return {"version": CONTRACT_VERSION, "world_size": int(world_size), "tensors": tensors, **extra}
 
 
 # ------------------------------------------------------------------------------ checksums
@@ -209,31 +216,172 @@ def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> dict[tupl
 
 
 # ------------------------------------------------------------------------------ descriptors
-def native_descriptor(qt: QuantizedTensor, fqn: str, global_shape: Sequence[int], producer: dict | None = None) -> dict:
+_EMPTY: Mapping = types.MappingProxyType({})
+#: the fields a descriptor's JSON holds, in the order ckptq writes them
+_FIELDS = ("format", "version", "shape", "dtype", "recipe", "components", "mode", "producer", "stored_dtype", "note")
+
+
+def _frozen(d: Mapping | None) -> Mapping:
+    """A read-only copy of ``d`` (``{}`` for None)."""
+    return types.MappingProxyType(dict(d)) if d else _EMPTY
+
+
+@dataclasses.dataclass(frozen=True)
+class ComponentDescriptor:
+    """One component of a quantized tensor's :class:`Descriptor`.
+
+    Attributes:
+        dtype: the component's stored dtype; shape: its global shape.
+        fqn: its DCP key (:func:`component_fqn`; an HF tensor name for a safetensors folder), None
+            where the descriptor names no key (``QuantizedTensor.descriptor()``).
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fqn: str | None = None
+
+    def as_dict(self) -> dict:
+        """The JSON form: ``{"dtype": str, "shape": [int], "fqn": str}`` (``fqn`` only where set)."""
+        out: dict[str, Any] = {"dtype": dtype_to_str(self.dtype), "shape": list(self.shape)}
+        if self.fqn is not None:
+            out["fqn"] = self.fqn
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Descriptor:
+    """The ckptq descriptor of a quantized tensor (native or high precision), typed and read-only.
+
+    Built once: by :func:`fold_entries` from a checkpoint's record (validated), by
+    :func:`native_descriptor` / :func:`high_precision_descriptor`, or by :meth:`from_dict`. What
+    goes into ``.metadata`` is :meth:`as_dict` (builtins only, the fields in the order ckptq has
+    always written them).
+
+    Attributes:
+        format: the format name (``"nvfp4"``, ...); version: the descriptor version.
+        shape: the logical shape; dtype: the logical (high-precision) dtype.
+        recipe: the format's recipe as JSON values (read-only; ``cls._recipe_from_json`` makes the
+            recipe object).
+        components: component name -> :class:`ComponentDescriptor` (read-only; empty for a
+            high-precision entry).
+        mode: :data:`NATIVE`, :data:`HIGH_PRECISION`, or None (``QuantizedTensor.descriptor()``).
+        producer: who made the tensor (ckptq or a foreign library, builtins), or None.
+        stored_dtype: the dtype a high-precision entry is stored as, or None.
+        note: why a quantized tensor is stored or read in high precision (:data:`DESCRIPTOR_NOTE`), or None.
+        extra: fields this ckptq does not know, kept as they were (read-only).
+    """
+
+    format: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    recipe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    components: Mapping[str, ComponentDescriptor] = dataclasses.field(default_factory=dict)
+    mode: str | None = None
+    version: int = _DESCRIPTOR_VERSION
+    producer: Mapping[str, Any] | None = None
+    stored_dtype: torch.dtype | None = None
+    note: str | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "shape", tuple(int(s) for s in self.shape))
+        set_(self, "recipe", _frozen(self.recipe))
+        set_(self, "components", _frozen(self.components))
+        if isinstance(self.producer, Mapping):
+            set_(self, "producer", types.MappingProxyType(dict(self.producer)))
+        set_(self, "extra", _frozen(self.extra))
+
+    def __reduce__(self):
+        # read-only mappings do not pickle: a descriptor travels (torchrun collectives) as its JSON form
+        return (Descriptor.from_dict, (self.as_dict(),))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Descriptor:
+        """The typed form of a descriptor's JSON (``QuantizedTensor.descriptor()``, or one of a
+        checkpoint's record). Checks only the types it converts; :func:`fold_entries` validates.
+
+        Raises:
+            KeyError, TypeError, ValueError: a field is missing or of the wrong type.
+            CheckpointFormatError: an unknown dtype name.
+        """
+        high_precision = d.get("mode") == HIGH_PRECISION  # as fold_entries reads it: no components
+        comps = {} if high_precision else (d.get("components") or {})
+        stored = d.get("stored_dtype") if high_precision else None
+        return cls(
+            format=d["format"],
+            version=d.get("version", 1),
+            shape=tuple(d["shape"]),
+            dtype=str_to_dtype(d["dtype"]),
+            recipe=d.get("recipe", {}),
+            components={
+                name: ComponentDescriptor(str_to_dtype(c["dtype"]), tuple(int(s) for s in c["shape"]), c.get("fqn"))
+                for name, c in comps.items()
+            },
+            mode=d.get("mode"),
+            producer=d.get("producer"),
+            stored_dtype=None if stored is None else str_to_dtype(stored),
+            note=d.get(DESCRIPTOR_NOTE),
+            extra={k: v for k, v in d.items() if k not in _FIELDS},
+        )
+
+    def as_dict(self) -> dict:
+        """The JSON form stored in ``.metadata`` (builtins only): format, version, shape, dtype,
+        recipe, components (not for a high-precision entry), then mode, producer, stored_dtype and
+        note where set, then :attr:`extra`."""
+        out: dict[str, Any] = {
+            "format": self.format,
+            "version": self.version,
+            "shape": list(self.shape),
+            "dtype": dtype_to_str(self.dtype),
+            "recipe": dict(self.recipe),
+        }
+        if self.mode != HIGH_PRECISION:
+            out["components"] = {name: c.as_dict() for name, c in self.components.items()}
+        if self.mode is not None:
+            out["mode"] = self.mode
+        if self.producer is not None:
+            out["producer"] = dict(self.producer) if isinstance(self.producer, Mapping) else self.producer
+        if self.stored_dtype is not None:
+            out["stored_dtype"] = dtype_to_str(self.stored_dtype)
+        if self.note is not None:
+            out[DESCRIPTOR_NOTE] = self.note
+        out.update(self.extra)
+        return out
+
+    def to_json(self) -> dict:
+        """Same as :meth:`as_dict`."""
+        return self.as_dict()
+
+
+def native_descriptor(
+    qt: QuantizedTensor, fqn: str, global_shape: Sequence[int], producer: Mapping | None = None
+) -> Descriptor:
     """Descriptor of ``fqn`` saved natively: ``qt``'s format and recipe at ``global_shape``, each
     component with its DCP key (:func:`component_fqn`), and the ``producer`` if given."""
-    desc = qt.descriptor(global_shape)
-    desc["mode"] = NATIVE
-    for name, comp in desc["components"].items():
-        comp["fqn"] = component_fqn(fqn, name)
-    if producer:
-        desc["producer"] = producer
-    return desc
+    desc = Descriptor.from_dict(qt.descriptor(global_shape))
+    return dataclasses.replace(
+        desc,
+        mode=NATIVE,
+        components={name: dataclasses.replace(c, fqn=component_fqn(fqn, name)) for name, c in desc.components.items()},
+        producer=producer or None,
+    )
 
 
 def high_precision_descriptor(
-    desc: Mapping, stored_dtype: torch.dtype, shape: Sequence[int] | None = None, *, note: str | None = None
-) -> dict:
+    desc: Descriptor, stored_dtype: torch.dtype, shape: Sequence[int] | None = None, *, note: str | None = None
+) -> Descriptor:
     """A quantized tensor's descriptor (native or high precision) turned into that of its
     high-precision entry stored as ``stored_dtype`` (of logical ``shape``, default the descriptor's),
-    with ``note`` (:data:`DESCRIPTOR_NOTE`) if given."""
-    out = {k: v for k, v in desc.items() if k != "components"}
-    out.update(mode=HIGH_PRECISION, stored_dtype=dtype_to_str(stored_dtype))
-    if shape is not None:
-        out["shape"] = [int(s) for s in shape]
-    if note is not None:
-        out[DESCRIPTOR_NOTE] = note
-    return out
+    with ``note`` (:data:`DESCRIPTOR_NOTE`) if given (else the descriptor's)."""
+    return dataclasses.replace(
+        desc,
+        components={},
+        mode=HIGH_PRECISION,
+        stored_dtype=stored_dtype,
+        shape=desc.shape if shape is None else shape,
+        note=desc.note if note is None else note,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +449,7 @@ class Entry:
         kind: ``"quantized"`` (native components), ``"tensor"`` (plain or high precision) or ``"bytes"``.
         shape: logical shape (``()`` for bytes).
         dtype: stored dtype of a tensor entry; the logical dtype of a quantized one; None for bytes.
-        descriptor: the ckptq descriptor (quantized and high-precision entries), else None.
+        descriptor: the ckptq :class:`Descriptor` (quantized and high-precision entries), else None.
         keys: the DCP entries that hold it: for ``"quantized"``, component name -> key; else
             ``{fqn: fqn}``.
     """
@@ -310,16 +458,16 @@ class Entry:
     kind: str
     shape: tuple[int, ...]
     dtype: torch.dtype | None
-    descriptor: dict | None
+    descriptor: Descriptor | None
     keys: dict
 
     @property
     def format(self) -> str | None:
-        return self.descriptor["format"] if self.descriptor else None
+        return self.descriptor.format if self.descriptor else None
 
     @property
     def mode(self) -> str | None:
-        return self.descriptor["mode"] if self.descriptor else None
+        return self.descriptor.mode if self.descriptor else None
 
 
 class EntryTable:
@@ -350,8 +498,9 @@ def _describe_md(md: Any) -> str:
     return "missing" if md is None else type(md).__name__
 
 
-def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
-    """Validate the descriptor of ``fqn`` against the stored entries; returns component keys."""
+def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[Descriptor, dict]:
+    """Validate the descriptor of ``fqn`` against the stored entries; returns its typed form and
+    the component keys."""
     where = f"{where}: ckptq tensor '{fqn}'"
     try:
         if not isinstance(desc, Mapping):
@@ -374,6 +523,7 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
         }
         stored = desc.get("stored_dtype") if mode == HIGH_PRECISION else None
         stored = None if stored is None else str_to_dtype(_text(stored))
+        typed = Descriptor.from_dict(desc)
     except (KeyError, TypeError, ValueError, AttributeError, CheckpointFormatError) as e:
         raise CheckpointFormatError(
             f"{where}: malformed descriptor {_short(desc)} ({type(e).__name__}: {e}); restore the "
@@ -403,7 +553,7 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
                 f"{where} ({fmt}, high_precision): stored as {dtype_to_str(entry.properties.dtype)}, but "
                 f"the descriptor says {dtype_to_str(stored)}; the checkpoint or descriptor is inconsistent"
             )
-        return {fqn: fqn}
+        return typed, {fqn: fqn}
     if mode != NATIVE:
         raise CheckpointFormatError(f"{where}: unknown mode '{mode}' (expected native or high_precision)")
     if not expected:
@@ -437,7 +587,7 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> dict:
                 f"{fmt} layout of logical shape {shape} with recipe {desc.get('recipe', {})}: "
                 f"{layout}; the checkpoint or descriptor is inconsistent"
             )
-    return {name: cfqn for name, (cfqn, _, _) in expected.items()}
+    return typed, {name: cfqn for name, (cfqn, _, _) in expected.items()}
 
 
 def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:
@@ -503,8 +653,9 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
     record = read_record(metadata.planner_data)
     owner: dict[str, str] = {}  # DCP key -> logical fqn
     keys: dict[str, dict] = {}
+    typed: dict[str, Descriptor] = {}
     for fqn, desc in record["tensors"].items():
-        keys[fqn] = _check_descriptor(where, fqn, desc, sdm)
+        typed[fqn], keys[fqn] = _check_descriptor(where, fqn, desc, sdm)
         for key in keys[fqn].values():
             if key in owner:
                 raise CheckpointFormatError(
@@ -512,7 +663,7 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
                     f"'{fqn}'; restore the metadata or re-save the checkpoint"
                 )
             owner[key] = fqn
-        if desc["mode"] == NATIVE and fqn in sdm:
+        if typed[fqn].mode == NATIVE and fqn in sdm:
             raise CheckpointFormatError(
                 f"{where}: '{fqn}' is both a native ckptq tensor and a stored entry of its own; restore "
                 f"the metadata or re-save the checkpoint"
@@ -522,11 +673,9 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
         fqn = owner.get(key, key)
         if fqn in out:
             continue
-        desc = record["tensors"].get(fqn)
-        if desc is not None and desc["mode"] == NATIVE:
-            out[fqn] = Entry(
-                fqn, "quantized", tuple(int(s) for s in desc["shape"]), str_to_dtype(desc["dtype"]), desc, keys[fqn]
-            )
+        desc = typed.get(fqn)
+        if desc is not None and desc.mode == NATIVE:
+            out[fqn] = Entry(fqn, "quantized", desc.shape, desc.dtype, desc, keys[fqn])
         elif isinstance(md, TensorStorageMetadata):
             out[fqn] = Entry(fqn, "tensor", tuple(md.size), md.properties.dtype, desc, {fqn: fqn})
         else:

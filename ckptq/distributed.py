@@ -1,7 +1,7 @@
 """Process-group plumbing of the offline tools run under ``torchrun`` (``ckptq reshard|convert``).
 
-The offline tools split their work (the output tensors, whose records are laid out in the target
-files in advance) over the processes of a ``torch.distributed`` job and agree through a handful of
+The offline tools split their work (the output tensors, whose records' files and offsets are fixed
+in advance) over the processes of a ``torch.distributed`` job and agree through a handful of
 gloo object collectives (no GPU needed): rank 0 prepares the output and broadcasts where it is, each
 process writes its share, every process reports success or its error,
 and only when all succeeded does rank 0 write ``.metadata`` and rename the output into place. A

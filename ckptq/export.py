@@ -78,7 +78,7 @@ def _parse_format(lay: hf.HFLayout, fmt: str | None) -> str | None:
 
 
 # --------------------------------------------------------------------------------------- planning
-class _Item:
+class _ExportEntry:
     """One source entry and what it becomes."""
 
     def __init__(self, fqn, kind, out_names, fm=None, module=None, recipe=None, fmt=None, requant=False):
@@ -102,8 +102,8 @@ def _layout_recipe(fm: hf.FormatMap) -> dict:
     return out
 
 
-def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
-    items: list[_Item] = []
+def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]:
+    items: list[_ExportEntry] = []
     skipped: list[str] = []
     seen: dict[str, str] = {}
     for e in view.entries():
@@ -127,7 +127,7 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
             module = name[: -len(".weight")] if name.endswith(".weight") else name
             target = fmt or e.format
             fm = lay.format_map(target)
-            src_recipe = dict((e.descriptor or {}).get("recipe", {})) if e.kind == "quantized" else {}
+            src_recipe = dict(e.descriptor.recipe) if e.kind == "quantized" else {}
             if fmt is None:
                 hf.check_exportable(fm, lay, e.fqn, target, src_recipe, e.shape)
                 recipe, requant = src_recipe, False
@@ -142,21 +142,21 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_Item], list[str]]:
                 hf.check_exportable(fm, lay, e.fqn, target, {**_default_recipe(target), **recipe}, e.shape)
                 requant = not keep
             out = hf.export_plan(fm, module, e.shape, {**_default_recipe(target), **recipe})
-            items.append(_Item(e.fqn, "quantized", out, fm, module, recipe, target, requant))
+            items.append(_ExportEntry(e.fqn, "quantized", out, fm, module, recipe, target, requant))
         elif hf.convert_act_scale(name, lay.name) is not None and e.kind == "tensor":
             new, fn = hf.convert_act_scale(name, lay.name)
             if fn is None:
                 skipped.append(e.fqn)  # the layout has no static activation scale
                 continue
             shape = tuple(hf.ACT_SCALE[lay.name][2])
-            items.append(_Item(e.fqn, "tensor", [(new, torch.float32, shape)], fm=fn))
+            items.append(_ExportEntry(e.fqn, "tensor", [(new, torch.float32, shape)], fm=fn))
         else:
             dtype = e.dtype
             if e.kind == "quantized" or (
                 dtype is not None and dtype.is_floating_point and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
             ):
                 dtype = torch.bfloat16
-            items.append(_Item(e.fqn, "tensor", [(name, dtype, tuple(e.shape))]))
+            items.append(_ExportEntry(e.fqn, "tensor", [(name, dtype, tuple(e.shape))]))
         for n, _, _ in items[-1].out_names:
             if n in seen:
                 raise CkptqError(
@@ -174,8 +174,8 @@ def _default_recipe(fmt: str) -> dict:
     return cls._recipe_to_json(cls.Recipe())
 
 
-def _shards(items: list[_Item], max_bytes: int) -> list[list[_Item]]:
-    shards: list[list[_Item]] = [[]]
+def _shards(items: list[_ExportEntry], max_bytes: int) -> list[list[_ExportEntry]]:
+    shards: list[list[_ExportEntry]] = [[]]
     size = 0
     for it in items:
         if shards[-1] and size + it.nbytes > max_bytes:
@@ -210,7 +210,7 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
-def _values(view, it: _Item):
+def _values(view, it: _ExportEntry):
     x = view.read(it.fqn)
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
         return {it.out_names[0][0]: it.fm(x)}, {}, {}

@@ -21,9 +21,9 @@ from . import adapters
 from .checkpoint import CheckpointView, open_checkpoint
 from .checksums import checksum_key
 from .contract import (
-    DESCRIPTOR_NOTE,
     HIGH_PRECISION,
     NATIVE,
+    Descriptor,
     Entry,
     has_record,
     read_checksums,
@@ -31,7 +31,7 @@ from .contract import (
     saved_world_size,
 )
 from .formats import from_components
-from .formats.base import dtype_to_str, str_to_dtype
+from .formats.base import dtype_to_str
 from .io.source import CheckpointSource
 
 __all__ = ["inspect_checkpoint"]
@@ -158,8 +158,8 @@ def _view_stored(entries: Mapping[str, Entry]) -> Stored:
     for e in entries.values():
         if e.kind == "quantized":
             for name, key in e.keys.items():
-                comp = e.descriptor["components"][name]
-                table[key] = (str_to_dtype(comp["dtype"]), [int(x) for x in comp["shape"]], 1)
+                comp = e.descriptor.components[name]
+                table[key] = (comp.dtype, list(comp.shape), 1)
         elif e.kind == "tensor":
             table[e.fqn] = (e.dtype, [int(x) for x in e.shape], 1)
     return table.__getitem__
@@ -167,14 +167,13 @@ def _view_stored(entries: Mapping[str, Entry]) -> Stored:
 
 def _row_of(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
     row = _stored_row(e, stored, metadata)
-    desc = e.descriptor or {}
-    producer = desc.get("producer")
+    producer = e.descriptor.producer if e.descriptor is not None else None
     if isinstance(producer, Mapping):
         parts = (str(producer[k]) for k in ("name", "class", "layout") if producer.get(k))
         row["producer"] = " ".join(dict.fromkeys(parts))  # "modelopt", not "modelopt modelopt" (name = layout)
     else:
         row["producer"] = adapters.describe_entry(e.fqn)
-    row["note"] = desc.get(DESCRIPTOR_NOTE)
+    row["note"] = e.descriptor.note if e.descriptor is not None else None
     return row
 
 
@@ -189,11 +188,19 @@ def _stored_row(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
         name = dtype_to_str(dtype)
         return _row(e.fqn, name, PLAIN, list(e.shape), name, name, _nbytes(dtype, size), nchunks)
     desc = e.descriptor
-    shape, fmt, recipe = list(desc["shape"]), desc["format"], dict(desc.get("recipe", {}))
+    shape, fmt, recipe = list(desc.shape), desc.format, dict(desc.recipe)
     if e.kind == "tensor":  # high precision
         dtype, size, nchunks = stored(e.fqn)
         return _row(
-            e.fqn, fmt, HIGH_PRECISION, shape, desc["dtype"], dtype_to_str(dtype), _nbytes(dtype, size), nchunks, recipe
+            e.fqn,
+            fmt,
+            HIGH_PRECISION,
+            shape,
+            dtype_to_str(desc.dtype),
+            dtype_to_str(dtype),
+            _nbytes(dtype, size),
+            nchunks,
+            recipe,
         )
     components = {}
     for name, key in e.keys.items():
@@ -211,7 +218,7 @@ def _stored_row(e: Entry, stored: Stored, metadata: Metadata | None) -> dict:
         fmt,
         NATIVE,
         shape,
-        desc["dtype"],
+        dtype_to_str(desc.dtype),
         None,
         sum(c["bytes"] for c in components.values()),
         data["chunks"],
@@ -288,7 +295,7 @@ def _value_stats(x: torch.Tensor) -> dict:
     return out
 
 
-def _quantized_stats(desc: Mapping, comps: dict[str, torch.Tensor]) -> dict:
+def _quantized_stats(desc: Descriptor, comps: dict[str, torch.Tensor]) -> dict:
     qt = from_components(desc, comps)
     out = _value_stats(qt.dequantize(torch.float32))
     cls = type(qt)

@@ -1,4 +1,4 @@
-"""Parsing of user-supplied option text: meshes, placements, layout plans, ``--to`` targets, dtypes,
+"""Parsing of user-supplied option text: meshes, placements, placement rules, ``--to`` targets, dtypes,
 recipe options and choices (the CLI's flags and the string arguments of the library calls).
 
 Every parser raises :class:`ckptq.UsageError` (the CLI exits 2) with a message naming the flag;
@@ -21,15 +21,15 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .errors import UnsupportedFormatError, UsageError
 from .formats import FORMATS
 from .formats.base import dtype_to_str
-from .layout import PRESETS, TP_RULES, LayoutPlan, MeshSpec
 from .numerics import HP_FORMATS
+from .placement import PRESETS, TP_RULES, MeshSpec, PlacementRules
 
 __all__ = [
     "HP_DTYPES",
     "FP8_DTYPES",
     "parse_mesh",
     "parse_placement",
-    "parse_plan",
+    "parse_placement_rules",
     "parse_choice",
     "parse_hp_dtype",
     "parse_target",
@@ -91,15 +91,18 @@ def parse_placement(text: str | Placement) -> Placement:
     return _StridedShard(int(m.group(3)), split_factor=int(m.group(4)))
 
 
-def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Mapping[str, str] = ()) -> LayoutPlan:
-    """A :class:`LayoutPlan` from ``--plan`` (a preset name or a JSON/YAML file of FQN glob ->
-    placement strings) and ``--rule`` values ``GLOB=col|row`` (or a ``{glob: "col"|"row"}`` mapping)."""
-    if isinstance(plan, LayoutPlan):
+def parse_placement_rules(
+    mesh: MeshSpec, plan: str | PlacementRules, rules: Sequence[str] | Mapping[str, str] = ()
+) -> PlacementRules:
+    """The placement rules (:class:`PlacementRules`) that ``--plan`` names (a preset name or a
+    JSON/YAML file of FQN glob -> placement strings) with ``--rule`` values ``GLOB=col|row`` (or a
+    ``{glob: "col"|"row"}`` mapping)."""
+    if isinstance(plan, PlacementRules):
         return plan
     plan = str(plan)
     if plan in PRESETS:
         if isinstance(rules, Mapping):
-            return _layout_plan(mesh, plan, rules)
+            return _placement_rules(mesh, plan, rules)
         parsed = {}
         for r in rules:
             if "=" not in r:
@@ -108,7 +111,7 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
             if v not in TP_RULES:
                 raise UsageError(f"--rule {k}={v}: expected {' or '.join(TP_RULES)}")
             parsed[k] = v
-        return _layout_plan(mesh, plan, parsed)
+        return _placement_rules(mesh, plan, parsed)
     path = Path(plan)
     if not path.is_file():
         raise UsageError(f"--plan {plan}: neither a preset ({', '.join(PRESETS)}) nor a file")
@@ -116,7 +119,7 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
         try:
             import yaml
         except ImportError:
-            raise UnsupportedFormatError("YAML plans need PyYAML (pip install pyyaml); or use JSON") from None
+            raise UnsupportedFormatError("YAML placement files need PyYAML (pip install pyyaml); or use JSON") from None
         load, load_errors = yaml.safe_load, yaml.YAMLError
     else:
         load, load_errors = json.loads, ValueError
@@ -126,20 +129,20 @@ def parse_plan(mesh: MeshSpec, plan: str | LayoutPlan, rules: Sequence[str] | Ma
         raise UsageError(f"--plan {path}: cannot parse it: {e}") from None
     if not isinstance(data, dict) or not all(isinstance(v, (list, tuple)) for v in data.values()):
         raise UsageError(f"--plan {path}: expected a mapping of FQN glob -> list of placements")
-    return _layout_plan(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
+    return _placement_rules(mesh, "file", {k: [parse_placement(p) for p in v] for k, v in data.items()})
 
 
-def check_rules(layout: LayoutPlan, fqns: Sequence[str], *, allow_unmatched: bool = False) -> list[str]:
-    """The ``--rule`` globs of ``layout`` that match no tensor of ``fqns`` (the source checkpoint's).
+def check_rules(placement_rules: PlacementRules, fqns: Sequence[str], *, allow_unmatched: bool = False) -> list[str]:
+    """The ``--rule`` globs of ``placement_rules`` that match no tensor of ``fqns`` (the source checkpoint's).
 
     Raises:
         UsageError: ``--rule`` given with a plan other than fsdp2-tp (which alone takes rules), or
             globs that match nothing and not ``allow_unmatched`` (the message names the globs, some
             of the tensors and ``--allow-unmatched``).
     """
-    if layout.preset not in ("fsdp2-tp", "file") and layout.rules:
-        raise UsageError(f"--rule applies to --plan fsdp2-tp only (the plan is {layout.preset})")
-    unmatched = layout.unmatched_rules(fqns)
+    if placement_rules.preset not in ("fsdp2-tp", "file") and placement_rules.rules:
+        raise UsageError(f"--rule applies to --plan fsdp2-tp only (the plan is {placement_rules.preset})")
+    unmatched = placement_rules.unmatched_rules(fqns)
     if unmatched and not allow_unmatched:
         shown = ", ".join(list(fqns)[:6]) + (", ..." if len(fqns) > 6 else "")
         raise UsageError(
@@ -149,10 +152,10 @@ def check_rules(layout: LayoutPlan, fqns: Sequence[str], *, allow_unmatched: boo
     return unmatched
 
 
-def _layout_plan(mesh: MeshSpec, preset: str, rules: Mapping[str, Any]) -> LayoutPlan:
-    """``LayoutPlan(mesh, preset, rules)``, its usage errors naming the ``--plan`` flag."""
+def _placement_rules(mesh: MeshSpec, preset: str, rules: Mapping[str, Any]) -> PlacementRules:
+    """``PlacementRules(mesh, preset, rules)``, its usage errors naming the ``--plan`` flag."""
     try:
-        return LayoutPlan(mesh, preset, rules)
+        return PlacementRules(mesh, preset, rules)
     except UsageError as e:
         raise UsageError(f"--plan {e}") from None
 

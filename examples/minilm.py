@@ -28,8 +28,8 @@ Then the sharded round trip, all formats at once (gloo process groups on the CPU
    shard of each Linear weight is quantized on its rank with the tensor's global amax (all-reduced,
    as a quantized training step holds it);
 7. the checkpoint is resharded offline, without a process group, to the mesh ``dp_shard=2,tp=2``
-   with plan ``fsdp2-tp`` (``ckptq.reshard_checkpoint``, what ``ckptq reshard`` runs);
-8. 4 ranks load it into DTensors of that layout with ``QuantizedLoadPlanner``; every component of
+   with the placement rules ``fsdp2-tp`` (``ckptq.reshard_checkpoint``, what ``ckptq reshard`` runs);
+8. 4 ranks load it into DTensors of those placements with ``QuantizedLoadPlanner``; every component of
    every loaded shard is compared byte for byte with the same box of the weight quantized whole by
    one process, and every plain tensor (embeddings, LayerNorms, biases) with the original.
 
@@ -618,7 +618,7 @@ def _target_layout():
     from ckptq import parse
 
     mesh = parse.parse_mesh(TARGET_MESH)
-    return mesh, parse.parse_plan(mesh, TARGET_PLAN, TP_RULES)
+    return mesh, parse.parse_placement_rules(mesh, TARGET_PLAN, TP_RULES)
 
 
 def _load_worker(rank: int, world_size: int, work: str, formats: list[str], names: list[str]) -> dict:
@@ -761,7 +761,7 @@ def load_resharded(formats: list[str], work: Path, names: list[str], plain: list
     t0 = time.perf_counter()
     loaded = spawn_ranks(spec.world_size, _load_worker, str(work), formats, names)
     detail(
-        f"sharded: {spec.world_size} ranks loaded them into DTensors of that layout "
+        f"sharded: {spec.world_size} ranks loaded them into DTensors of those placements "
         f"({time.perf_counter() - t0:.1f} s, process start included)"
     )
     out = {}
@@ -816,7 +816,7 @@ def sharded_checks(r: dict, fmt: str) -> list[dict]:
 def placement_summary(names: list[str], layout) -> str:
     """Which placements layer 0's weights get on the target mesh, grouped: ``query/key/value
     (SS(0,2), S(0)); ...`` (module names without ``encoder.layer.0.``, ``attention.self.``, ``.dense``)."""
-    from ckptq.layout import format_placements
+    from ckptq.placement import format_placements
 
     groups: dict[str, list[str]] = {}
     for n in names:
@@ -851,7 +851,7 @@ def run_sharded(formats: list[str], ctx: dict) -> dict[str, dict]:
             "bytes_per_target_rank": report["bytes_per_rank"],
         }
     t_reshard = time.perf_counter() - t0
-    from ckptq.layout import format_placements
+    from ckptq.placement import format_placements
 
     detail(
         f"sharded: resharded offline to mesh {spec} ({spec.world_size} ranks, one file each), plan "
@@ -1110,7 +1110,7 @@ def _run(formats: list[str], args) -> int:
         f"{TARGET_MESH} ({TARGET_PLAN})"
     )
     log(
-        f"  -> {spec.world_size} ranks load DTensors of that layout, compared byte for byte "
+        f"  -> {spec.world_size} ranks load DTensors of those placements, compared byte for byte "
         "with the weights quantized whole"
     )
 

@@ -244,11 +244,11 @@ def _load_worker(rank, ws, path, layers, repeat):
 
     import ckptq
     from ckptq.io import SafeFileSystemReader
-    from ckptq.layout import LayoutPlan, MeshSpec, dtensor_box
+    from ckptq.placement import MeshSpec, PlacementRules, dtensor_box
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     spec = MeshSpec(("dp_shard", "tp"), (2, 2))
-    plan = LayoutPlan(spec, "fsdp2-tp", {**{g: "col" for g in COL}, **{g: "row" for g in ROW}})
+    plan = PlacementRules(spec, "fsdp2-tp", {**{g: "col" for g in COL}, **{g: "row" for g in ROW}})
     times = []
     for _ in range(repeat):
         sd = {}
@@ -292,7 +292,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from ckptq.checkpoint import CheckpointView
 from ckptq.contract import CKPTQ_KEY, make_record, native_descriptor
-from ckptq.layout import LayoutPlan, MeshSpec
+from ckptq.placement import PlacementRules, MeshSpec
 from ckptq.reshard import plan_reshard
 import ckptq
 
@@ -314,7 +314,7 @@ md, tensors = {{}}, {{}}
 for fqn, shape in shapes.items():
     desc = native_descriptor(probe, fqn, shape)
     for spec in probe.component_specs(shape, probe.recipe):
-        key = desc["components"][spec.name]["fqn"]
+        key = desc.components[spec.name].fqn
         cshape = spec.shape(shape)
         if spec.dims:  # FSDP2 Shard(0) over SAVERS ranks (torch.chunk boxes)
             step = -(-cshape[0] // SAVERS)
@@ -330,10 +330,11 @@ t_meta = time.perf_counter() - t0
 rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 view = CheckpointView("/nonexistent", metadata=metadata)
 mesh = MeshSpec(("dp_shard", "tp"), (256, 8))
-layout = LayoutPlan(mesh, "fsdp2-tp", {{"*q_proj*": "col", "*k_proj*": "col", "*v_proj*": "col", "*gate_proj*": "col",
-                                        "*up_proj*": "col", "*o_proj*": "row", "*down_proj*": "row"}})
+rules = PlacementRules(mesh, "fsdp2-tp", {{"*q_proj*": "col", "*k_proj*": "col", "*v_proj*": "col",
+                                          "*gate_proj*": "col", "*up_proj*": "col", "*o_proj*": "row",
+                                          "*down_proj*": "row"}})
 t0 = time.perf_counter()
-plan = plan_reshard(view, mesh, layout)
+plan = plan_reshard(view, mesh, rules)
 t_plan = time.perf_counter() - t0
 rss2 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 per_rank = plan.bytes_per_rank()

@@ -230,7 +230,7 @@ def _tree_bytes(path):
 
 
 def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
-    from ckptq.layout import MeshSpec
+    from ckptq.placement import MeshSpec
 
     path, _ = ckpt
     cases = [
@@ -297,7 +297,7 @@ def test_convert_with_fp8_dtype(ckpt, tmp_path):
     from ckptq.checkpoint import CheckpointView
 
     quantized = [e for e in CheckpointView(tmp_path / "out").entries() if e.kind == "quantized"]
-    assert quantized and all(e.descriptor["recipe"]["fp8_dtype"] == "float8_e5m2" for e in quantized)
+    assert quantized and all(e.descriptor.recipe["fp8_dtype"] == "float8_e5m2" for e in quantized)
 
 
 def _dead_pid() -> int:

@@ -208,7 +208,7 @@ def test_import_back_bit_exact(plain, exports, layout, fmt):
     for fqn in QUANTIZED:
         e = view.entry(fqn)
         assert e.kind == "quantized" and e.format == fmt
-        assert e.descriptor["producer"]["layout"] == layout
+        assert e.descriptor.producer["layout"] == layout
         want = ckptq.requantize(plain[1][fqn], fmt)
         assert_same_components(view.read(fqn), want, fqn)
     assert view.entry("lm_head.weight").kind == "tensor"
@@ -240,7 +240,7 @@ def test_native_export_keeps_bytes_and_converts_back(native, tmp_path):
     assert r.exit_code == 0, r.output
     cv = open_checkpoint(out)
     assert_same_components(cv.read("model.layers.0.mlp.down_proj.weight"), sd["model.layers.0.mlp.down_proj.weight"])
-    assert cv.entry("model.layers.0.self_attn.q_proj.weight").descriptor["producer"]["layout"] == "compressed-tensors"
+    assert cv.entry("model.layers.0.self_attn.q_proj.weight").descriptor.producer["layout"] == "compressed-tensors"
     # inspect reads the folder
     r = CliRunner().invoke(app, ["inspect", str(dst), "--json"])
     assert r.exit_code == 0, r.output
@@ -556,7 +556,7 @@ def test_import_third_party_modelopt_folder(tmp_path):
     assert view.source == "safetensors (modelopt)"
     for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"):
         e = view.entry(f"{name}.weight")
-        assert e.format == "nvfp4" and e.descriptor["producer"] == {"name": "modelopt", "layout": "modelopt"}
+        assert e.format == "nvfp4" and e.descriptor.producer == {"name": "modelopt", "layout": "modelopt"}
         qt = view.read(f"{name}.weight")
         assert_same_bytes(qt.components()["data"], tensors[f"{name}.weight"])
         assert_same_bytes(qt.components()["scale"], tensors[f"{name}.weight_scale"])

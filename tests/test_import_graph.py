@@ -24,7 +24,7 @@ PACKAGE = ROOT / "ckptq"
 LAYERS: dict[int, tuple[str, ...]] = {
     1: ("ckptq._version", "ckptq.errors", "ckptq.chunks", "ckptq.numerics", "ckptq.checksums"),
     2: ("ckptq.ops.*",),
-    3: ("ckptq.formats.*", "ckptq.layout", "ckptq.metrics"),
+    3: ("ckptq.formats.*", "ckptq.placement", "ckptq.metrics"),
     4: ("ckptq.contract", "ckptq.adapters.*"),
     5: ("ckptq.io.*",),
     6: ("ckptq.checkpoint", "ckptq.inspect", "ckptq.verify", "ckptq.parse", "ckptq.distributed"),
@@ -35,7 +35,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
 #: the modules that may import the package facade ``ckptq`` (``ckptq/__init__.py``)
 FACADE_USERS = ("ckptq", "ckptq.__main__", "ckptq.cli.*")
 #: geometry: imports neither the formats nor the parsing of user strings, even indirectly
-GEOMETRY = ("ckptq.chunks", "ckptq.layout")
+GEOMETRY = ("ckptq.chunks", "ckptq.placement")
 GEOMETRY_MAY_NOT_REACH = ("ckptq.formats.*", "ckptq.parse")
 #: other libraries' quantized tensors: named only under ckptq/adapters (which never imports them)
 FOREIGN_LIBRARIES = ("transformer_engine", "transformer_engine_torch", "torchao", "compressed_tensors", "modelopt")

@@ -225,7 +225,7 @@ def _edit_metadata(path, fn):
 
 
 def test_hand_made_descriptor(tmp_path):
-    # A ckptq layout written without the planner: the components as plain entries + a descriptor.
+    # A ckptq contract checkpoint written without the planner: the components as plain entries + a descriptor.
     qt = ckptq.quantize(torch.randn(32, 64), "nvfp4")
     dcp.save({f"w.{k}": v for k, v in qt.components().items()}, checkpoint_id=tmp_path)
     desc = qt.descriptor()

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
 from ckptq import parse
-from ckptq.layout import LayoutPlan, MeshSpec, format_placements
+from ckptq.placement import MeshSpec, PlacementRules, format_placements
 
 
 def test_usage_error_is_a_ckptq_value_error():
@@ -39,13 +39,13 @@ def test_mesh_and_placements():
 
 def test_plans(tmp_path):
     mesh = parse.parse_mesh("dp_shard=2,tp=2")
-    plan = parse.parse_plan(mesh, "fsdp2-tp", ["*.q=col", "*.o = row"])
+    plan = parse.parse_placement_rules(mesh, "fsdp2-tp", ["*.q=col", "*.o = row"])
     assert format_placements(plan.placements("l.q", 2)) == "(SS(0,2), S(0))"
     assert format_placements(plan.placements("l.o", 2)) == "(S(0), S(1))"
-    assert parse.parse_plan(mesh, plan) is plan
+    assert parse.parse_placement_rules(mesh, plan) is plan
     f = tmp_path / "plan.json"
     f.write_text(json.dumps({"*.q": ["S(1)", "R"]}))
-    assert format_placements(parse.parse_plan(mesh, str(f)).placements("l.q", 2)) == "(S(1), R)"
+    assert format_placements(parse.parse_placement_rules(mesh, str(f)).placements("l.q", 2)) == "(S(1), R)"
     bad_json = tmp_path / "bad.json"
     bad_json.write_text("{not json")
     for args, match in [
@@ -55,13 +55,13 @@ def test_plans(tmp_path):
         ((str(bad_json),), "cannot parse"),
     ]:
         with pytest.raises(ckptq.UsageError, match=match):
-            parse.parse_plan(mesh, *args)
+            parse.parse_placement_rules(mesh, *args)
     f.write_text(json.dumps({"*.q": ["S(1)"]}))  # one placement for a 2-D mesh
     with pytest.raises(ckptq.UsageError, match="one per dim"):
-        parse.parse_plan(mesh, str(f))
+        parse.parse_placement_rules(mesh, str(f))
     with pytest.raises(ckptq.UsageError, match="'tp'"):
-        LayoutPlan(parse.parse_mesh("4"), "fsdp2-tp")
-    assert parse.parse_plan(mesh, "replicate").placements("x", 2) == (Replicate(), Replicate())
+        PlacementRules(parse.parse_mesh("4"), "fsdp2-tp")
+    assert parse.parse_placement_rules(mesh, "replicate").placements("x", 2) == (Replicate(), Replicate())
 
 
 def test_targets_dtypes_and_choices():

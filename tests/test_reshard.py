@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.cli import app
-from ckptq.layout import rank_boxes
 from ckptq.metrics import bit_exact
-from ckptq.parse import parse_mesh, parse_placement, parse_plan
+from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
+from ckptq.placement import rank_boxes
 from ckptq.reshard import plan_reshard, run_reshard
 from ckptq.verify import verify_checkpoints
 
@@ -55,9 +55,9 @@ def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
     path, sd = src
     before = _files(path)
     mesh = parse_mesh("dp_shard=2,tp=2")
-    layout = parse_plan(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
+    rules = parse_placement_rules(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row"])
     view = CheckpointView(path)
-    plan = plan_reshard(view, mesh, layout)
+    plan = plan_reshard(view, mesh, rules)
     dst = tmp_path / "dst"
     run_reshard(view, plan, dst)
     assert _files(path) == before  # the source is never modified
@@ -107,7 +107,7 @@ def test_misaligned_high_precision_export(src, tmp_path):
     assert res.exit_code == 0, res.output
     out = CheckpointView(dst)
     e = out.entry("model.layers.0.mlp.weight")
-    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "fp8_block"
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor.format == "fp8_block"
     assert bit_exact(
         out.read("model.layers.0.mlp.weight"), sd["model"]["layers.0.mlp.weight"].dequantize(torch.bfloat16)
     )
@@ -133,7 +133,7 @@ def test_grouped_stack_and_split_round_trip(src, tmp_path):
     assert runner.invoke(app, ["reshard", str(path), str(stacked), "--grouped", "stack", "--mesh", "2"]).exit_code == 0
     e = CheckpointView(stacked).entry("model.experts.weight")
     assert e.kind == "quantized" and e.shape == (2, 256, 128)
-    assert e.descriptor["components"]["scale_inv"]["shape"] == [2]  # one scale per member
+    assert e.descriptor.components["scale_inv"].shape == (2,)  # one scale per member
     st = CheckpointView(stacked).read("model.experts.weight")
     for i in range(2):
         assert bit_exact(st.components()["data"][i], sd["model"][f"experts.weight{i}"].components()["data"])
@@ -192,7 +192,7 @@ def test_convert_to_high_precision_then_native_again(src, tmp_path):
     hp, back = tmp_path / "hp", tmp_path / "back"
     assert runner.invoke(app, ["convert", str(path), str(hp), "--to", "bfloat16"]).exit_code == 0
     e = CheckpointView(hp).entry("model.layers.0.q_proj.weight")
-    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor["format"] == "nvfp4"
+    assert e.kind == "tensor" and e.dtype == torch.bfloat16 and e.descriptor.format == "nvfp4"
     assert runner.invoke(app, ["reshard", str(hp), str(back), "--mode", "native"]).exit_code == 0
     got = CheckpointView(back).read("model.layers.0.q_proj.weight")
     ref = ckptq.quantize(sd["model"]["layers.0.q_proj.weight"].dequantize(torch.bfloat16), "nvfp4")
@@ -217,10 +217,10 @@ def test_plan_file_and_bad_arguments(src, tmp_path):
 
 
 def test_planning_needs_no_tensor_memory():
-    """2048-rank plan of a large layout from metadata alone (the scale benchmark, tiny here)."""
+    """2048-rank plan of a large model from metadata alone (the scale benchmark, tiny here)."""
     mesh = parse_mesh("dp_shard=256,tp=8")
-    layout = parse_plan(mesh, "fsdp2-tp", ["*q_proj*=col"])
-    boxes = rank_boxes((16384, 16384), mesh, layout.placements("l.q_proj.weight", 2))
+    rules = parse_placement_rules(mesh, "fsdp2-tp", ["*q_proj*=col"])
+    boxes = rank_boxes((16384, 16384), mesh, rules.placements("l.q_proj.weight", 2))
     assert len(boxes) == 2048 and boxes[1] == ((2048, 0), (8, 16384))  # tp rank 1 of dp rank 0
     assert sum(s[0] * s[1] for _, s in boxes) == 16384 * 16384
 

@@ -64,8 +64,8 @@ def _global(shape_name: str, i: int):
 
 
 def _rank_box(shape, layout: str, rank: int):
-    from ckptq.layout import MeshSpec, shard_box
     from ckptq.parse import parse_placement
+    from ckptq.placement import MeshSpec, shard_box
 
     mesh_shape, pl = LAYOUTS[layout]
     if pl is None:
@@ -241,8 +241,8 @@ def _fsdp_tp_worker(rank, ws, root, fmt, recipe):
 
     import ckptq
     from ckptq.formats.base import slice_box
-    from ckptq.layout import dtensor_box, format_placements
     from ckptq.metrics import bit_exact
+    from ckptq.placement import dtensor_box, format_placements
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)

@@ -78,7 +78,7 @@ def test_live_te_native_save_and_load_in_place(tmp_path, case):
     (row,) = [r for r in inspect_checkpoint(tmp_path)["tensors"] if r["fqn"] == "w"]
     assert (row["format"], row["mode"]) == (case[3], "native")
     desc = CheckpointView(tmp_path).entry("w").descriptor
-    assert desc["producer"]["name"] == "transformer_engine" and desc["producer"]["class"] == type(src).__name__
+    assert desc.producer["name"] == "transformer_engine" and desc.producer["class"] == type(src).__name__
     assert _same_components(CheckpointView(tmp_path).read("w"), _canonical(src))
 
     target = te.garbage_like(src)
@@ -258,8 +258,8 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from ckptq.chunks import narrow_box
-    from ckptq.layout import rank_boxes
     from ckptq.parse import parse_mesh
+    from ckptq.placement import rank_boxes
 
     tef = standin()
     if layout == "fsdp2-tp":
@@ -316,7 +316,7 @@ def test_two_rank_te_shards_off_the_global_grid_read_in_high_precision(tmp_path)
     run_distributed(2, _save_te_dtensors, str(tmp_path / "ck"), rows, False, ("bk",))
     view = CheckpointView(tmp_path / "ck")
     e = view.entry("bk")
-    assert e.kind == "tensor" and e.descriptor["mode"] == "high_precision" and "block grids" in e.descriptor["note"]
+    assert e.kind == "tensor" and e.descriptor.mode == "high_precision" and "block grids" in e.descriptor.note
     x = _x(3, (rows, 256))
     want = torch.cat(
         [

@@ -288,7 +288,7 @@ def test_native_save_and_load_into_torchao_in_place(tmp_path, name):
     act = getattr(src, "act_per_tensor_scale", None)
     if act is not None:  # recorded (float hex), left as the target holds it
         desc = CheckpointView(tmp_path).entry("w").descriptor
-        assert desc["producer"]["act_per_tensor_scale"] == [act.item().hex()]
+        assert desc.producer["act_per_tensor_scale"] == [act.item().hex()]
         assert bool((target.act_per_tensor_scale == 0).all())
 
 
@@ -359,7 +359,7 @@ def test_inspect_and_convert_dcp_checkpoint(ao_ckpt, tmp_path):
             assert bit_exact(native.read(fqn), t)
         else:
             assert _same_components(native.read(fqn), _canonical(t, fqn)[0]), fqn
-            assert native.entry(fqn).descriptor["producer"]["class"] == type(t).__name__
+            assert native.entry(fqn).descriptor.producer["class"] == type(t).__name__
 
 
 def test_dcp_load_into_plain_ckptq_and_torchao_targets(ao_ckpt):
@@ -437,7 +437,7 @@ for root in ({str(tmp_path / "n1")!r}, {str(tmp_path / "n2")!r}):
     for k, comps in want.items():
         got = v.read(k).components()
         assert got.keys() == comps.keys() and all(bit_exact(got[c], comps[c]) for c in comps), (root, k)
-        assert v.entry(k).descriptor["producer"] == producers[k], (v.entry(k).descriptor["producer"], producers[k])
+        assert v.entry(k).descriptor.producer == producers[k], (v.entry(k).descriptor.producer, producers[k])
 print("ok", len(want))
 """)
     assert out.strip() == f"ok {len(CASES)}"
@@ -600,5 +600,5 @@ def test_torch_save_source_reads_any_adapter(tmp_path):
     torch.save(sd, tmp_path / "te.pt")
     view = open_checkpoint(tmp_path / "te.pt")
     for k, t in sd.items():
-        assert view.entry(k).descriptor["producer"]["name"] == "transformer_engine"
+        assert view.entry(k).descriptor.producer["name"] == "transformer_engine"
         assert _same_components(view.read(k), _canonical(t, k)[0]), k

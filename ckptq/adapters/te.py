@@ -369,7 +369,7 @@ PICKLE_GLOBALS: dict[tuple[str, str], Any] = {
 }
 
 
-# ============================================================================ layout helpers
+# ============================================================================ buffer helpers
 def _rup(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
@@ -406,7 +406,7 @@ def _pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 # ============================================================================ per-class records
 @dataclasses.dataclass
-class _TELayout:
+class _TEContents:
     """What a TE object holds, in ckptq terms: its TE class, ckptq format, logical shape and dtype,
     recipe, and whether its block scales are GEMM-swizzled."""
 
@@ -429,7 +429,7 @@ def _refuse(fqn: str, te_class: str, field: str, why: str) -> None:
     refuse(_where(fqn, te_class), fqn, field, why)
 
 
-def _held(obj: Any, desc: _TELayout, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], fqn: str) -> dict:
+def _held(obj: Any, desc: _TEContents, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], fqn: str) -> dict:
     """The held buffers among ``specs`` (attr -> (shape, dtype)), each checked against its spec."""
     out = {}
     for attr, (shape, dtype) in specs.items():
@@ -447,7 +447,7 @@ def _held(obj: Any, desc: _TELayout, specs: dict[str, tuple[tuple[int, ...], tor
     return out
 
 
-def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _TELayout:
+def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _TEContents:
     shape = tuple(int(s) for s in obj.shape)
     if len(shape) != 2:
         _refuse(
@@ -456,7 +456,7 @@ def _prelude(obj: Any, fqn: str, te_class: str, fmt: str) -> _TELayout:
             f"logical shape {shape}",
             "is not 2-D (TE flattens leading dims; ckptq's TE adapter maps (M, K) tensors only)",
         )
-    return _TELayout(te_class, fmt, shape, obj.dtype, {}, bool(getattr(obj, "_with_gemm_swizzled_scales", False)))
+    return _TEContents(te_class, fmt, shape, obj.dtype, {}, bool(getattr(obj, "_with_gemm_swizzled_scales", False)))
 
 
 def _fp8_code(obj: Any, fqn: str, te_class: str, allowed=(7, 8)) -> int:
@@ -480,7 +480,7 @@ def _requantized(values: torch.Tensor, fmt: str, **recipe: Any) -> tuple[dict, f
 
 
 # ---------------------------------------------------------------- Float8Tensor -> fp8_tensor
-def _float8_specs(d: _TELayout):
+def _float8_specs(d: _TEContents):
     m, k = d.shape
     return {"_data": ((m, k), _U8), "_transpose": ((k, m), _U8), "_scale_inv": ((1,), _F32)}
 
@@ -523,7 +523,7 @@ def _float8_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- MXFP8Tensor -> mxfp8
-def _mxfp8_specs(d: _TELayout):
+def _mxfp8_specs(d: _TEContents):
     m, k = d.shape
     return {
         "_rowwise_data": ((m, k), _U8),
@@ -575,7 +575,7 @@ def _mxfp8_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- NVFP4Tensor -> nvfp4
-def _nvfp4_specs(d: _TELayout):
+def _nvfp4_specs(d: _TEContents):
     m, k = d.shape
     return {
         "_rowwise_data": ((m, k // 2), _U8),
@@ -659,7 +659,7 @@ def _nvfp4_insert(obj, qt, d, fqn):
 
 
 # ---------------------------------------------------------------- Float8BlockwiseQTensor -> fp8_block
-def _float8_block_specs(d: _TELayout):
+def _float8_block_specs(d: _TEContents):
     m, k = d.shape
     mb, kb = cdiv(m, 128), cdiv(k, 128)
     two_d = d.recipe["block"] == (128, 128)
@@ -727,9 +727,9 @@ class _ClassHandler:
     """How ckptq handles one TE tensor class: its ckptq format's class and the class's functions."""
 
     qt_class: type
-    describe: Callable[[Any, str], _TELayout]
-    extract: Callable[[Any, _TELayout, str], dict]
-    insert: Callable[[Any, QuantizedTensor, _TELayout, str], float | None]
+    describe: Callable[[Any, str], _TEContents]
+    extract: Callable[[Any, _TEContents, str], dict]
+    insert: Callable[[Any, QuantizedTensor, _TEContents, str], float | None]
     columnwise_buffers: str  # named in the requantization warning
 
 
@@ -765,7 +765,7 @@ def te_class_of(obj: Any) -> str | None:
     return None
 
 
-def _resolve(obj: Any, fqn: str) -> tuple[Any, _ClassHandler, _TELayout]:
+def _resolve(obj: Any, fqn: str) -> tuple[Any, _ClassHandler, _TEContents]:
     local = getattr(obj, "_local_tensor", obj)
     name = te_class_of(local)
     if name is None:
@@ -826,7 +826,7 @@ def _quantizer_record(q: Any) -> dict | None:
     return out
 
 
-def _producer(obj: Any, d: _TELayout) -> dict:
+def _producer(obj: Any, d: _TEContents) -> dict:
     rec: dict[str, Any] = {"name": PRODUCER, "version": _te_version(), "class": d.te_class}
     if d.te_class == "NVFP4Tensor":
         rec["fp4_dtype"] = "E2M1"
@@ -852,7 +852,7 @@ def _producer(obj: Any, d: _TELayout) -> dict:
     return rec
 
 
-def _wrap(handler: _ClassHandler, d: _TELayout, comps: dict, fqn: str) -> QuantizedTensor:
+def _wrap(handler: _ClassHandler, d: _TEContents, comps: dict, fqn: str) -> QuantizedTensor:
     cls = handler.qt_class
     return cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
 
@@ -902,7 +902,7 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
 _HOLDABLE = {"MXFP8Tensor": 32, "NVFP4Tensor": 16}
 
 
-def _check_holdable(d: _TELayout, fqn: str) -> None:
+def _check_holdable(d: _TEContents, fqn: str) -> None:
     """A shard TE itself could not hold (MXFP8 rows/cols not multiples of 32, NVFP4 of 16) is a
     sharding problem: raise ShardingError naming the FQN, class, shape and multiple."""
     mult = _HOLDABLE.get(d.te_class)

@@ -196,14 +196,14 @@ def _enum_value(value: Any) -> str:
     return value
 
 
-class _Record:
+class _RebuiltObject:
     """A torchao dataclass or NamedTuple rebuilt from its pickle (``NEWOBJ`` [+ ``BUILD`` with its
     ``__dict__``): fields become attributes; ``type_name`` is torchao's class name."""
 
     type_name: ClassVar[str] = ""
     _fields: ClassVar[tuple[str, ...]] = ()  # NamedTuple field order (positional NEWOBJ args)
 
-    def __new__(cls, *args: Any) -> _Record:
+    def __new__(cls, *args: Any) -> _RebuiltObject:
         self = object.__new__(cls)
         if len(args) > len(cls._fields):
             raise CheckpointFormatError(f"torchao {cls.type_name} pickle: {len(args)} positional fields")
@@ -222,7 +222,7 @@ class _Record:
 
 
 def _record_type(name: str, fields: tuple[str, ...] = ()) -> type:
-    return type(f"{name}Record", (_Record,), {"type_name": name, "_fields": fields, "__module__": __name__})
+    return type(f"{name}Record", (_RebuiltObject,), {"type_name": name, "_fields": fields, "__module__": __name__})
 
 
 _KWARG_RECORDS = {
@@ -267,7 +267,7 @@ def _plain(v: Any, depth: int = 0) -> Any:
         return v
     if isinstance(v, torch.dtype):
         return str(v).replace("torch.", "")
-    if isinstance(v, _Record):
+    if isinstance(v, _RebuiltObject):
         return {"type": v.type_name, **{k: _plain(x, depth + 1) for k, x in v.__dict__.items()}}
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         return {
@@ -283,9 +283,9 @@ def _plain(v: Any, depth: int = 0) -> Any:
     return repr(v)
 
 
-# ============================================================================ layout helpers
+# ============================================================================ buffer helpers
 @dataclasses.dataclass
-class _AOLayout:
+class _AOContents:
     """What a torchao object holds, in ckptq terms: its torchao class, ckptq format, logical shape
     and dtype, recipe, and whether its block scales are swizzled."""
 
@@ -314,7 +314,7 @@ def _tensor(obj: Any, name: str, d_class: str, fqn: str, *, optional: bool = Fal
     return t
 
 
-def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _AOLayout, fqn: str) -> None:
+def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _AOContents, fqn: str) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise CheckpointFormatError(
             f"{_where(fqn, d.ao_class)}: field {name} is {t.dtype} {tuple(t.shape)}, expected {dtype} "
@@ -322,14 +322,14 @@ def _check(t: torch.Tensor, shape: tuple, dtype: torch.dtype, name: str, d: _AOL
         )
 
 
-def _row_major(obj: Any, d: _AOLayout, fqn: str) -> torch.Tensor:
+def _row_major(obj: Any, d: _AOContents, fqn: str) -> torch.Tensor:
     q = _tensor(obj, "qdata", d.ao_class, fqn)
     if q.dim() < 2 or (q.dim() >= 2 and q.stride(-2) < q.stride(-1) and q.shape[-2] > 1 and q.shape[-1] > 1):
         _refuse(fqn, d.ao_class, f"qdata of strides {tuple(q.stride())}", "is transposed (column-major)")
     return q
 
 
-def _read_block_scales(obj: Any, d: _AOLayout, cols: int, dtype: torch.dtype, fqn: str) -> torch.Tensor:
+def _read_block_scales(obj: Any, d: _AOContents, cols: int, dtype: torch.dtype, fqn: str) -> torch.Tensor:
     """Compact (..., M, cols) scales of an NVFP4/MX tensor (a view unless swizzled)."""
     *lead, m = d.shape[:-1]
     s = _tensor(obj, "scale", d.ao_class, fqn)
@@ -395,8 +395,8 @@ def _swizzled(obj: Any) -> bool:
     return bool(getattr(obj, "is_swizzled_scales", False))
 
 
-def _nvfp4_describe(obj: Any, fqn: str) -> _AOLayout:
-    d = _AOLayout("NVFP4Tensor", "nvfp4", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+def _nvfp4_describe(obj: Any, fqn: str) -> _AOContents:
+    d = _AOContents("NVFP4Tensor", "nvfp4", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
     if len(d.shape) not in (2, 3):
         _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "is not 2-D or 3-D")
     if int(getattr(obj, "block_size", 16)) != 16:
@@ -409,7 +409,7 @@ def _nvfp4_describe(obj: Any, fqn: str) -> _AOLayout:
     return d
 
 
-def _nvfp4_amax(obj: Any, d: _AOLayout, fqn: str) -> tuple[torch.Tensor, int]:
+def _nvfp4_amax(obj: Any, d: _AOContents, fqn: str) -> tuple[torch.Tensor, int]:
     lead = d.shape[:-2]
     pts = _tensor(obj, "per_tensor_scale", d.ao_class, fqn, optional=True)
     dev = obj.qdata.device
@@ -441,7 +441,7 @@ def _nvfp4_amax(obj: Any, d: _AOLayout, fqn: str) -> tuple[torch.Tensor, int]:
     return out.reshape(lead), worst
 
 
-def _nvfp4_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
+def _nvfp4_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     k = d.shape[-1]
     scale = _read_block_scales(obj, d, k // 16, _E4M3, fqn)
     amax, ulp = _nvfp4_amax(obj, d, fqn)
@@ -456,7 +456,7 @@ def _nvfp4_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale": scale, "amax": amax}, extra
 
 
-def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
+def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> None:
     c = qt.components()
     scale = c["scale"]
     if qt.recipe.two_d:  # 16x16 tiles: each tile's scale on its 16 rows is the same 1x16 value
@@ -484,8 +484,8 @@ def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None
     _write_block_scales(obj, scale, d.swizzled)
 
 
-def _mxfp8_describe(obj: Any, fqn: str) -> _AOLayout:
-    d = _AOLayout("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
+def _mxfp8_describe(obj: Any, fqn: str) -> _AOContents:
+    d = _AOContents("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
     elem = getattr(obj, "elem_dtype", None)
     if elem != _E4M3:
         _refuse(fqn, d.ao_class, f"elem_dtype={_plain(elem)}", "is not float8_e4m3fn (ckptq's mxfp8 is MXFP8 E4M3)")
@@ -501,7 +501,7 @@ def _mxfp8_describe(obj: Any, fqn: str) -> _AOLayout:
     return d
 
 
-def _mxfp8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
+def _mxfp8_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     scale = _read_block_scales(obj, d, d.shape[-1] // 32, torch.float8_e8m0fnu, fqn).view(_U8)
     extra = {
         "elem_dtype": "float8_e4m3fn",
@@ -512,14 +512,14 @@ def _mxfp8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale": scale}, extra
 
 
-def _mxfp8_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
+def _mxfp8_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> None:
     c = qt.components()
     obj.qdata.view(_U8).copy_(c["data"].view(_U8))
     _write_block_scales(obj, c["scale"], d.swizzled)
 
 
-def _float8_describe(obj: Any, fqn: str) -> _AOLayout:
-    d = _AOLayout("Float8Tensor", "", tuple(int(s) for s in obj.shape), obj.dtype, {})
+def _float8_describe(obj: Any, fqn: str) -> _AOContents:
+    d = _AOContents("Float8Tensor", "", tuple(int(s) for s in obj.shape), obj.dtype, {})
     if len(d.shape) < 2:
         _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "has fewer than 2 dims")
     q = _row_major(obj, d, fqn)
@@ -550,7 +550,7 @@ def _float8_describe(obj: Any, fqn: str) -> _AOLayout:
     return d
 
 
-def _float8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
+def _float8_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     s = obj.scale
     lead = d.shape[:-2]
     if d.fmt == "fp8_tensor":
@@ -572,7 +572,7 @@ def _float8_extract(obj: Any, d: _AOLayout, fqn: str) -> tuple[dict, dict]:
     return {"data": obj.qdata, "scale_inv": scale_inv}, extra
 
 
-def _float8_insert(obj: Any, qt: QuantizedTensor, d: _AOLayout, fqn: str) -> None:
+def _float8_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> None:
     c = qt.components()
     s = c["scale_inv"]
     if d.fmt == "fp8_tensor" and s.numel() > 1:

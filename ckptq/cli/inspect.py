@@ -99,7 +99,7 @@ def _print_summary(s: dict) -> None:
         ["formats", ", ".join(f"{k}: {v}" for k, v in s["formats"].items()) or "-"],
         ["world size", world],
         ["files", str(s["files"])],
-        ["ckptq", "-" if s["ckptq_version"] is None else f"layout v{s['ckptq_version']}"],
+        ["ckptq", "-" if s["ckptq_version"] is None else f"contract v{s['ckptq_version']}"],
     ]
     if s.get("checksums") is not None:
         have, records = s["checksums"]

@@ -332,22 +332,29 @@ class QuantizedTensor(torch.Tensor):
         return handler(func, args, kwargs)
 
 
-def from_components(descriptor: Mapping[str, Any], components: Mapping[str, torch.Tensor]) -> QuantizedTensor:
+def from_components(descriptor: Any, components: Mapping[str, torch.Tensor]) -> QuantizedTensor:
     """Rebuild a QuantizedTensor from ``qt.descriptor()`` and ``qt.components()`` (no copy).
+
+    ``descriptor`` is the JSON dict (``qt.descriptor()``, a record's descriptor) or the typed
+    :class:`ckptq.contract.Descriptor` a checkpoint view's entries carry.
 
     Raises:
         CheckpointFormatError: unknown version, malformed descriptor, or components that do not
             match the declared layout.
         UnsupportedFormatError: unknown format name.
     """
-    try:
-        version = int(descriptor["version"])
-        fmt = descriptor["format"]
-        shape = tuple(int(s) for s in descriptor["shape"])
-        dtype = str_to_dtype(descriptor["dtype"])
-        recipe_json = descriptor.get("recipe", {})
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointFormatError(f"malformed ckptq descriptor {dict(descriptor)!r}: {e}") from e
+    if not isinstance(descriptor, Mapping):  # the typed form: fields already converted
+        version, fmt, shape = descriptor.version, descriptor.format, descriptor.shape
+        dtype, recipe_json = descriptor.dtype, descriptor.recipe
+    else:
+        try:
+            version = int(descriptor["version"])
+            fmt = descriptor["format"]
+            shape = tuple(int(s) for s in descriptor["shape"])
+            dtype = str_to_dtype(descriptor["dtype"])
+            recipe_json = descriptor.get("recipe", {})
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFormatError(f"malformed ckptq descriptor {dict(descriptor)!r}: {e}") from e
     if version > DESCRIPTOR_VERSION:
         raise CheckpointFormatError(
             f"ckptq descriptor version {version} is newer than this ckptq understands "

@@ -63,7 +63,7 @@ _PEEK = 1 << 16
 
 
 @dataclasses.dataclass
-class _Expect:
+class _ShardExpectation:
     """What every shard record of one foreign tensor must agree on."""
 
     fqn: str
@@ -87,7 +87,7 @@ class ForeignLocation:
     length: int
     component: str | None
     box: chunks.Box
-    expect: _Expect
+    expect: _ShardExpectation
     transform_descriptors: Any = None
 
 
@@ -212,7 +212,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
         try:
             qt0, producer = adapter.to_canonical(payload, fqn)
         except CkptqError as e:  # not storable canonically: its reads raise this
-            expect = _Expect(fqn, None, None, {}, problem=str(e))
+            expect = _ShardExpectation(fqn, None, None, {}, problem=str(e))
             sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
             for box, inf in zip(boxes, infos, strict=False):
                 new_storage[MetadataIndex(fqn, torch.Size(box[0]))] = ForeignLocation(
@@ -226,7 +226,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                 f"tensor of dtype {qt0.dtype}; the metadata and data disagree: restore them or re-save"
             )
         specs = type(qt0).component_specs(shape, qt0.recipe)
-        expect = _Expect(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
+        expect = _ShardExpectation(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
         try:
             for box in boxes:
                 chunks.check_aligned(specs, shape, box, fqn=fqn, fmt=qt0.FORMAT)

@@ -1,9 +1,10 @@
-"""Records laid out before anything is written, and the thread that writes them.
+"""The file map of an output (every record's file and offset, fixed before anything is written),
+and the thread that writes the records.
 
 An offline writer of a whole checkpoint (``ckptq reshard`` / ``convert``) knows every record of its
-output from dtypes and shapes alone, so it places each one first (:class:`LaidRecord`: target
+output from dtypes and shapes alone, so it gives each one its slot first (:class:`RecordSlot`: target
 rank's file, byte offset, length of the ``torch.save`` framing plus payload) and then writes them
-at their places in any order, from any process: :func:`place_records` puts each group of records
+in their slots in any order, from any process: :func:`assign_offsets` puts each group of records
 (e.g. one tensor's) in a file at a multiple of :data:`RECORD_ALIGN` after the group before it, so
 groups written by different processes never share a page. :class:`WriterThread` runs a
 :class:`~ckptq.io.writer.CheckpointDirWriter`'s appends on a background thread over two reusable
@@ -24,7 +25,7 @@ from ..errors import CkptqError
 from .records import tensor_record
 from .writer import CheckpointDirWriter, encode_chunk
 
-__all__ = ["RECORD_ALIGN", "LaidRecord", "place_records", "WriterThread"]
+__all__ = ["RECORD_ALIGN", "RecordSlot", "assign_offsets", "WriterThread"]
 
 #: Each group's records in a target file start at a multiple of this (DCP records may have gaps
 #: between them): records of different groups, which different processes may write, never share a page.
@@ -32,14 +33,14 @@ RECORD_ALIGN = 4096
 
 
 @dataclasses.dataclass
-class LaidRecord:
-    """One record of the output, laid out before anything is written: chunk ``box`` of entry
+class RecordSlot:
+    """The slot of one record of the output, fixed before anything is written: chunk ``box`` of entry
     ``key`` (global ``size``; ``part``: the component of a quantized tensor, else None) in target
     rank ``rank``'s file at byte ``at``, ``length`` bytes (the ``torch.save`` framing included;
     a bytes entry, ``dtype`` None: its verbatim record). ``piece``: the box of the logical tensor
     the chunk is cut from (a plain tensor's: ``box`` itself).
 
-    Make them with :meth:`tensor` / :meth:`raw` (they know ``length``); :func:`place_records` sets ``at``.
+    Make them with :meth:`tensor` / :meth:`raw` (they know ``length``); :func:`assign_offsets` sets ``at``.
     """
 
     rank: int
@@ -55,12 +56,12 @@ class LaidRecord:
     @classmethod
     def tensor(
         cls, rank: int, key: str, part: str | None, size: tuple, box: chunks.Box, dtype: torch.dtype, piece: chunks.Box
-    ) -> LaidRecord:
+    ) -> RecordSlot:
         """A tensor chunk's record (``torch.save`` framing of ``dtype`` and the box's shape + payload)."""
         return cls(rank, key, part, size, box, dtype, piece, length=tensor_record(dtype, tuple(box[1])).length)
 
     @classmethod
-    def raw(cls, rank: int, key: str, length: int) -> LaidRecord:
+    def raw(cls, rank: int, key: str, length: int) -> RecordSlot:
         """A verbatim non-tensor record of ``length`` bytes."""
         return cls(rank, key, None, (), ((), ()), None, length=length)
 
@@ -70,7 +71,7 @@ class LaidRecord:
         return 0 if self.dtype is None else math.prod(self.box[1]) * self.dtype.itemsize
 
 
-def place_records(groups: list[list[LaidRecord]]) -> None:
+def assign_offsets(groups: list[list[RecordSlot]]) -> None:
     """Set every record's ``at``: group after group in list order, a group's records in one file
     contiguous (in list order) and starting at a multiple of :data:`RECORD_ALIGN`. The same on
     every process, so the files are the same bytes however the groups are split over processes."""
@@ -144,7 +145,7 @@ class WriterThread:
 
     def add_chunk(
         self,
-        o: LaidRecord,
+        o: RecordSlot,
         tensor: torch.Tensor,
         *,
         reused: bool = False,
@@ -155,10 +156,10 @@ class WriterThread:
         :meth:`buffer`, which goes back to the pool once written; ``encode``: hash it on this thread
         first (balancing the reading and writing threads), else on the writer thread; ``known``:
         its checksums (:func:`~ckptq.io.writer.encode_chunk`)."""
-        if tuple(tensor.shape) != tuple(o.box[1]) or tensor.dtype != o.dtype:  # the layout predicted it
+        if tuple(tensor.shape) != tuple(o.box[1]) or tensor.dtype != o.dtype:  # the slot predicted it
             raise CkptqError(
                 f"internal error: '{o.key}' chunk {tuple(o.box[0])} is {tensor.dtype} "
-                f"{tuple(tensor.shape)}, laid out as {o.dtype} {tuple(o.box[1])}; please report it"
+                f"{tuple(tensor.shape)}, its slot holds {o.dtype} {tuple(o.box[1])}; please report it"
             )
         buf = self._pending if reused else None
         chunk = encode_chunk(tensor, known=known) if encode else None
@@ -175,11 +176,11 @@ class WriterThread:
 
         self._submit(run, buf)
 
-    def add_bytes(self, o: LaidRecord, record: bytes, transforms: Any) -> None:
+    def add_bytes(self, o: RecordSlot, record: bytes, transforms: Any) -> None:
         """Queue ``record`` (a verbatim non-tensor record, with its transform descriptors) as record ``o``."""
         self._submit(lambda: self.writer.add_bytes(o.rank, o.key, record, transforms, at=o.at))
 
-    def add_copy(self, o: LaidRecord, src_fd: int, src_offset: int, checksum: int, crc32: int) -> None:
+    def add_copy(self, o: RecordSlot, src_fd: int, src_offset: int, checksum: int, crc32: int) -> None:
         """Queue :meth:`CheckpointDirWriter.add_copy` of record ``o`` (a chunk copied file to file)."""
         self._submit(
             lambda: self.writer.add_copy(

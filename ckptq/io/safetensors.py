@@ -24,7 +24,7 @@ import torch
 
 from ..adapters import hf
 from ..checksums import check, checksum, read_safetensors_table
-from ..contract import Entry, EntryTable
+from ..contract import Descriptor, Entry, EntryTable
 from ..errors import CheckpointFormatError
 from ..formats import from_components
 from ..formats.base import QuantizedTensor, str_to_dtype
@@ -190,7 +190,7 @@ class SafetensorsView(EntryTable):
                 )
             fqn = hf.rename(f"{module}.weight", self._rules, inverse=True)
             keys = {t.component: group[t.suffix] for t in fm.tensors}
-            desc = hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer)
+            desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer))
             self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
             self._quant[fqn] = (fm, group)
         for name in rest:

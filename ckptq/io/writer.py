@@ -154,7 +154,7 @@ class CheckpointDirWriter:
     record of ``.metadata``, which it writes last. ``path`` should be a new, empty directory.
 
     Several processes may write the files of one checkpoint into one directory: each its own
-    ranks' files, or records of any file at byte positions laid out in advance (the ``at`` of the
+    ranks' files, or records of any file at byte offsets fixed in advance (the ``at`` of the
     ``add_*`` methods; ranges that do not overlap). Each calls :meth:`close_local` and sends what
     it returns to one process, which passes them to :meth:`merge_local` and then calls :meth:`finish`.
 
@@ -232,7 +232,7 @@ class CheckpointDirWriter:
     ) -> None:
         """Append ``tensor`` (any layout; CPU or not) as the chunk at ``offsets`` of entry ``key``
         (global ``global_size``), with its checksum; with ``at``, write its record at that byte of
-        the file instead (records laid out in advance). ``tensor`` is not referenced after this returns."""
+        the file instead (record offsets fixed in advance). ``tensor`` is not referenced after this returns."""
         self.add_encoded(rank, key, global_size, offsets, encode_chunk(tensor), at=at)
 
     def add_encoded(

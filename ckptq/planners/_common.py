@@ -12,14 +12,14 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..chunks import Box
-from ..layout import dtensor_box
+from ..placement import dtensor_box
 
 __all__ = ["local_box", "local_tensor", "mode_for"]
 
 
 def local_box(obj: torch.Tensor, fqn: str | None = None) -> Box:
     """The logical box this process holds of ``obj``: a DTensor's shard (the box DCP stores; raises
-    ShardingError when the shard is not one contiguous box, see :func:`ckptq.layout.shard_box`),
+    ShardingError when the shard is not one contiguous box, see :func:`ckptq.placement.shard_box`),
     or the whole of a plain tensor."""
     if isinstance(obj, DTensor):
         return dtensor_box(obj, fqn=fqn)

@@ -29,7 +29,7 @@ from ..checksums import check, checksum_key
 from ..contract import Entry, fold_entries, read_checksums
 from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
-from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
+from ..formats.base import QuantizedTensor, slice_box
 from ..metrics import sqnr_db
 from ._common import local_box, local_tensor
 
@@ -134,7 +134,7 @@ class _Decode(_Route):
         self.native = e is not None and e.kind == "quantized"
         if self.native:
             self.src_cls = format_class(e.format)
-            self.src_recipe = self.src_cls._recipe_from_json(e.descriptor.get("recipe", {}))
+            self.src_recipe = self.src_cls._recipe_from_json(e.descriptor.recipe)
             src_specs = self.src_cls.component_specs(t.global_shape, self.src_recipe)
             align = [math.lcm(a, b) for a, b in zip(align, chunks.alignment(src_specs, ndim), strict=False)]
         full = ((0,) * ndim, t.global_shape)
@@ -168,7 +168,7 @@ class _Decode(_Route):
             return self.buffers["values"].get()
         comps = {k: b.get() for k, b in self.buffers.items()}
         return self.src_cls.from_components(
-            comps, self.region[1], str_to_dtype(self.entry.descriptor["dtype"]), self.src_recipe, fqn=self.t.fqn
+            comps, self.region[1], self.entry.descriptor.dtype, self.src_recipe, fqn=self.t.fqn
         )
 
     def values(self, src: Any) -> torch.Tensor:
@@ -275,7 +275,7 @@ class _Grouped(_Route):
                     e is None
                     or e.kind != "quantized"
                     or e.format != cls.FORMAT
-                    or cls._recipe_from_json(e.descriptor.get("recipe", {})) != t.qt.recipe
+                    or cls._recipe_from_json(e.descriptor.recipe) != t.qt.recipe
                 ):
                     raise UnsupportedFormatError(
                         f"tensor '{fqn}': grouped source '{src_fqn}' is not a native {cls.FORMAT} "
@@ -511,7 +511,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             if (
                 t.qt is not None
                 and type(t.qt) is src_cls
-                and t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.get("recipe", {}))
+                and t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.recipe)
             ):
                 if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
                     return _Raw(self, t, entry)

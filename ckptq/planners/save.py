@@ -40,7 +40,7 @@ _SCALARS_KEY = "__ckptq_scalars__"
 
 
 @dataclasses.dataclass
-class _Entry:
+class _SavedTensor:
     fqn: str
     qt: QuantizedTensor | None  # the local quantized tensor, canonical (None: see ``values``)
     global_shape: tuple[int, ...]
@@ -116,7 +116,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self.dtype = dtype
         self.quantize = dict(quantize or {})
         validate_rules(self.quantize)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _SavedTensor] = {}
         self._objects: dict[str, Any] = {}
 
     # ---------------------------------------------------------------- planning (every rank)
@@ -134,7 +134,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue  # this rank is not in the tensor's mesh
             local, adapter = found
-            entry = _Entry(
+            entry = _SavedTensor(
                 fqn,
                 local if adapter is None else None,
                 tuple(obj.shape),
@@ -155,7 +155,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 self._add_component_mappings(entry)
         self.state_dict = rest
 
-    def _add_component_mappings(self, entry: _Entry) -> None:
+    def _add_component_mappings(self, entry: _SavedTensor) -> None:
         path = self.mappings.pop(entry.fqn, None) if self.mappings else None
         for spec in entry.qt.specs:
             cfqn = component_fqn(entry.fqn, spec.name)
@@ -182,12 +182,12 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 items.append(self._item(entry.fqn, entry.box, entry.global_shape, self.dtype, entry.sharded))
                 self._objects[entry.fqn] = entry
         planner_data = dict(plan.planner_data or {})
-        planner_data[CKPTQ_KEY] = descriptors
+        planner_data[CKPTQ_KEY] = {fqn: desc.as_dict() for fqn, desc in descriptors.items()}  # builtins on the wire
         planner_data[_SCALARS_KEY] = scalars
         self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
         return self.plan
 
-    def _native_items(self, entry: _Entry, scalars: dict) -> list[WriteItem]:
+    def _native_items(self, entry: _SavedTensor, scalars: dict) -> list[WriteItem]:
         qt, items = entry.qt, []
         if tuple(qt.shape) != tuple(entry.box[1]):
             raise CheckpointFormatError(
@@ -235,7 +235,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         obj = self._objects.get(index.fqn)
         if obj is None:
             return super().lookup_object(index)
-        if isinstance(obj, _Entry):  # high precision: dequantize this shard now, not earlier
+        if isinstance(obj, _SavedTensor):  # high precision: dequantize this shard now, not earlier
             return obj.values(self.dtype)
         return obj
 

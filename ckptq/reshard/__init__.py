@@ -11,7 +11,7 @@ memory is about one source tensor plus its transformed copy plus one chunk, what
 size. Output goes to a temporary sibling directory renamed into place when complete.
 
 Modules: :mod:`.options` (:class:`ReshardOptions`, :func:`reshard_checkpoint`), :mod:`.plan`,
-:mod:`.transform`, :mod:`.run`; the record layout and writer thread are :mod:`ckptq.io.pipeline`,
+:mod:`.transform`, :mod:`.run`; the file map and writer thread are :mod:`ckptq.io.pipeline`,
 the process-group protocol :mod:`ckptq.distributed`.
 """
 

@@ -18,8 +18,8 @@ from .. import parse
 from ..checkpoint import open_checkpoint
 from ..contract import MODES, NATIVE
 from ..errors import UsageError
-from ..layout import LayoutPlan, MeshSpec
 from ..parse import HP_DTYPES
+from ..placement import MeshSpec, PlacementRules
 from .plan import GROUPED, MISALIGNED, plan_reshard
 from .run import run_reshard
 
@@ -38,9 +38,10 @@ class ReshardOptions:
     """What ``ckptq reshard`` and ``ckptq convert`` take (the CLI builds one from its flags).
 
     Attributes:
-        mesh: target mesh, ``"dp_shard=4,tp=2"``, ``"8"`` or a :class:`~ckptq.layout.MeshSpec`.
-        plan: a preset (``replicate``, ``fsdp2``, ``fsdp2-tp``), a JSON/YAML file of FQN glob ->
-            placements, or a :class:`~ckptq.layout.LayoutPlan`; ``rules``: fsdp2-tp ``GLOB=col|row`` strings.
+        mesh: target mesh, ``"dp_shard=4,tp=2"``, ``"8"`` or a :class:`~ckptq.placement.MeshSpec`.
+        plan: the placement rules (the CLI's ``--plan``): a preset (``replicate``, ``fsdp2``,
+            ``fsdp2-tp``), a JSON/YAML file of FQN glob -> placements, or a
+            :class:`~ckptq.placement.PlacementRules`; ``rules``: fsdp2-tp ``GLOB=col|row`` strings.
         allow_unmatched: a rule glob that matches no tensor of the source is listed in the summary's
             ``unmatched_rules`` instead of raising :class:`~ckptq.errors.UsageError`.
         mode: ``None`` (keep), ``"native"`` or ``"high-precision"`` for every quantized tensor.
@@ -63,7 +64,7 @@ class ReshardOptions:
     """
 
     mesh: str | MeshSpec = "1"
-    plan: str | LayoutPlan = "fsdp2"
+    plan: str | PlacementRules = "fsdp2"
     rules: Sequence[str] = ()
     allow_unmatched: bool = False
     mode: str | None = None
@@ -142,10 +143,10 @@ def reshard_checkpoint(
     o = dataclasses.replace(options, **fields) if options is not None else ReshardOptions(**fields)
     planning = o.planning()
     mesh = parse.parse_mesh(o.mesh)
-    layout = parse.parse_plan(mesh, o.plan, o.rules)
+    placement_rules = parse.parse_placement_rules(mesh, o.plan, o.rules)
     view = open_checkpoint(src)
-    unmatched = parse.check_rules(layout, [e.fqn for e in view.entries()], allow_unmatched=o.allow_unmatched)
-    plan = plan_reshard(view, mesh, layout, **planning)
+    unmatched = parse.check_rules(placement_rules, [e.fqn for e in view.entries()], allow_unmatched=o.allow_unmatched)
+    plan = plan_reshard(view, mesh, placement_rules, **planning)
     summary = {**plan.summary(), "unmatched_rules": unmatched}
     if o.dry_run:
         return {"plan": summary}

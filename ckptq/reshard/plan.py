@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -25,9 +26,9 @@ from ..checkpoint import CheckpointView
 from ..contract import HIGH_PRECISION, MODES, NATIVE, Entry
 from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import FORMATS, format_class
-from ..formats.base import dtype_to_str, str_to_dtype
-from ..layout import LayoutPlan, MeshSpec, format_placements, rank_boxes
+from ..formats.base import dtype_to_str
 from ..parse import HP_DTYPES
+from ..placement import MeshSpec, PlacementRules, format_placements, rank_boxes
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
 
@@ -39,7 +40,7 @@ GROUPED = ("stack", "split")
 
 @dataclasses.dataclass
 class TensorJob:
-    """How one output entry is produced and laid out."""
+    """How one output entry is produced and where its chunks go (placements, owner ranks)."""
 
     fqn: str  # output logical name
     sources: list[Entry]  # one, or the members of a grouped stack
@@ -111,6 +112,11 @@ class ReshardPlan:
 _MEMBER_RE = re.compile(r"^(?P<stem>.*?)(?P<idx>\d+)$")
 
 
+def _recipe_of(e: Entry) -> Mapping | None:
+    """The JSON recipe of a quantized or high-precision entry (None for a plain one)."""
+    return e.descriptor.recipe if e.descriptor is not None else None
+
+
 def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
     found: dict[str, dict[int, Entry]] = {}
     for e in view.entries():
@@ -127,7 +133,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
         first = ms[0]
         for e in ms[1:]:
             if (e.kind, e.shape, e.dtype) != (first.kind, first.shape, first.dtype) or (
-                (e.descriptor or {}).get("recipe") != (first.descriptor or {}).get("recipe") or e.format != first.format
+                _recipe_of(e) != _recipe_of(first) or e.format != first.format
             ):
                 raise CheckpointFormatError(
                     f"grouped stack '{stem}': member '{e.fqn}' ({e.format or e.dtype}, {e.shape}) differs "
@@ -141,7 +147,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
 def plan_reshard(
     view: CheckpointView,
     mesh: MeshSpec,
-    layout: LayoutPlan,
+    placement_rules: PlacementRules,
     *,
     mode: str | None = None,
     hp_dtype: torch.dtype = torch.bfloat16,
@@ -151,7 +157,7 @@ def plan_reshard(
     grouped_glob: str = "*weight",
     misaligned: str = "error",
 ) -> ReshardPlan:
-    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``layout`` (reads metadata only).
+    """Plan a reshard/convert of ``view`` onto ``mesh`` with ``placement_rules`` (reads metadata only).
 
     Args:
         mode: ``None`` keeps each tensor's mode; ``"native"`` re-encodes high-precision entries of
@@ -193,7 +199,7 @@ def plan_reshard(
     units.sort(key=lambda u: u[0])
 
     jobs = [
-        _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned)
+        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned)
         for fqn, sources, member in units
     ]
     if grouped == "stack" and not stacked:
@@ -201,7 +207,7 @@ def plan_reshard(
     return ReshardPlan(view.path, mesh, jobs)
 
 
-def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
     src = sources[0]
     if src.kind == "bytes":
         return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
@@ -213,21 +219,21 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
     desc = src.descriptor
     out, fmt, recipe, dtype = "tensor", None, None, src.dtype
     if src.kind == "quantized":
-        out, fmt, recipe = "quantized", desc["format"], desc.get("recipe", {})
+        out, fmt, recipe = "quantized", desc.format, dict(desc.recipe)
     elif desc is not None and mode == NATIVE:  # high-precision entry of a quantized tensor
-        out, fmt, recipe, dtype = "quantized", desc["format"], desc.get("recipe", {}), str_to_dtype(desc["dtype"])
+        out, fmt, recipe, dtype = "quantized", desc.format, dict(desc.recipe), desc.dtype
     if to is not None and desc is not None:
         if to in FORMATS:
             out, fmt, recipe = "quantized", to, dict(to_recipe or {})
-            dtype = str_to_dtype(desc["dtype"])
+            dtype = desc.dtype
         else:
             out, fmt, recipe, dtype = "tensor", None, None, HP_DTYPES[to]
     if out == "quantized" and mode == HIGH_PRECISION:
         out, fmt, recipe, dtype = "tensor", None, None, hp_dtype
-    foreign_note = desc.get("note") if desc is not None and src.kind == "tensor" and out == "quantized" else None
+    foreign_note = desc.note if desc is not None and src.kind == "tensor" and out == "quantized" else None
     if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
         out, fmt, recipe, dtype = "tensor", None, None, src.dtype
-    placements = layout.placements(fqn, len(shape))
+    placements = placement_rules.placements(fqn, len(shape))
     boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
     owners, seen = [], set()
     for r, b in enumerate(boxes):
@@ -239,7 +245,7 @@ def _plan_job(fqn, sources, member, mesh, layout, mode, hp_dtype, to, to_recipe,
     job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
     if foreign_note:
         if misaligned == "error":
-            job.problem = f"tensor '{fqn}' ({desc['format']}): {foreign_note}"
+            job.problem = f"tensor '{fqn}' ({desc.format}): {foreign_note}"
         else:
             job.note = f"kept in high precision ({dtype_to_str(dtype)}): {foreign_note}"
     if out == "quantized":

@@ -1,6 +1,6 @@
-"""Executing a :class:`~ckptq.reshard.plan.ReshardPlan`: every job's records laid out, then written.
+"""Executing a :class:`~ckptq.reshard.plan.ReshardPlan`: the file map of every job's records, then the writing.
 
-Each job's records are laid out first (:mod:`ckptq.io.pipeline`: target file, byte offset and
+Each job's records get their slots first (:mod:`ckptq.io.pipeline`: target file, byte offset and
 length from dtypes and shapes alone), and each job is decided once as copied (its bytes are the
 source's: target boxes read by byte range, or whole saved chunks copied file to file) or computed
 (:func:`ckptq.reshard.transform.materialize`, then cut into its records). Records go through a
@@ -26,6 +26,7 @@ from .. import chunks
 from ..checkpoint import CheckpointView
 from ..contract import (
     CKPTQ_KEY,
+    Descriptor,
     component_fqn,
     component_path,
     emit_components,
@@ -36,8 +37,8 @@ from ..contract import (
 from ..distributed import Group, prepare_write_commit
 from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
-from ..formats.base import QuantizedTensor, slice_box, str_to_dtype
-from ..io.pipeline import LaidRecord, WriterThread, place_records
+from ..formats.base import QuantizedTensor, slice_box
+from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
 from . import transform
 from .plan import ReshardPlan, TensorJob
@@ -72,7 +73,7 @@ def run_reshard(
             tqdm bar on stderr (bytes and bytes/s; rank 0's share when distributed).
         distributed: split the work over the processes of the default ``torch.distributed`` process
             group (initialized from torchrun's environment with gloo if it is not yet): every
-            record's file and offset is laid out first, the same on every process; each process
+            record's file and offset is fixed first (the file map), the same on every process; each process
             computes and writes the tensors :func:`ckptq.distributed.assign` gives it (balanced by
             estimated work, so a requantized tensor is computed once) at their places in the
             target files of one staging directory; rank 0 writes ``.metadata`` and renames it into
@@ -133,7 +134,7 @@ class _RunState:
         self.transform_s += other.transform_s
         self.whole_read_s += other.whole_read_s
 
-    def add_output(self, view, job: TensorJob, desc: dict | None) -> None:
+    def add_output(self, view, job: TensorJob, desc: Descriptor | None) -> None:
         """Record job's descriptor (None: a plain tensor or bytes entry) and its flatten mappings
         (a quantized output's per component: :func:`~ckptq.contract.component_path`)."""
         if desc is not None:
@@ -142,7 +143,7 @@ class _RunState:
         if base is None:
             return
         if job.out == "quantized":
-            for name in desc["components"]:
+            for name in desc.components:
                 self.mappings[component_fqn(job.fqn, name)] = component_path(base, name)
         else:
             self.mappings[job.fqn] = base
@@ -175,12 +176,12 @@ class _Run:
         view, plan, group = self.view, self.plan, self.group
         self.writer = CheckpointDirWriter(tmp)
         try:
-            layout = _layout(view, plan)
+            file_map = _file_map(view, plan)
             copies = [_copy_source(view, job) for job in plan.jobs]
-            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(layout, copies))
-            total = sum(o.nbytes for i in mine for o in layout[i])
+            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(file_map, copies))
+            total = sum(o.nbytes for i in mine for o in file_map[i])
             with _progress(self.progress, total, show=group is None or group.rank == 0) as update:
-                _execute(view, plan, layout, copies, mine, self.writer, self.state, update)
+                _execute(view, plan, file_map, copies, mine, self.writer, self.state, update)
             return self.writer.close_local(), self.state
         finally:
             if hasattr(view, "close"):
@@ -222,20 +223,20 @@ def _progress(progress: bool | Callable[[int], None] | None, total: int, *, show
         yield bar.update
 
 
-# ------------------------------------------------------------------------------ layout
-def _job_records(view, job: TensorJob) -> list[LaidRecord]:
+# ------------------------------------------------------------------------------ file map
+def _job_records(view, job: TensorJob) -> list[RecordSlot]:
     """The records ``job`` writes, in the order it writes them: per owner box, per component; a
     component chunk that several boxes hold (a per-tensor scalar) goes to the first; empty
     component chunks are not written. The one place these are decided: :func:`_write_job` writes
     exactly these."""
     if job.out == "bytes":  # small records (step counters, TE extra state): read for their length, not kept
         record, _ = view.read_raw_bytes(job.sources[0].fqn)
-        return [LaidRecord.raw(0, job.fqn, len(record))]
+        return [RecordSlot.raw(0, job.fqn, len(record))]
     if job.out != "quantized":
-        return [LaidRecord.tensor(rank, job.fqn, None, job.shape, box, job.out_dtype, box) for rank, box in job.owners]
+        return [RecordSlot.tensor(rank, job.fqn, None, job.shape, box, job.out_dtype, box) for rank, box in job.owners]
     cls = format_class(job.out_format)
     specs = cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe))
-    outs: list[LaidRecord] = []
+    outs: list[RecordSlot] = []
     seen: set = set()
     for rank, box in job.owners:
         for spec in specs:
@@ -244,26 +245,26 @@ def _job_records(view, job: TensorJob) -> list[LaidRecord]:
             if (key, cbox[0]) in seen or math.prod(cbox[1]) == 0:
                 continue
             seen.add((key, cbox[0]))
-            outs.append(LaidRecord.tensor(rank, key, spec.name, spec.shape(job.shape), cbox, spec.dtype, box))
+            outs.append(RecordSlot.tensor(rank, key, spec.name, spec.shape(job.shape), cbox, spec.dtype, box))
     return outs
 
 
-def _layout(view, plan: ReshardPlan) -> list[list[LaidRecord]]:
-    """Every job's records with their place in the target files (:func:`~ckptq.io.pipeline.place_records`,
-    job after job in plan order); jobs with a problem have none."""
-    layout = [_job_records(view, job) if not job.problem else [] for job in plan.jobs]
-    place_records(layout)
-    return layout
+def _file_map(view, plan: ReshardPlan) -> list[list[RecordSlot]]:
+    """The file map: every job's records with their slots in the target files
+    (:func:`~ckptq.io.pipeline.assign_offsets`, job after job in plan order); jobs with a problem have none."""
+    file_map = [_job_records(view, job) if not job.problem else [] for job in plan.jobs]
+    assign_offsets(file_map)
+    return file_map
 
 
-def _job_costs(layout: list[list[LaidRecord]], copies: list[bool]) -> dict[int, int]:
+def _job_costs(file_map: list[list[RecordSlot]], copies: list[bool]) -> dict[int, int]:
     """Estimated work of each job for splitting jobs over processes: its payload bytes, times 4
     for a job whose bytes are transformed (``copies[i]`` False: read whole, re-encoded, SQNR: the
     convert benchmark in docs/benchmarks.md spends about 4x the copy's time per byte there); bytes
     entries count 1."""
     return {
         i: max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
-        for i, (outs, copy) in enumerate(zip(layout, copies, strict=False))
+        for i, (outs, copy) in enumerate(zip(file_map, copies, strict=False))
     }
 
 
@@ -284,54 +285,50 @@ def _copy_source(view, job: TensorJob) -> bool:
         if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
             return False
         cls = format_class(job.out_format)
-        if cls._recipe_from_json(src.descriptor.get("recipe", {})) != cls._recipe_from_json(job.out_recipe):
+        if cls._recipe_from_json(src.descriptor.recipe) != cls._recipe_from_json(job.out_recipe):
             return False
     elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
         return False
     return all(view.saved_chunks(key) is not None for key in src.keys.values())
 
 
-def _src_key(job: TensorJob, o: LaidRecord) -> str:
+def _src_key(job: TensorJob, o: RecordSlot) -> str:
     """The source entry a copied record's bytes come from."""
     src = job.sources[0]
     return src.keys[o.part] if o.part is not None else src.fqn
 
 
-def _copy_descriptor(job: TensorJob) -> dict | None:
+def _copy_descriptor(job: TensorJob) -> Descriptor | None:
     """The descriptor of a job copied by byte range (that of :func:`_write_job` for the same bytes)."""
     src = job.sources[0]
     if job.out == "tensor":
         return (
             high_precision_descriptor(src.descriptor, job.out_dtype, job.shape) if src.descriptor is not None else None
         )
-    desc = dict(src.descriptor, shape=list(job.shape))
+    desc = dataclasses.replace(src.descriptor, shape=job.shape)
     probe = from_components(
-        desc,
-        {
-            name: torch.empty(c["shape"], dtype=str_to_dtype(c["dtype"]), device="meta")
-            for name, c in desc["components"].items()
-        },
+        desc, {name: torch.empty(c.shape, dtype=c.dtype, device="meta") for name, c in desc.components.items()}
     )  # no data: for the descriptor
-    return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.get("producer"))
+    return native_descriptor(probe, job.fqn, job.shape, producer=src.descriptor.producer)
 
 
 # ------------------------------------------------------------------------------ writing
 def _execute(
     view,
     plan: ReshardPlan,
-    layout: list[list[LaidRecord]],
+    file_map: list[list[RecordSlot]],
     copies: list[bool],
     mine: set,
     writer: CheckpointDirWriter,
     state: _RunState,
     progress: Callable[[int], None] | None,
 ) -> None:
-    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) at their places in ``layout``;
+    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) in their slots in ``file_map``;
     ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`)."""
     work = []
     biggest = 0
     for i in sorted(mine):
-        job, outs, copy = plan.jobs[i], layout[i], copies[i]
+        job, outs, copy = plan.jobs[i], file_map[i], copies[i]
         if copy:
             biggest = max([biggest] + [o.nbytes for o in outs if view.whole_chunk(_src_key(job, o), o.box) is None])
         work.append((job, outs, copy))
@@ -355,8 +352,8 @@ def _execute(
             state.add_output(view, job, _copy_descriptor(job))
 
 
-def _write_job(view, job: TensorJob, outs: list[LaidRecord], pipe: WriterThread, state: _RunState, progress) -> None:
-    """Read, transform and cut one job whose bytes change into its laid-out records ``outs``."""
+def _write_job(view, job: TensorJob, outs: list[RecordSlot], pipe: WriterThread, state: _RunState, progress) -> None:
+    """Read, transform and cut one job whose bytes change into its record slots ``outs``."""
     src = job.sources[0]
     if job.out == "bytes":
         record, transforms = view.read_raw_bytes(src.fqn)
@@ -373,23 +370,23 @@ def _write_job(view, job: TensorJob, outs: list[LaidRecord], pipe: WriterThread,
         state.requantized[job.fqn] = sqnr
     if isinstance(out, QuantizedTensor):
         kept = sqnr is None and src.descriptor is not None  # the source's bytes: its producer record stays
-        desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.get("producer") if kept else None)
+        desc = native_descriptor(out, job.fqn, out.shape, producer=src.descriptor.producer if kept else None)
         for box, records in _by_piece(outs):
             pieces = {c.name: c for c in emit_components(slice_box(out, box, fqn=job.fqn), job.fqn, out.shape, box)}
             for o in records:
                 c = pieces[o.part]
-                _write_laid(pipe, o, c.key, c.box[0], c.tensor, progress)
+                _write_slot(pipe, o, c.key, c.box[0], c.tensor, progress)
     else:
         for o in outs:
-            _write_laid(pipe, o, job.fqn, o.piece[0], chunks.narrow_box(out, o.piece), progress)
+            _write_slot(pipe, o, job.fqn, o.piece[0], chunks.narrow_box(out, o.piece), progress)
         # a high-precision entry of a quantized tensor keeps its record
         desc = high_precision_descriptor(src.descriptor, out.dtype, out.shape) if src.descriptor is not None else None
     state.add_output(view, job, desc)
 
 
-def _by_piece(outs: list[LaidRecord]) -> list[tuple[chunks.Box, list[LaidRecord]]]:
+def _by_piece(outs: list[RecordSlot]) -> list[tuple[chunks.Box, list[RecordSlot]]]:
     """``outs`` in runs of the same ``piece`` (consecutive, as :func:`_job_records` makes them)."""
-    runs: list[tuple[chunks.Box, list[LaidRecord]]] = []
+    runs: list[tuple[chunks.Box, list[RecordSlot]]] = []
     for o in outs:
         if runs and runs[-1][0] == o.piece:
             runs[-1][1].append(o)
@@ -398,13 +395,13 @@ def _by_piece(outs: list[LaidRecord]) -> list[tuple[chunks.Box, list[LaidRecord]
     return runs
 
 
-def _write_laid(
-    pipe: WriterThread, o: LaidRecord, key: str, offsets, tensor: torch.Tensor, progress: Callable[[int], None] | None
+def _write_slot(
+    pipe: WriterThread, o: RecordSlot, key: str, offsets, tensor: torch.Tensor, progress: Callable[[int], None] | None
 ) -> None:
-    """Write chunk ``tensor`` (entry ``key`` at ``offsets``) as laid-out record ``o``."""
+    """Write chunk ``tensor`` (entry ``key`` at ``offsets``) into record slot ``o``."""
     if o.key != key or tuple(o.box[0]) != tuple(offsets):
         raise CkptqError(
-            f"internal error: '{key}' chunk {tuple(offsets)} was not laid out (expected {o.key}); please report it"
+            f"internal error: '{key}' chunk {tuple(offsets)} has no slot (the slot holds {o.key}); please report it"
         )
     pipe.add_chunk(o, tensor)
     if progress:

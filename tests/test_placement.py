@@ -1,4 +1,4 @@
-"""Meshes, placements and per-rank boxes (ckptq.layout) against DTensor's own semantics."""
+"""Meshes, placements and per-rank boxes (ckptq.placement) against DTensor's own semantics."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
-from ckptq.layout import MeshSpec, format_placements, rank_boxes, shard_box
-from ckptq.parse import parse_mesh, parse_placement, parse_plan
+from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
+from ckptq.placement import MeshSpec, format_placements, rank_boxes, shard_box
 
 
 def _random_case(rng: random.Random):
@@ -32,7 +32,7 @@ def _random_case(rng: random.Random):
 
 def _dtensor_indices(n: int, d: int, mesh, coord, placements) -> torch.Tensor:
     """Indices of dim ``d`` held at ``coord``, by DTensor's own splitting code (``_split_tensor`` of
-    each placement, left to right): the ground truth, independent of ckptq.layout."""
+    each placement, left to right): the ground truth, independent of ckptq.placement."""
     idx = torch.arange(n)
     for m, c, p in zip(mesh, coord, placements, strict=False):
         if isinstance(p, (Shard, _StridedShard)) and p.dim == d:
@@ -41,7 +41,7 @@ def _dtensor_indices(n: int, d: int, mesh, coord, placements) -> torch.Tensor:
     return idx
 
 
-def test_boxes_match_dtensor_semantics_on_random_layouts():
+def test_boxes_match_dtensor_semantics_on_random_placements():
     """Every case against DTensor's own splitting: a contiguous shard gives exactly that box (and
     the box DCP's _compute_local_shape_and_global_offset stores); a non-contiguous one raises
     ShardingError (DCP's function returns a wrong box for those, e.g. uneven strided splits)."""
@@ -83,7 +83,7 @@ def test_boxes_cover_the_tensor_exactly_once():
         try:
             boxes = rank_boxes(shape, spec, placements)
         except ckptq.ShardingError:
-            continue  # non-contiguous layouts: see the test above
+            continue  # non-contiguous placements: see the test above
         seen = torch.zeros(shape, dtype=torch.int32)
         for box in set(boxes):
             region = seen
@@ -118,10 +118,10 @@ def test_mesh_and_placement_parsing():
 
 def test_presets_follow_fsdp2_and_tp_conventions():
     mesh = parse_mesh("dp_shard=2,tp=4")
-    plan = parse_plan(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row", "*.experts.w1=col"])
+    plan = parse_placement_rules(mesh, "fsdp2-tp", ["*.q_proj.weight=col", "*.o_proj.weight=row", "*.experts.w1=col"])
     fmt = lambda fqn, nd: format_placements(plan.placements(fqn, nd))  # noqa: E731
     assert fmt("l.q_proj.weight", 2) == "(SS(0,4), S(0))"  # FSDP2 over column-parallel TP
     assert fmt("l.o_proj.weight", 2) == "(S(0), S(1))"  # row-parallel
     assert fmt("l.norm.weight", 1) == "(S(0), R)"
     assert fmt("l.experts.w1", 3) == "(S(0), S(1))"  # grouped (N, out, in): column-parallel is dim 1
-    assert format_placements(parse_plan(parse_mesh("4"), "fsdp2").placements("x", 2)) == "(S(0))"
+    assert format_placements(parse_placement_rules(parse_mesh("4"), "fsdp2").placements("x", 2)) == "(S(0))"

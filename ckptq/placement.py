@@ -39,7 +39,7 @@ __all__ = [
     "shard_box",
     "dtensor_box",
     "rank_boxes",
-    "LayoutPlan",
+    "PlacementRules",
     "PRESETS",
     "TP_RULES",
     "format_placements",
@@ -185,7 +185,7 @@ def shard_box(
                 f"{format_placements(placements)} mesh coordinate {tuple(coord)} holds indices "
                 f"{shown} of dim {d}, not one contiguous box; DCP would store and load this shard "
                 f"wrongly. Put the strided placement first ((_StridedShard(d, sf), Shard(d)), "
-                f"FSDP2's order) or use another layout."
+                f"FSDP2's order) or use other placements."
             )
     return tuple(offsets), tuple(sizes)
 
@@ -253,7 +253,7 @@ def format_placements(placements: Sequence[Placement]) -> str:
     return "(" + ", ".join(out) + ")"
 
 
-class LayoutPlan:
+class PlacementRules:
     """Which placements each FQN gets on a target mesh.
 
     Presets:
@@ -265,7 +265,7 @@ class LayoutPlan:
         the same dim d = 0, else ``Shard(0)`` (FSDP2's ``_init_sharding_spec_tp``).
     ``file``: ``rules`` maps FQN globs to placement lists, first match wins (a JSON/YAML file such
     as ``{"*.q_proj.weight": ["S(0)", "S(0)"], "*": ["S(0)", "R"]}`` through
-    :func:`ckptq.parse.parse_plan`). Tensors of rank < 1 (scalars) are always replicated.
+    :func:`ckptq.parse.parse_placement_rules`). Tensors of rank < 1 (scalars) are always replicated.
 
     Raises:
         UsageError: an unknown preset, fsdp2-tp without a ``tp`` mesh dim, a rule that is not col or
@@ -278,7 +278,7 @@ class LayoutPlan:
         self.rules = dict(rules or {})
         if preset not in PRESETS + ("file",):
             raise UsageError(
-                f"layout plan '{preset}': presets are {', '.join(PRESETS)}, or 'file' with placement rules"
+                f"placement rules '{preset}': presets are {', '.join(PRESETS)}, or 'file' with placement rules"
             )
         if preset == "fsdp2-tp" and "tp" not in mesh.names:
             raise UsageError(f"fsdp2-tp needs a mesh dim named 'tp' (mesh {mesh})")
