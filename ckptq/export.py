@@ -2,7 +2,8 @@
 
 :func:`export_checkpoint` reads any source :func:`ckptq.checkpoint.open_checkpoint` opens (a ckptq /
 DCP checkpoint, a safetensors folder, ...) one tensor at a time and writes, for a layout of
-:mod:`ckptq.adapters.hf` (``modelopt``, ``compressed-tensors``, ``deepseek-fp8``):
+:mod:`ckptq.adapters.hf` (``modelopt``, ``compressed-tensors``, ``deepseek-fp8``, ``deepseek-v4``,
+``gpt-oss``):
 
 * sharded ``model-0000x-of-0000N.safetensors`` (each quantized weight's tensors in one shard) and
   ``model.safetensors.index.json``;
@@ -124,7 +125,7 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]
             and e.fqn.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
         )
         if (e.kind == "quantized" and not ignored) or quantize_plain:
-            module = name[: -len(".weight")] if name.endswith(".weight") else name
+            module = lay.module_of(name)
             target = fmt or e.format
             fm = lay.format_map(target)
             src_recipe = dict(e.descriptor.recipe) if e.kind == "quantized" else {}
@@ -267,7 +268,9 @@ def export_checkpoint(
     Args:
         src: any checkpoint :func:`ckptq.checkpoint.open_checkpoint` reads.
         dst: the output folder (new; an existing one needs ``overwrite``).
-        layout: ``"modelopt"``, ``"compressed-tensors"`` or ``"deepseek-fp8"``.
+        layout: ``"modelopt"``, ``"compressed-tensors"``, ``"deepseek-fp8"``, ``"deepseek-v4"`` (MXFP4
+            experts + E8M0-scaled 128x128 FP8) or ``"gpt-oss"`` (3-D MXFP4 experts as ``*_blocks`` /
+            ``*_scales``; the weight's name is the module parameter's, e.g. ``...experts.gate_up_proj``).
         format: requantize every quantized tensor (and every plain floating ``*.weight`` of rank >= 2
             not ignored) to this ckptq format with :func:`ckptq.requantize` first (tensors already in
             it with a recipe the layout holds are kept bit-exact); None: each quantized tensor in its

@@ -1,6 +1,6 @@
 """torchao 0.18 tensors through ckptq, checked against the real library.
 
-* live ``NVFP4Tensor`` / ``MXTensor`` (E4M3) / ``Float8Tensor`` (per-tensor, per-row, 128x128) with
+* live ``NVFP4Tensor`` / ``MXTensor`` (E4M3 and FP4) / ``Float8Tensor`` (per-tensor, per-row, 128x128) with
   swizzled and plain scales -> canonical ckptq tensors: components equal torchao's bytes (scales
   unswizzled with torchao's own ``from_blocked``), values equal torchao's ``dequantize()`` bit for bit,
   except NVFP4 with a global scale: within the stated bound (``ckptq/adapters/torchao.py``);
@@ -112,6 +112,25 @@ CASES = {
         lambda x: MXTensor.to_mx(x, torch.float8_e4m3fn, 32, is_swizzled_scales=True),
         (2, 128, 256),
         "mxfp8",
+        True,
+    ),
+    # MXFP4: FP4 elements (uint8 qdata, two codes per byte), every torchao scale mode stores E8M0 bytes
+    "mxfp4_swizzled": (
+        lambda x: MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32, is_swizzled_scales=True),
+        (200, 256),
+        "mxfp4",
+        True,
+    ),
+    "mxfp4_plain_rceil": (
+        lambda x: MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode.RCEIL),
+        (200, 96),
+        "mxfp4",
+        True,
+    ),
+    "mxfp4_3d_swizzled": (
+        lambda x: MXTensor.to_mx(x, torch.float4_e2m1fn_x2, 32, is_swizzled_scales=True),
+        (2, 128, 256),
+        "mxfp4",
         True,
     ),
     # what inference configs attach: activation kwargs (dataclasses, enums, granularities), mm_config
@@ -256,7 +275,7 @@ def test_nvfp4_scale_that_no_amax_gives_is_refused():
         _canonical(t)
 
 
-@pytest.mark.parametrize("elem", [torch.float4_e2m1fn_x2, torch.float8_e5m2], ids=["mxfp4", "mxfp8_e5m2"])
+@pytest.mark.parametrize("elem", [torch.float8_e5m2, "fp6_e2m3"], ids=["mxfp8_e5m2", "mxfp6"])
 def test_other_mx_element_types_are_refused(elem):
     t = MXTensor.to_mx(_x(shape=(64, 64)), elem, 32)
     with pytest.raises(ckptq.UnsupportedFormatError, match=r"(?s)'w'.*MXTensor.*elem_dtype"):

@@ -139,7 +139,10 @@ class HFTensor:
         component: the ckptq component it holds (``data``, ``scale``, ``scale_inv``, ``amax``).
         dtype: its on-disk dtype.
         codec: ``same`` (bytes), ``vec1`` (a () scalar stored as (..., 1)), ``rows16`` (a 16x16
-            NVFP4 scale grid repeated over rows), ``ws2`` (amax <-> amax/2688), ``gs`` (amax <-> 2688/amax).
+            NVFP4 scale grid repeated over rows), ``ws2`` (amax <-> amax/2688), ``gs`` (amax <-> 2688/amax),
+            ``view`` (the same bytes under another dtype label: DeepSeek-V4's I8 FP4 data, F8_E8M0
+            scales), ``blocks`` (packed FP4 data (..., N, K/2) stored as gpt-oss's (..., N, K/32, 16):
+            a reshape), ``e8m0`` (an fp32 power-of-two ``scale_inv`` stored as its E8M0 byte).
     """
 
     suffix: str
@@ -160,6 +163,19 @@ class FormatMap:
     requires: Mapping[str, tuple[tuple, str]] = dataclasses.field(default_factory=dict)
     #: the consumers need K (the last dim) to be a multiple of this (their group size)
     k_multiple: int = 1
+    #: between the module path and a suffix (gpt-oss: ``experts.gate_up_proj`` + ``_`` + ``blocks``)
+    separator: str = "."
+    #: the one tensor rank the layout holds (gpt-oss: 3-D experts), None: any
+    ndim: int | None = None
+    #: whether the consumer decodes an E8M0 ``scale`` byte 255 as NaN as ckptq does (else it is refused)
+    e8m0_nan: bool = True
+    #: recipe options of an imported tensor that follow from the producer (the MXFP4 scale rule it
+    #: quantizes with); they guide a later requantize only, never the decode
+    import_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def name(self, module: str, t: HFTensor) -> str:
+        """The HF name of tensor ``t`` of the weight at ``module``."""
+        return f"{module}{self.separator}{t.suffix}"
 
     @property
     def data(self) -> HFTensor:
@@ -182,6 +198,13 @@ class HFLayout:
     marker_suffixes: tuple[str, ...]
     #: ``(formats used {module: FormatMap}, ignored modules) -> {file name: json}``
     write_config: Callable[[Mapping[str, FormatMap], Sequence[str]], dict] = None  # type: ignore[assignment]
+    #: the training FQN of a weight is ``<module><weight_suffix>`` (gpt-oss: the parameter name itself)
+    weight_suffix: str = ".weight"
+
+    def module_of(self, name: str) -> str:
+        """The module path of a weight's HF name (the inverse of ``weight_suffix``)."""
+        ws = self.weight_suffix
+        return name[: -len(ws)] if ws and name.endswith(ws) else name
 
     def format_map(self, fmt: str) -> FormatMap | None:
         return next((f for f in self.formats if f.format == fmt), None)
@@ -267,6 +290,30 @@ def _deepseek_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> d
         "modules_to_not_convert": _ignore_globs(ignored),
     }
     return {"config.json": {"quantization_config": qc}}
+
+
+def _gpt_oss_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> dict:
+    # transformers 5.24 Mxfp4Config.to_dict: exactly these two keys (``dequantize`` is a load option)
+    return {
+        "config.json": {
+            "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": _ignore_globs(ignored)}
+        }
+    }
+
+
+def _deepseek_v4_config(used: Mapping[str, FormatMap], ignored: Sequence[str]) -> dict:
+    qc = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": _ignore_globs(ignored),
+    }
+    out: dict[str, Any] = {"quantization_config": qc}
+    if any(fm.format == "mxfp4" for fm in used.values()):
+        out["expert_dtype"] = "fp4"  # a top-level config key in DeepSeek-V4's config.json
+    return {"config.json": out}
 
 
 def json_key(obj: Any) -> str:
@@ -356,6 +403,27 @@ _register(
                 k_multiple=16,
             ),
             FormatMap(
+                "mxfp4",
+                (HFTensor("weight_packed", "data", U8), HFTensor("weight_scale", "scale", U8)),
+                {
+                    "format": "mxfp4-pack-quantized",
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "dynamic": False,
+                        "observer": None,
+                        "scale_dtype": "torch.uint8",
+                        "zp_dtype": "torch.uint8",
+                    },
+                },
+                k_multiple=32,
+                e8m0_nan=False,  # decompress_mx_scale: 2^(255-127) = inf in bf16, not NaN
+                import_options={"scale_rule": "even"},  # generate_mx_scales: amax rounded at 1 mantissa bit
+            ),
+            FormatMap(
                 "mxfp8",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
                 {
@@ -432,6 +500,61 @@ _register(
 )
 
 
+_register(
+    HFLayout(
+        "gpt-oss",
+        "transformers",
+        (
+            FormatMap(
+                "mxfp4",
+                (HFTensor("blocks", "data", U8, "blocks"), HFTensor("scales", "scale", U8)),
+                {"quant_method": "mxfp4"},
+                k_multiple=32,
+                separator="_",
+                ndim=3,
+                e8m0_nan=False,  # transformers' ldexp decodes byte 255 as x * 2^128, not NaN
+                import_options={"scale_rule": "rceil"},  # triton_kernels ROUND_UP (transformers' quantize path)
+            ),
+        ),
+        ("mxfp4",),
+        ("blocks", "scales"),
+        _gpt_oss_config,
+        weight_suffix="",
+    )
+)
+
+_register(
+    HFLayout(
+        "deepseek-v4",
+        "deepseek",
+        (
+            FormatMap(
+                "mxfp4",
+                (
+                    HFTensor("weight", "data", torch.int8, "view"),
+                    HFTensor("scale", "scale", torch.float8_e8m0fnu, "view"),
+                ),
+                {"expert_dtype": "fp4"},
+                k_multiple=32,
+            ),
+            FormatMap(
+                "fp8_block",
+                (HFTensor("weight", "data", E4M3), HFTensor("scale", "scale_inv", torch.float8_e8m0fnu, "e8m0")),
+                {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+                {
+                    "fp8_dtype": _FP8_E4M3,
+                    "block": (((128, 128),), "DeepSeek-V4's FP8 weights use 128x128 blocks"),
+                    "pow2": ((True,), "DeepSeek-V4 stores FP8 block scales as E8M0 bytes (powers of two)"),
+                },
+            ),
+        ),
+        ("fp8",),
+        ("scale",),
+        _deepseek_v4_config,
+    )
+)
+
+
 def layout(name: str) -> HFLayout:
     """The layout record named ``name``; raises UnsupportedFormatError naming the known ones."""
     try:
@@ -453,24 +576,25 @@ def detect_layout(
     suffixes decide. None: no quantized layout (plain safetensors).
     """
     qc = (config or {}).get("quantization_config") if isinstance(config, Mapping) else None
-    suffixes = {n.rsplit(".", 1)[-1] for n in names}
     by_config = None
     if isinstance(hf_quant, Mapping) and str((hf_quant.get("producer") or {}).get("name", "")).lower() == "modelopt":
         by_config = LAYOUTS["modelopt"]
     elif isinstance(qc, Mapping) and qc.get("quant_method") is not None:
         method = str(qc["quant_method"])
-        by_config = next((lay for lay in LAYOUTS.values() if method in lay.quant_methods), None)
+        claims = [lay for lay in LAYOUTS.values() if method in lay.quant_methods]
+        # one quant_method may name several layouts (``fp8``: DeepSeek-V3 and -V4); the markers decide
+        by_config = next((lay for lay in claims if _marked(lay, names)), claims[0] if claims else None)
         if by_config is None:
             raise UnsupportedFormatError(
                 f"{where}: config.json quantization_config quant_method '{method}' is not a layout ckptq "
                 f"reads ({', '.join(m for lay in LAYOUTS.values() for m in lay.quant_methods)}); convert it "
                 f"with its own tools, or remove quantization_config if the tensors are not quantized"
             )
-    by_names = [lay for lay in LAYOUTS.values() if suffixes & set(lay.marker_suffixes)]
+    by_names = [lay for lay in LAYOUTS.values() if _marked(lay, names)]
     if by_config is not None:
         others = [lay for lay in by_names if lay is not by_config]
-        if others and not suffixes & set(by_config.marker_suffixes) and by_config.marker_suffixes:
-            bad = sorted(n for n in names if n.rsplit(".", 1)[-1] in others[0].marker_suffixes)[:3]
+        if others and not _marked(by_config, names) and by_config.marker_suffixes:
+            bad = sorted(n for n in names if _marked(others[0], [n]))[:3]
             raise CheckpointFormatError(
                 f"{where}: config says layout '{by_config.name}' (quantization_config), but tensors "
                 f"{bad} are '{others[0].name}' tensors; fix quantization_config in config.json (or "
@@ -480,16 +604,24 @@ def detect_layout(
     return by_names[0] if len(by_names) == 1 else (None if not by_names else by_names[0])
 
 
+def _marked(lay: HFLayout, names: Sequence[str]) -> bool:
+    """Whether a tensor name ends in one of ``lay``'s marker suffixes (after its separator)."""
+    ends = tuple(f"{fm.separator}{m}" for fm in lay.formats for m in lay.marker_suffixes)
+    return any(n.endswith(ends) for n in names)
+
+
 def group_modules(names: Sequence[str], lay: HFLayout) -> tuple[dict[str, dict[str, str]], list[str]]:
     """Split tensor names into quantized-weight candidates ``{module: {suffix: name}}`` (modules that
     have one of ``lay``'s scale suffixes) and the other names."""
-    known = sorted({t.suffix for fm in lay.formats for t in fm.tensors}, key=len, reverse=True)
+    known = sorted(
+        {(fm.separator + t.suffix, t.suffix) for fm in lay.formats for t in fm.tensors}, key=lambda x: -len(x[0])
+    )
     scale_suffixes = {t.suffix for fm in lay.formats for t in fm.tensors if t.component != "data"}
     groups: dict[str, dict[str, str]] = {}
     for n in names:
-        for suf in known:
-            if n.endswith("." + suf):
-                groups.setdefault(n[: -len(suf) - 1], {})[suf] = n
+        for end, suf in known:
+            if n.endswith(end):
+                groups.setdefault(n[: -len(end)], {})[suf] = n
                 break
     quantized = {m: g for m, g in groups.items() if set(g) & scale_suffixes}
     used = {n for g in quantized.values() for n in g.values()}
@@ -524,10 +656,12 @@ def match_formats(
 
 
 def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None) -> dict:
-    """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two)."""
-    rec: dict[str, Any] = {}
+    """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two; the
+    format map's ``import_options``)."""
+    rec: dict[str, Any] = dict(fm.import_options)
     if fm.format in ("fp8_block", "fp8_tensor"):
-        s = next(stored[t.suffix] for t in fm.tensors if t.component == "scale_inv").float()
+        t = next(t for t in fm.tensors if t.component == "scale_inv")
+        s = e8m0_to_fp32(stored[t.suffix]) if t.codec == "e8m0" else stored[t.suffix].float()
         bits = s.reshape(-1).view(torch.int32)
         rec["pow2"] = bool(((bits & 0x7FFFFF) == 0).all() and (s > 0).all())
     if fm.format == "fp8_block":
@@ -546,10 +680,28 @@ def _block_of(config: Mapping | None) -> tuple[int, int]:
     return (128, 128)
 
 
-def logical_shape(fm: FormatMap, data_shape: Sequence[int]) -> tuple[int, ...]:
-    """Logical (..., M, K) of a weight from its data tensor's shape (FP4 packs two per byte)."""
+#: ckptq formats whose ``data`` packs two E2M1 codes per byte
+PACKED_FP4 = ("nvfp4", "mxfp4")
+#: gpt-oss ``_blocks``: 32 E2M1 codes = 16 bytes per block
+_BLOCK_BYTES = 16
+
+
+def logical_shape(fm: FormatMap, data_shape: Sequence[int], what: str = "a tensor") -> tuple[int, ...]:
+    """Logical (..., M, K) of a weight from its data tensor's shape (FP4 packs two per byte; gpt-oss
+    ``_blocks`` (..., N, K/32, 16) are 32 values per block).
+
+    Raises:
+        CheckpointFormatError: a ``_blocks`` tensor whose last dim is not 16 or of rank < 3.
+    """
     shape = list(data_shape)
-    if fm.format == "nvfp4":
+    if fm.data.codec == "blocks":
+        if len(shape) < 3 or shape[-1] != _BLOCK_BYTES:
+            raise CheckpointFormatError(
+                f"{what} has shape {shape}: MXFP4 blocks must be (..., N, K/32, 16) uint8 (16 bytes = "
+                f"32 E2M1 values per block); the file is damaged or not in the gpt-oss layout: re-export it"
+            )
+        return tuple(shape[:-2]) + (shape[-2] * 2 * _BLOCK_BYTES,)
+    if fm.format in PACKED_FP4:
         shape[-1] *= 2
     return tuple(shape)
 
@@ -592,7 +744,54 @@ def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Map
         return tuple(cshape) + (1,)
     if t.codec == "rows16":
         return tuple(shape[:-1]) + (cshape[-1],)
+    if t.codec == "blocks":
+        return tuple(cshape[:-1]) + (cshape[-1] // _BLOCK_BYTES, _BLOCK_BYTES)
     return tuple(cshape)
+
+
+# ----------------------------------------------------------------------------- E8M0 bytes
+def e8m0_to_fp32(x: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2^(b - 127)``, exact (byte 0 is the subnormal
+    2^-127; byte 255 is NaN, canonical 0x7FC00000)."""
+    b = x.view(torch.uint8).to(torch.int32)
+    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
+    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
+    return bits.view(_F32)
+
+
+def fp32_to_e8m0(x: torch.Tensor, what: str) -> torch.Tensor:
+    """fp32 powers of two in [2^-127, 2^127] -> their E8M0 bytes (uint8), exact.
+
+    Raises:
+        UnsupportedFormatError: a value that is not such a power of two (names ``what`` and the fix).
+    """
+    bits = x.to(_F32).contiguous().view(torch.int32)
+    sub = bits == 0x00400000
+    exp = (bits >> 23) & 0xFF
+    ok = sub | (((bits & 0x807FFFFF) == 0) & (exp >= 1) & (exp <= 254))
+    if not bool(ok.all()):
+        bad = x.reshape(-1)[~ok.reshape(-1)][:3].tolist()
+        raise UnsupportedFormatError(
+            f"{what}: scale values {bad} are not powers of two in [2^-127, 2^127], which an E8M0 byte cannot "
+            f"hold; requantize with --format fp8_block (pow2 scales) or --ignore the tensor"
+        )
+    return torch.where(sub, torch.zeros_like(exp), exp).to(torch.uint8)
+
+
+def check_e8m0_finite(fm: FormatMap, x: torch.Tensor, what: str) -> None:
+    """Raise CheckpointFormatError when ``fm``'s consumer does not decode E8M0 byte 255 as NaN (gpt-oss,
+    compressed-tensors MXFP4: a ``2^128`` multiplier) and the scale bytes ``x`` hold one: ckptq and the
+    consumer would disagree on the tensor's values."""
+    if fm.e8m0_nan:
+        return
+    b = x.view(torch.uint8)
+    if bool((b == 255).any()):
+        n = int((b == 255).sum())
+        raise CheckpointFormatError(
+            f"{what}: {n} E8M0 scale byte(s) are 255 (NaN in the OCP MX spec and in ckptq; this layout's "
+            f"consumer multiplies by 2^128 instead), so the tensor has no value both agree on; fix or "
+            f"requantize the source tensor from a finite copy (ckptq.requantize)"
+        )
 
 
 # ----------------------------------------------------------------------------- NVFP4 global scale
@@ -714,6 +913,7 @@ def import_components(
     comps: dict[str, torch.Tensor] = {}
     info: dict = {}
     batch = tuple(shape[:-2])
+    dtypes = {c.name: c.dtype for c in format_class(fm.format).component_specs(shape, format_class(fm.format).Recipe())}
     for t in fm.tensors:
         x = stored[t.suffix]
         if t.codec == "same":
@@ -722,6 +922,12 @@ def import_components(
             comps[t.component] = x.reshape(batch)
         elif t.codec == "rows16":
             comps[t.component] = x  # the layouts' 1x16 grid is ckptq's 1-D recipe
+        elif t.codec == "view":
+            comps[t.component] = x.view(dtypes[t.component])
+        elif t.codec == "blocks":
+            comps[t.component] = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+        elif t.codec == "e8m0":
+            comps[t.component] = e8m0_to_fp32(x)
     for t in fm.tensors:
         if t.codec not in ("ws2", "gs"):
             continue
@@ -781,8 +987,13 @@ def check_exportable(
         raise UnsupportedFormatError(
             f"tensor '{fqn}' of shape {list(shape)}: {lay.name} {fmt} needs the last dim (K = {shape[-1]}) to be "
             f"a multiple of {fm.k_multiple} (its consumers' group size"
-            f"{'; FP4 packs two values per byte' if fmt == 'nvfp4' else ''}); "
+            f"{'; FP4 packs two values per byte' if fmt in PACKED_FP4 else ''}); "
             f"--ignore '{fqn}' to keep it in bf16, pad K, or choose another --format"
+        )
+    if fm.ndim is not None and len(shape) != fm.ndim:
+        raise UnsupportedFormatError(
+            f"tensor '{fqn}' of shape {list(shape)}: layout '{lay.name}' holds only {fm.ndim}-D {fmt} tensors "
+            f"(stacked experts (E, out, in)); --ignore '{fqn}' to keep it in bf16, or export to another --layout"
         )
 
 
@@ -790,7 +1001,7 @@ def export_plan(
     fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping
 ) -> list[tuple[str, torch.dtype, tuple]]:
     """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read)."""
-    return [(f"{module}.{t.suffix}", t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
+    return [(fm.name(module, t), t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
 
 
 def export_tensors(
@@ -806,10 +1017,18 @@ def export_tensors(
     info: dict = {}
     batch = tuple(shape[:-2])
     for t in fm.tensors:
-        name = f"{module}.{t.suffix}"
+        name = fm.name(module, t)
         x = comps[t.component]
+        if t.component == "scale" and fm.format in ("mxfp8", "mxfp4"):
+            check_e8m0_finite(fm, x, f"tensor '{name}'")
         if t.codec == "same":
             y = x
+        elif t.codec == "view":
+            y = x.view(t.dtype)
+        elif t.codec == "blocks":
+            y = x.reshape(*x.shape[:-1], x.shape[-1] // _BLOCK_BYTES, _BLOCK_BYTES)
+        elif t.codec == "e8m0":
+            y = fp32_to_e8m0(x, f"tensor '{name}'").view(t.dtype)
         elif t.codec == "vec1":
             y = x.reshape(batch + (1,))
         elif t.codec == "rows16":

@@ -18,9 +18,12 @@ NVFP4Tensor        ``qdata`` uint8 (..., M, K/2) -> data (view; same nibble orde
 MXTensor           ``qdata`` e4m3 (..., M, K) -> data (view); ``scale`` e8m0fnu     mxfp8
                    (..., M, K/32) or swizzled (ceil(M/128)*32, ceil(K/128)*16) ->
                    scale uint8 (..., M, K/32) (``.view(uint8)``: the biased
-                   exponent). Only ``elem_dtype=float8_e4m3fn``, ``block_size=32``.
+                   exponent). ``elem_dtype=float8_e4m3fn``, ``block_size=32``.
                    ``prototype/mx_formats/mx_tensor.py`` (``to_dtype``,
                    ``get_fp_scale``).
+MXTensor (FP4)     ``elem_dtype=float4_e2m1fn_x2``: ``qdata`` uint8 (..., M, K/2),   mxfp4
+                   element 2i in the low nibble (``kernels.py`` ``pack_uint4``) ->
+                   data (view; ckptq's order); ``scale`` as above -> scale.
 Float8Tensor       ``qdata`` e4m3/e5m2 (..., M, K) -> data (view); ``scale`` fp32   fp8_tensor /
                    decode multiplier: one element (PerTensor, shape (1, 1)) ->      fp8_block
                    fp8_tensor ``scale_inv`` (); (M/bm, K/bk) (PerRow (M, 1),
@@ -39,8 +42,9 @@ dropped on read and zeroed on write.
 
 Exactness (ckptq dequantize vs torchao ``dequantize()``, both computing in fp32):
 
-* MXTensor (E4M3) and Float8Tensor: components equal byte for byte, values bit-exact in both
-  directions (the same formulas: ``float(q) * 2^(e-127)`` and ``float(q) * scale``).
+* MXTensor (E4M3 and FP4) and Float8Tensor: components equal byte for byte, values bit-exact in
+  both directions (the same formulas: ``float(q) * 2^(e-127)``, ``e2m1(q) * 2^(e-127)`` and
+  ``float(q) * scale``).
 * NVFP4Tensor, global scale. torchao decodes ``e2m1 * (per_tensor_scale * float(s))`` with
   ``per_tensor_scale = amax / 2688`` (``per_tensor_amax_to_scale``, a division); ckptq decodes
   ``e2m1 * ((float(s) * amax) * fl32(1/2688))``. Reading, ckptq stores the fp32 ``amax`` with
@@ -67,7 +71,7 @@ no part of the weight's values) and the attributes (``act_quant_kwargs``, ``mm_c
 leaves them as the target holds them (adapters receive only the canonical tensor).
 
 Refused (UnsupportedFormatError naming FQN, class, field): MXTensor with another element dtype
-(E5M2, FP6, FP4) or block size, NVFP4 with block_size != 16, transposed (column-major) qdata, non-fp32
+(E5M2, FP6) or block size, NVFP4 with block_size != 16, transposed (column-major) qdata, non-fp32
 Float8 scales, block grids that do not divide the shape.
 
 Pickles: torch pickles a torchao tensor as ``torch._tensor._rebuild_from_type_v2(
@@ -89,7 +93,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import CheckpointFormatError, UnsupportedFormatError
-from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
+from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor, format_class
 from ._swizzle import swizzle, swizzled_numel, unswizzle
 from .base import check_fits, refuse
 
@@ -484,27 +488,41 @@ def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> No
     _write_block_scales(obj, scale, d.swizzled)
 
 
+_FP4X2 = torch.float4_e2m1fn_x2  # torchao's FP4 elem_dtype; its qdata is uint8, two codes per byte
+
+
 def _mxfp8_describe(obj: Any, fqn: str) -> _AOContents:
-    d = _AOContents("MXTensor", "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {}, _swizzled(obj))
     elem = getattr(obj, "elem_dtype", None)
-    if elem != _E4M3:
-        _refuse(fqn, d.ao_class, f"elem_dtype={_plain(elem)}", "is not float8_e4m3fn (ckptq's mxfp8 is MXFP8 E4M3)")
+    fp4 = elem == _FP4X2
+    d = _AOContents("MXTensor", "mxfp4" if fp4 else "mxfp8", tuple(int(s) for s in obj.shape), obj.dtype, {})
+    d.swizzled = _swizzled(obj)
+    if elem not in (_E4M3, _FP4X2):
+        _refuse(
+            fqn,
+            d.ao_class,
+            f"elem_dtype={_plain(elem)}",
+            "is neither float8_e4m3fn (ckptq's mxfp8) nor float4_e2m1fn_x2 (ckptq's mxfp4)",
+        )
     if int(getattr(obj, "block_size", 32)) != 32:
         _refuse(fqn, d.ao_class, f"block_size={obj.block_size}", "is not 32")
     if len(d.shape) < 2:
         _refuse(fqn, d.ao_class, f"logical shape {d.shape}", "has fewer than 2 dims")
     q = _row_major(obj, d, fqn)
-    _check(q, d.shape, _E4M3, "qdata", d, fqn)
     if d.shape[-1] % 32:
         _refuse(fqn, d.ao_class, f"K={d.shape[-1]}", "is not a multiple of 32")
-    d.recipe = dict(columnwise=False)
+    if fp4:
+        _check(q, (*d.shape[:-1], d.shape[-1] // 2), _U8, "qdata", d, fqn)
+        d.recipe = {}
+    else:
+        _check(q, d.shape, _E4M3, "qdata", d, fqn)
+        d.recipe = dict(columnwise=False)
     return d
 
 
 def _mxfp8_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     scale = _read_block_scales(obj, d, d.shape[-1] // 32, torch.float8_e8m0fnu, fqn).view(_U8)
     extra = {
-        "elem_dtype": "float8_e4m3fn",
+        "elem_dtype": "float4_e2m1fn_x2" if d.fmt == "mxfp4" else "float8_e4m3fn",
         "block_size": 32,
         "kernel_preference": _plain(getattr(obj, "kernel_preference", None)),
         "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
@@ -593,6 +611,10 @@ _HANDLERS = {
 _QT = {"nvfp4": NVFP4Tensor, "mxfp8": MXFP8Tensor, "fp8_tensor": Float8Tensor, "fp8_block": Float8BlockTensor}
 
 
+def _qt_class(fmt: str) -> type:
+    return _QT.get(fmt) or format_class(fmt)
+
+
 # ============================================================================ public functions
 def ao_class_of(obj: Any) -> str | None:
     """torchao's class name of a live torchao tensor (matched by module + qualname, bases too), a
@@ -639,7 +661,7 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
     """
     local, d, extract, _ = _resolve(obj, fqn)
     comps, extra = extract(local, d, fqn)
-    cls = _QT[d.fmt]
+    cls = _qt_class(d.fmt)
     qt = cls.from_components(comps, d.shape, d.dtype, cls.Recipe(**d.recipe), fqn=fqn)
     version = None if isinstance(local, TorchAOPayload) else _version()  # a pickle's writer version is unknown
     producer = {
@@ -657,7 +679,7 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     """Fresh uninitialized canonical components of ``obj``'s format, recipe, logical shape and device
     (what a load reads into before :func:`insert`)."""
     local, d, _, _ = _resolve(obj, fqn)
-    cls = _QT[d.fmt]
+    cls = _qt_class(d.fmt)
     rec = cls.Recipe(**d.recipe)
     dev = local.qdata.device
     comps = {

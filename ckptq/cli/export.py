@@ -1,4 +1,5 @@
-"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8``: a Hugging Face safetensors folder."""
+"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8|deepseek-v4|gpt-oss``: a Hugging Face
+safetensors folder."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ __all__ = ["export"]
         "ckptq export ckpt hf-modelopt --layout modelopt",
         "ckptq export ckpt hf-ct --layout compressed-tensors --max-shard-size 2GB",
         "ckptq export ckpt hf-fp8 --layout deepseek-fp8 --format fp8_block --rename '*=model.*'",
+        "ckptq export moe-ckpt hf-gpt-oss --layout gpt-oss --config gpt-oss-config.json",
     ],
 )
 def export(
@@ -35,13 +37,13 @@ def export(
     dst: Annotated[
         Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
-    layout: Annotated[str, typer.Option("--layout", help="modelopt, compressed-tensors or deepseek-fp8.")],
+    layout: Annotated[str, typer.Option("--layout", help="modelopt, compressed-tensors, deepseek-fp8, deepseek-v4 or gpt-oss.")],
     format: Annotated[
         str | None,
         typer.Option(
             "--format",
             help=(
-                "Requantize quantized tensors and plain *.weight matrices to nvfp4, mxfp8, fp8_block "
+                "Requantize quantized tensors and plain *.weight matrices to nvfp4, mxfp4, mxfp8, fp8_block "
                 "or fp8_tensor first (default: keep each tensor's format)."
             ),
         ),

@@ -165,7 +165,9 @@ class SafetensorsView(EntryTable):
             problem = None
             for fm in candidates:
                 data_name = group[fm.data.suffix]
-                shape = hf.logical_shape(fm, self._meta[data_name][1])
+                shape = hf.logical_shape(
+                    fm, self._meta[data_name][1], f"{self._where[data_name]}: tensor '{data_name}'"
+                )
                 recipe = self._recipe_for(fm, group)
                 problem = next(
                     (
@@ -180,7 +182,7 @@ class SafetensorsView(EntryTable):
             if problem is not None:
                 fm, (t, want) = candidates[0], problem
                 data_name = group[fm.data.suffix]
-                shape = hf.logical_shape(fm, self._meta[data_name][1])
+                shape = hf.logical_shape(fm, self._meta[data_name][1], f"tensor '{data_name}'")
                 got = self._meta[group[t.suffix]][1]
                 raise CheckpointFormatError(
                     f"{self._where[group[t.suffix]]}: tensor '{group[t.suffix]}' has shape {list(got)}, but "
@@ -188,12 +190,13 @@ class SafetensorsView(EntryTable):
                     f"'{data_name}') needs {list(want)}; the file is truncated or the config's scheme "
                     f"(e.g. block size) disagrees with the tensors: fix config.json or re-export"
                 )
-            fqn = hf.rename(f"{module}.weight", self._rules, inverse=True)
+            fqn = hf.rename(f"{module}{self.layout.weight_suffix}", self._rules, inverse=True)
             keys = {t.component: group[t.suffix] for t in fm.tensors}
             desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer))
             self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
             self._quant[fqn] = (fm, group)
         for name in rest:
+            self._check_not_orphan(name)
             fqn = hf.rename(name, self._rules, inverse=True)
             dt, shape = self._meta[name]
             if fqn in self._entries:
@@ -204,9 +207,27 @@ class SafetensorsView(EntryTable):
             self._entries[fqn] = Entry(fqn, "tensor", shape, dt, None, {fqn: fqn})
             self._plain[fqn] = name
 
+    def _check_not_orphan(self, name: str) -> None:
+        """Raise CheckpointFormatError for a layout's packed data tensor found without its scale (a
+        missing shard or a partial copy): read as a plain uint8/int8 tensor it would be silently wrong."""
+        if self.layout is None:
+            return
+        for fm in self.layout.formats:
+            d = fm.data
+            if not name.endswith(fm.separator + d.suffix) or self._meta[name][0] != d.dtype:
+                continue
+            if d.suffix != "weight" or d.dtype in (torch.uint8, torch.int8):
+                scale = next(t for t in fm.tensors if t.component != "data")
+                want = fm.name(name[: -len(fm.separator + d.suffix)], scale)
+                raise CheckpointFormatError(
+                    f"{self._where[name]}: tensor '{name}' ({self.layout.name} {fm.format} data) has no scale "
+                    f"tensor '{want}' in the folder; a shard is missing or the copy is partial: copy the "
+                    f"complete checkpoint (all shards and model.safetensors.index.json)"
+                )
+
     def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
         if fm.format not in ("fp8_block", "fp8_tensor"):
-            return {}
+            return dict(fm.import_options)
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
         return hf.import_recipe(fm, stored, self.config)
 
@@ -231,6 +252,11 @@ class SafetensorsView(EntryTable):
             return self._load(self._plain[fqn])
         fm, group = self._quant[fqn]
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors}
+        for t in fm.tensors:
+            if t.component == "scale" and fm.format in ("mxfp8", "mxfp4"):
+                hf.check_e8m0_finite(
+                    fm, stored[t.suffix], f"{self._where[group[t.suffix]]}: tensor '{group[t.suffix]}'"
+                )
         hint = None
         for t in fm.tensors:
             if t.codec in ("ws2", "gs"):

@@ -1,0 +1,472 @@
+"""MXFP4 producers and consumers (docs/producers.md, "7. MXFP4").
+
+* gpt-oss (transformers 5.24 ``Mxfp4Config``): a small gpt-oss-shaped folder (4 experts, 2 layers)
+  goes import -> native DCP -> reshard to 2 ranks with the experts split -> export ``gpt-oss``; the
+  exported ``_blocks`` / ``_scales`` are the source's bytes and transformers' own CPU dequantizer
+  (``Mxfp4Config(dequantize=True)``) gives ckptq's decode of the source, transposed, bit for bit.
+* compressed-tensors 0.20 ``mxfp4-pack-quantized`` both ways, judged by its own decompressor.
+* DeepSeek-V4-style mixed folders (MXFP4 experts + 128x128 E8M0-scaled FP8, a scale in another
+  shard than its weight): inspect shows both formats, convert and export keep each exactly.
+* 3-D expert weights in every HF layout, and the bad inputs of the issue (nothing written).
+
+torchao ``MXTensor`` FP4 (live, DCP, ``torch.save``) is covered by tests/test_torchao.py's cases.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _helpers import assert_same_bytes
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+import ckptq
+from ckptq.checkpoint import CheckpointView, open_checkpoint
+from ckptq.cli import app
+from ckptq.errors import CheckpointFormatError, CkptqError, UnsupportedFormatError
+from ckptq.export import export_checkpoint
+from ckptq.reshard import reshard_checkpoint
+
+warnings.filterwarnings("ignore", message=".*Enum subclass.*")
+
+LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 64, 64
+PROJ = ("gate_up_proj", "down_proj")
+
+
+def _index(folder: Path, tensors_by_file: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for fname, tensors in tensors_by_file.items():
+        save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, fname))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _read_all(folder: Path) -> dict[str, torch.Tensor]:
+    idx = json.loads((folder / "model.safetensors.index.json").read_text())
+    out = {}
+    for f in sorted(set(idx["weight_map"].values())):
+        out.update(load_file(str(folder / f)))
+    return out
+
+
+# ============================================================================ gpt-oss
+def _gpt_oss_config():
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        num_hidden_layers=LAYERS,
+        num_local_experts=EXPERTS,
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """A gpt-oss MXFP4 folder as transformers reads it: ``*_blocks`` (E, N, K/32, 16) and
+    ``*_scales`` (E, N, K/32) of every expert projection (scales in a second shard), every other
+    tensor bf16, ``quantization_config: {quant_method: mxfp4, modules_to_not_convert}``.
+    Scale bytes include 0 (subnormal products) and 254 (6 * 2^127 overflows to inf)."""
+    pytest.importorskip("transformers")
+    from transformers import GptOssForCausalLM
+
+    torch.manual_seed(0)
+    cfg = _gpt_oss_config()
+    model = GptOssForCausalLM(cfg)
+    g = torch.Generator().manual_seed(1)
+    blocks, scales, plain = {}, {}, {}
+    for k, v in model.state_dict().items():
+        if k.endswith(PROJ):
+            e, k_in, n_out = v.shape  # the module's (experts, in, out); the checkpoint is (experts, out, in)
+            blocks[k + "_blocks"] = torch.randint(0, 256, (e, n_out, k_in // 32, 16), dtype=torch.uint8, generator=g)
+            s = torch.randint(112, 136, (e, n_out, k_in // 32), dtype=torch.uint8, generator=g)
+            s.view(-1)[:3] = torch.tensor([0, 254, 1], dtype=torch.uint8)
+            scales[k + "_scales"] = s
+        else:
+            plain[k] = v.detach().to(torch.bfloat16).contiguous()
+    config = {
+        **cfg.to_dict(),
+        "quantization_config": {
+            "quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"],
+        },
+    }
+    folder = tmp_path_factory.mktemp("gptoss") / "src"
+    _index(
+        folder,
+        {"model-00001-of-00002.safetensors": {**blocks, **plain}, "model-00002-of-00002.safetensors": scales},
+        config,
+    )
+    return folder, {**blocks, **scales}, plain
+
+
+def _transformers_dequantized(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    model = GptOssForCausalLM.from_pretrained(
+        str(folder), quantization_config=Mxfp4Config(dequantize=True), dtype=dtype
+    )
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _expert_fqns():
+    return [f"model.layers.{i}.mlp.experts.{p}" for i in range(LAYERS) for p in PROJ]
+
+
+def test_gpt_oss_import_matches_transformers_dequantize(gpt_oss):
+    """ckptq reads the folder as ``mxfp4`` (E, out, in) tensors holding the stored bytes; their
+    decode, transposed to the module's (E, in, out), is transformers' own dequantized parameter,
+    bit for bit, in fp32 and bf16."""
+    folder, stored, plain = gpt_oss
+    view = open_checkpoint(folder)
+    assert view.source == "safetensors (gpt-oss)"
+    for fqn in _expert_fqns():
+        e = view.entry(fqn)
+        n_out = 2 * INTER if fqn.endswith("gate_up_proj") else HIDDEN
+        k_in = HIDDEN if fqn.endswith("gate_up_proj") else INTER
+        assert e.kind == "quantized" and e.format == "mxfp4" and tuple(e.shape) == (EXPERTS, n_out, k_in)
+        assert e.descriptor.producer["layout"] == "gpt-oss"
+        c = view.read(fqn).components()
+        assert_same_bytes(c["data"], stored[fqn + "_blocks"].reshape(EXPERTS, n_out, k_in // 2), fqn)
+        assert_same_bytes(c["scale"], stored[fqn + "_scales"], fqn)
+    assert view.entry("model.layers.0.mlp.experts.gate_up_proj_bias").kind == "tensor"
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = _transformers_dequantized(folder, dtype)
+        for fqn in _expert_fqns():
+            ours = view.read(fqn).dequantize(dtype).transpose(1, 2).contiguous()
+            assert_same_bytes(theirs[fqn], ours, f"{fqn} {dtype}")
+        assert torch.isinf(theirs[_expert_fqns()[0]]).any()  # the 254 scale bytes: 6 * 2^127 overflows
+
+
+def test_gpt_oss_round_trip_native_two_ranks_export(gpt_oss, tmp_path):
+    """import -> native DCP -> 2 ranks with the experts split (Shard(0) of (E, out, in)) -> export
+    gpt-oss: the blocks and scales are the source's bytes, the other tensors too, and transformers'
+    dequantize of the export equals ckptq's decode of the source."""
+    folder, stored, plain = gpt_oss
+    native, two, out = tmp_path / "native", tmp_path / "two", tmp_path / "out"
+    reshard_checkpoint(folder, native, to="native")
+    reshard_checkpoint(native, two, mesh="2", plan="fsdp2")
+    v2 = CheckpointView(two)
+    assert v2.world_size == 2
+    fqn = _expert_fqns()[0]
+    boxes = sorted((tuple(c.box[0]), tuple(c.box[1])) for c in v2.saved_chunks(f"{fqn}.data"))
+    assert boxes == [((0, 0, 0), (2, 2 * INTER, HIDDEN // 2)), ((2, 0, 0), (2, 2 * INTER, HIDDEN // 2))]
+    res = export_checkpoint(two, out, layout="gpt-oss", config=folder / "config.json")
+    assert res["requantized"] == [] and set(res["quantized"]) == set(_expert_fqns())
+    got = _read_all(out)
+    for name, t in {**stored, **plain}.items():
+        assert_same_bytes(got[name], t, name)
+    assert set(got) == set(stored) | set(plain)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "mxfp4" and isinstance(qc["modules_to_not_convert"], list)
+    src = open_checkpoint(folder)
+    theirs = _transformers_dequantized(out, torch.float32)
+    for f in _expert_fqns():
+        assert_same_bytes(theirs[f], src.read(f).dequantize(torch.float32).transpose(1, 2).contiguous(), f)
+
+
+def test_gpt_oss_refusals(gpt_oss, tmp_path):
+    """A 2-D tensor or a K that is not a multiple of 32 cannot be a gpt-oss expert tensor; a
+    scale byte 255 (NaN for ckptq, 2^128 for transformers) is refused both ways; nothing written."""
+    sd = {"w2d": ckptq.quantize(torch.randn(64, 64), "mxfp4"), "w3d": ckptq.quantize(torch.randn(2, 8, 48), "mxfp4")}
+    for name, t in sd.items():
+        src = tmp_path / f"src-{name}"
+        dcp.save({name: t}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+        with pytest.raises(UnsupportedFormatError, match=rf"'{name}'.*(3-D|multiple of 32)"):
+            export_checkpoint(src, tmp_path / f"out-{name}", layout="gpt-oss")
+        assert not (tmp_path / f"out-{name}").exists()
+    nan = ckptq.quantize(torch.randn(2, 8, 64), "mxfp4")
+    c = nan.components()
+    c["scale"][1, 3, 0] = 255
+    src = tmp_path / "src-nan"
+    dcp.save({"e.gate_up_proj": nan}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    with pytest.raises(CheckpointFormatError, match=r"e\.gate_up_proj_scales.*255"):
+        export_checkpoint(src, tmp_path / "out-nan", layout="gpt-oss")
+    assert not (tmp_path / "out-nan").exists()
+    folder, stored, plain = gpt_oss
+    bad = tmp_path / "bad-nan"
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors = {**stored, **plain}
+    s = tensors[name].clone()
+    s[0, 0, 0] = 255
+    _index(bad, {"model.safetensors": {**tensors, name: s}}, json.loads((folder / "config.json").read_text()))
+    with pytest.raises(CheckpointFormatError, match=rf"{name}.*255"):
+        open_checkpoint(bad).read("model.layers.0.mlp.experts.down_proj")
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["blocks_vs_scales", "blocks_last_dim", "missing_scale_shard", "blocks_without_scales"],
+)
+def test_gpt_oss_bad_folders(gpt_oss, tmp_path, case):
+    """Each bad folder is a CheckpointFormatError naming the tensor (and file) and the fix."""
+    folder, stored, plain = gpt_oss
+    config = json.loads((folder / "config.json").read_text())
+    bad = tmp_path / case
+    tensors = {**stored, **plain}
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    if case == "blocks_vs_scales":
+        tensors[name + "_scales"] = tensors[name + "_scales"][:, :-1].contiguous()
+        want = rf"{name}_scales.*shape"
+    elif case == "blocks_last_dim":
+        b = tensors[name + "_blocks"]
+        tensors[name + "_blocks"] = b.reshape(*b.shape[:-2], b.shape[-2] * 2, 8).contiguous()
+        want = rf"{name}_blocks.*\(\.\.\., N, K/32, 16\)"
+    elif case == "blocks_without_scales":
+        del tensors[name + "_scales"]
+        want = rf"{name}_blocks.*no scale tensor '{name}_scales'"
+    if case == "missing_scale_shard":
+        scales = {k: v for k, v in tensors.items() if k.endswith("_scales")}
+        rest = {k: v for k, v in tensors.items() if k not in scales}
+        _index(bad, {"a.safetensors": rest, "b.safetensors": scales}, config)
+        (bad / "b.safetensors").unlink()
+        want = r"b\.safetensors.*missing"
+    else:
+        _index(bad, {"model.safetensors": tensors}, config)
+    with pytest.raises(CheckpointFormatError, match=want):
+        open_checkpoint(bad)
+
+
+# ============================================================================ compressed-tensors
+def test_compressed_tensors_mxfp4_both_ways(tmp_path):
+    """ckptq -> compressed-tensors ``mxfp4-pack-quantized``: its own dequantizer (config parsed by
+    its QuantizationConfig, each module decompressed by its registered MXFP4 compressor) equals
+    ckptq's decode, and the bytes are ckptq's. compressed-tensors -> ckptq: a folder its compressor
+    wrote (scales from its generate_mx_scales) imports with its bytes and its decompressed values."""
+    ct = pytest.importorskip("compressed_tensors")
+    assert ct.__version__.startswith("0.20")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    g = torch.Generator().manual_seed(3)
+    w = {
+        "model.layers.0.mlp.up_proj.weight": torch.randn(96, 128, generator=g),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(40, 64, generator=g) * 1e-3,
+    }
+    sd = {k: ckptq.quantize(v, "mxfp4", scale_rule="even") for k, v in w.items()}
+    src = tmp_path / "native"
+    dcp.save({**sd, "model.norm.weight": torch.ones(64)}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    out = tmp_path / "ct"
+    res = export_checkpoint(src, out, layout="compressed-tensors")
+    assert res["requantized"] == []
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mxfp4-pack-quantized"
+    tensors = _read_all(out)
+    theirs = CompressedTensorsDequantizer(str(out), dtype=torch.float32).validate(dict(tensors))
+    for fqn, t in sd.items():
+        m = fqn[: -len(".weight")]
+        assert_same_bytes(tensors[m + ".weight_packed"], t.components()["data"], fqn)
+        assert_same_bytes(tensors[m + ".weight_scale"], t.components()["scale"], fqn)
+        assert_same_bytes(theirs[fqn].float(), t.dequantize(torch.float32), fqn)
+    # the other way: compressed-tensors compresses, ckptq imports
+    scheme = preset_name_to_scheme("MXFP4A16", ["Linear"])
+    comp = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
+    folder = tmp_path / "from-ct"
+    written, want = {}, {}
+    for fqn, x in w.items():
+        m = fqn[: -len(".weight")]
+        xb = x.to(torch.bfloat16)
+        amax = xb.float().abs().reshape(x.shape[0], -1, 32).amax(-1).to(torch.bfloat16)
+        scale = torch.exp2(generate_mx_scales(amax, 4).float() - 127).to(torch.bfloat16)
+        packed = comp.compress({"weight": xb, "weight_scale": scale}, scheme)
+        written.update({f"{m}.{k}": v.contiguous() for k, v in packed.items()})
+        want[fqn] = comp.decompress(dict(packed), scheme)["weight"]
+    config = {
+        "torch_dtype": "bfloat16",
+        "quantization_config": QuantizationConfig(
+            config_groups={"group_0": scheme}, format="mxfp4-pack-quantized", quantization_status="compressed"
+        ).model_dump(mode="json"),
+    }
+    _index(folder, {"model.safetensors": written}, config)
+    view = open_checkpoint(folder)
+    for fqn in w:
+        m = fqn[: -len(".weight")]
+        q = view.read(fqn)
+        assert q.FORMAT == "mxfp4" and q.recipe.scale_rule == "even"
+        assert_same_bytes(q.components()["data"], written[m + ".weight_packed"], fqn)
+        assert_same_bytes(q.components()["scale"], written[m + ".weight_scale"], fqn)
+        assert_same_bytes(q.dequantize(torch.bfloat16), want[fqn], fqn)
+
+
+# ============================================================================ DeepSeek-V4
+def _deepseek_v4_folder(folder: Path, *, scale_shard: bool = True) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V4-style folder: routed experts MXFP4 (I8 weight, F8_E8M0 scale), attention and
+    shared experts FP8 128x128 with E8M0 scales, one expert's scale in another shard than its weight."""
+    g = torch.Generator().manual_seed(7)
+    t: dict[str, torch.Tensor] = {}
+    for e in range(2):
+        for w, (n, k) in {"w1": (64, 96), "w2": (96, 64), "w3": (64, 96)}.items():
+            q = ckptq.quantize(torch.randn(n, k, generator=g), "mxfp4")
+            t[f"layers.0.ffn.experts.{e}.{w}.weight"] = q.components()["data"].view(torch.int8)
+            t[f"layers.0.ffn.experts.{e}.{w}.scale"] = q.components()["scale"].view(torch.float8_e8m0fnu)
+    for name, (n, k) in {"layers.0.attn.wq_a": (200, 256), "layers.0.ffn.shared_experts.w1": (128, 96)}.items():
+        q = ckptq.quantize(torch.randn(n, k, generator=g), "fp8_block", pow2=True)
+        t[f"{name}.weight"] = q.components()["data"]
+        s = q.components()["scale_inv"]
+        t[f"{name}.scale"] = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
+    t["layers.0.attn_norm.weight"] = torch.ones(256, dtype=torch.bfloat16)
+    t["embed.weight"] = torch.randn(32, 256, generator=g).to(torch.bfloat16)
+    config = {
+        "torch_dtype": "bfloat16",
+        "expert_dtype": "fp4",
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+        },
+    }
+    moved = "layers.0.ffn.experts.1.w2.scale"
+    if scale_shard:
+        _index(
+            folder,
+            {"a.safetensors": {k: v for k, v in t.items() if k != moved}, "b.safetensors": {moved: t[moved]}},
+            config,
+        )
+    else:
+        _index(folder, {"a.safetensors": t}, config)
+    return t
+
+
+def _e8m0(b: torch.Tensor) -> torch.Tensor:
+    """Reference E8M0 decode written here: 2^(b - 127) in float64, then fp32 (exact for 0..254)."""
+    return torch.pow(2.0, b.view(torch.uint8).double() - 127).float()
+
+
+def test_deepseek_v4_inspect_convert_export_keep_each_format(tmp_path):
+    src = tmp_path / "v4"
+    t = _deepseek_v4_folder(src)
+    view = open_checkpoint(src)
+    assert view.source == "safetensors (deepseek-v4)"
+    fmts = {e.fqn: e.format for e in view.entries() if e.kind == "quantized"}
+    assert fmts["layers.0.ffn.experts.1.w2.weight"] == "mxfp4" and fmts["layers.0.attn.wq_a.weight"] == "fp8_block"
+    r = CliRunner().invoke(app, ["inspect", str(src), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["fqn"]: row for row in json.loads(r.stdout)["tensors"]}
+    assert {rows[f]["format"] for f in fmts} == {"mxfp4", "fp8_block"}
+    for fqn, fmt in fmts.items():  # the consumer's decode, written here from the layout
+        m = fqn[: -len(".weight")]
+        q = view.read(fqn)
+        if fmt == "mxfp4":
+            assert_same_bytes(q.components()["data"], t[fqn].view(torch.uint8), fqn)
+            lut = torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+            b = t[fqn].view(torch.uint8)
+            v = torch.stack([lut[(b & 15).long()], lut[(b >> 4).long()]], -1).reshape(b.shape[0], -1)
+            ref = v * _e8m0(t[m + ".scale"]).repeat_interleave(32, -1)[:, : v.shape[1]]
+        else:
+            assert q.recipe.block == (128, 128) and q.recipe.pow2
+            s = _e8m0(t[m + ".scale"]).repeat_interleave(128, 0).repeat_interleave(128, 1)
+            ref = t[fqn].float() * s[: t[fqn].shape[0], : t[fqn].shape[1]]
+        assert_same_bytes(q.dequantize(torch.float32), ref, fqn)
+    native = tmp_path / "native"
+    reshard_checkpoint(src, native, to="native")
+    out = tmp_path / "out"
+    res = export_checkpoint(native, out, layout="deepseek-v4", config=src / "config.json")
+    assert res["requantized"] == []
+    got = _read_all(out)
+    for name, x in t.items():
+        assert_same_bytes(got[name], x, name)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["expert_dtype"] == "fp4" and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+
+
+def test_deepseek_v4_bad_input(tmp_path):
+    """A missing scale shard, an FP4 weight without its scale, and an fp8_block tensor whose scales
+    are no powers of two (not E8M0-representable) exported to deepseek-v4: errors, nothing written."""
+    src = tmp_path / "v4"
+    _deepseek_v4_folder(src)
+    (src / "b.safetensors").unlink()
+    with pytest.raises(CheckpointFormatError, match=r"b\.safetensors.*missing.*layers\.0\.ffn\.experts\.1\.w2\.scale"):
+        open_checkpoint(src)
+    src2 = tmp_path / "v4b"
+    t = _deepseek_v4_folder(src2, scale_shard=False)
+    del t["layers.0.ffn.experts.0.w1.scale"]
+    _index(src2, {"a.safetensors": t}, json.loads((src2 / "config.json").read_text()))
+    with pytest.raises(CheckpointFormatError, match=r"layers\.0\.ffn\.experts\.0\.w1\.weight.*no scale"):
+        open_checkpoint(src2)
+    nat = tmp_path / "nat"
+    dcp.save(
+        {"x.weight": ckptq.quantize(torch.randn(128, 128), "fp8_block")},
+        checkpoint_id=str(nat),
+        planner=ckptq.QuantizedSavePlanner(),
+    )
+    with pytest.raises(UnsupportedFormatError, match=r"'x\.weight'.*pow2"):
+        export_checkpoint(nat, tmp_path / "o", layout="deepseek-v4")
+    assert not (tmp_path / "o").exists()
+
+
+# ============================================================================ 3-D experts, every layout
+LAYOUT_FORMATS = [
+    ("modelopt", "nvfp4"),
+    ("modelopt", "mxfp8"),
+    ("modelopt", "fp8_tensor"),
+    ("compressed-tensors", "nvfp4"),
+    ("compressed-tensors", "mxfp4"),
+    ("compressed-tensors", "mxfp8"),
+    ("compressed-tensors", "fp8_block"),
+    ("compressed-tensors", "fp8_tensor"),
+    ("deepseek-fp8", "fp8_block"),
+    ("deepseek-v4", "mxfp4"),
+    ("deepseek-v4", "fp8_block"),
+    ("gpt-oss", "mxfp4"),
+]
+
+
+@pytest.mark.parametrize("layout,fmt", LAYOUT_FORMATS)
+def test_3d_expert_weights_round_trip_every_layout(tmp_path, layout, fmt):
+    """A stacked (E, out, in) expert weight (E = 3, ragged out for the block formats) is written
+    in the layout's names with the experts leading and read back bit-exact; each expert's slice of
+    the exported tensors is that expert's own 2-D quantization (no transpose, no reinterleave)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 136, 256, generator=g) * torch.tensor([1.0, 1e-3, 40.0])[:, None, None]
+    opts = {"pow2": True} if (layout, fmt) == ("deepseek-v4", "fp8_block") else {}
+    q = ckptq.quantize(x, fmt, **opts)
+    fqn = "model.layers.0.mlp.experts.gate_up_proj" + ("" if layout == "gpt-oss" else ".weight")
+    src = tmp_path / "src"
+    dcp.save({fqn: q}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    out = tmp_path / "out"
+    export_checkpoint(src, out, layout=layout)
+    back = open_checkpoint(out).read(fqn)
+    assert back.FORMAT == fmt and tuple(back.shape) == (3, 136, 256)
+    if fmt == "nvfp4":  # the global scale: amax recorded in the shard, re-import exact
+        assert_same_bytes(back.components()["amax"], q.components()["amax"])
+    assert_same_bytes(back.components()["data"], q.components()["data"])
+    assert_same_bytes(back.dequantize(torch.float32), q.dequantize(torch.float32))
+    for e in range(3):  # expert e of the stack is the 2-D quantization of x[e]
+        one = ckptq.quantize(x[e], fmt, **opts)
+        assert_same_bytes(back.components()["data"][e], one.components()["data"], f"expert {e}")
+
+
+def test_bad_k_is_refused_before_writing(tmp_path):
+    """Odd K cannot be packed; K not a multiple of 32 cannot be a 32-block layout tensor."""
+    with pytest.raises(CkptqError, match="odd"):
+        ckptq.quantize(torch.randn(4, 63), "mxfp4")
+    src = tmp_path / "src"
+    dcp.save(
+        {"w.weight": ckptq.quantize(torch.randn(8, 48), "mxfp4")},
+        checkpoint_id=str(src),
+        planner=ckptq.QuantizedSavePlanner(),
+    )
+    for layout in ("compressed-tensors", "deepseek-v4"):
+        with pytest.raises(UnsupportedFormatError, match=r"'w\.weight'.*multiple of 32"):
+            export_checkpoint(src, tmp_path / layout, layout=layout)
+        assert not (tmp_path / layout).exists()
