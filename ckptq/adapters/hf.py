@@ -1,4 +1,4 @@
-"""Hugging Face safetensors layouts of quantized weights: ModelOpt, compressed-tensors, DeepSeek FP8.
+"""Hugging Face safetensors layouts of quantized weights: ModelOpt, compressed-tensors, DeepSeek FP8 / V4, gpt-oss.
 
 One :class:`HFLayout` record per layout, each with one :class:`FormatMap` per ckptq format it can
 hold. A format map is a small table: which HF tensor (``<module>.<suffix>``) holds which ckptq
@@ -6,7 +6,7 @@ component, in which on-disk dtype, through which *codec* (a named, exact or boun
 Everything layout-specific lives here; :mod:`ckptq.io.safetensors` (import) and
 :mod:`ckptq.export` (export) only walk these tables.
 
-Layouts (facts: docs/producers.md, "4. Hugging Face folders")::
+Layouts (facts: docs/producers.md, "4. Hugging Face folders" and "7. MXFP4")::
 
     layout              format      HF tensors of module m (dtype)                                  codec
     modelopt            nvfp4       m.weight (u8, M x K/2), m.weight_scale (e4m3, M x K/16),
@@ -20,6 +20,11 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders")::
                         fp8_tensor  m.weight (e4m3), m.weight_scale (fp32, (1,))                     vec1
     deepseek-fp8        fp8_block   m.weight (e4m3), m.weight_scale_inv (fp32, ceil(M/128) x
                                     ceil(K/128)), a decode multiplier despite the name               same
+    compressed-tensors  mxfp4       m.weight_packed (u8, M x K/2), m.weight_scale (u8 E8M0, M x K/32) same
+    deepseek-v4         mxfp4       m.weight (i8 on disk: packed E2M1), m.scale (f8_e8m0, M x K/32)  view
+                        fp8_block   m.weight (e4m3), m.scale (f8_e8m0, ceil(M/128) x ceil(K/128))    e8m0
+    gpt-oss             mxfp4       p_blocks (u8, E x N x K/32 x 16), p_scales (u8 E8M0, E x N x K/32)  blocks
+                                    for the 3-D expert parameter p (..experts.gate_up_proj, (E, out, in))
 
 safetensors 0.8 knows F8_E8M0 and F4, but every consumer reads E8M0 scales and packed FP4 as
 ``uint8`` (torch 2.13 has no ``copy_`` for ``float4_e2m1fn_x2``), so they are stored as U8.
