@@ -1,4 +1,4 @@
-"""ckptq: checkpoints of low-precision quantized tensors (FP8, FP8 blockwise, MXFP8, NVFP4) for
+"""ckptq: checkpoints of low-precision quantized tensors (FP8, FP8 blockwise, MXFP8, NVFP4, MXFP4) for
 PyTorch Distributed Checkpoint (DCP): native bit-exact saves, high-precision export, inspection.
 
 The names below are imported on first use (PEP 562), so that ``import ckptq`` (and the ``ckptq``
@@ -31,6 +31,7 @@ __all__ = [
     "Float8BlockTensor",
     "MXFP8Tensor",
     "NVFP4Tensor",
+    "MXFP4Tensor",
     "QuantizedSavePlanner",
     "QuantizedLoadPlanner",
     "quantize_state_dict",
@@ -56,6 +57,7 @@ _FORMATS = (
     "Float8BlockTensor",
     "MXFP8Tensor",
     "NVFP4Tensor",
+    "MXFP4Tensor",
 )
 _PLANNERS = ("QuantizedSavePlanner", "QuantizedLoadPlanner", "quantize_state_dict")
 _RESHARD = ("reshard_checkpoint", "ReshardOptions")

@@ -1,7 +1,7 @@
 """Block and chunk geometry: the one place where logical boxes become component boxes.
 
 A quantized tensor has a *logical* shape (what the model sees) and *components* (plain tensors that
-hold it exactly; docs/formats.md, "8. Cuts and block alignment"). Each component dim follows one
+hold it exactly; docs/formats.md, "9. Cuts and block alignment"). Each component dim follows one
 logical dim with a divisor: 1 for data, 2 for packed FP4 data (exact), the block size for scales
 (ceil). Logical dims a component does not follow are dims it is replicated along (a per-tensor
 ``amax`` is replicated along rows and columns).

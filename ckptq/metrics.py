@@ -90,6 +90,8 @@ SQNR_FLOORS: dict[str, tuple[float, str]] = {
     "e5m2": (24.0, "E5M2 elements (2 mantissa bits, any scaling): model 25.5 dB - 1.5"),
     "nvfp4": (19.0, "NVFP4 1x16 blocks (E2M1 under an E4M3 scale of amax/6): model 20.5 dB - 1.5"),
     "nvfp4_2d": (17.5, "NVFP4 16x16 blocks (one amax over 256 values): model 19.1 dB - 1.5"),
+    "mxfp4": (17.0, "MXFP4 1x32 blocks (E2M1, E8M0 scale; floor/even/rceil rules): model 18.7 dB - 1.7"),
+    "mxfp4_ceil": (15.0, "MXFP4 with the ceil scale rule (up to one binade of E2M1 range unused): model 16.8 dB - 1.8"),
     "bfloat16": (54.0, "a bfloat16 cast (7 mantissa bits): model 55.6 dB - 1.5"),
     "float16": (72.0, "a float16 cast (10 mantissa bits): model 73.6 dB - 1.5"),
     "float32": (150.0, "a float32 cast (23 mantissa bits): model 151.9 dB - 1.5"),
@@ -103,16 +105,20 @@ SQNR_FLOORS: dict[str, tuple[float, str]] = {
 REENCODE_FLOORS: dict[str, tuple[float, str]] = {
     "e4m3": (25.0, "E4M3 values re-encoded under other scales or blocks (a second E4M3 rounding)"),
     "nvfp4": (15.0, "values re-encoded to or from NVFP4 (E2M1 under 1x16 or 16x16 E4M3 scales): ~19-20 dB model"),
+    "mxfp4": (14.5, "values re-encoded to or from MXFP4 (E2M1 under 1x32 E8M0 scales): ~16.5 (ceil) to 19 dB model"),
 }
 
 
 def encoding_of(x) -> str:
-    """The element encoding of ``x`` for :func:`sqnr_bound`: ``"nvfp4"``, ``"nvfp4_2d"``, ``"e4m3"``
-    or ``"e5m2"`` for a quantized tensor (fp8 formats by their element dtype), else the plain
+    """The element encoding of ``x`` for :func:`sqnr_bound`: ``"nvfp4"``, ``"nvfp4_2d"``, ``"mxfp4"``,
+    ``"mxfp4_ceil"``, ``"e4m3"`` or ``"e5m2"`` for a quantized tensor (fp8 formats by their element
+    dtype), else the plain
     dtype's name (``"bfloat16"``, ``"float32"``, ``"int64"``, ...; ``float8_e4m3fn`` -> ``"e4m3"``)."""
     fmt = getattr(x, "FORMAT", None)
     if fmt == "nvfp4":
         return "nvfp4_2d" if getattr(x.recipe, "two_d", False) else "nvfp4"
+    if fmt == "mxfp4":
+        return "mxfp4_ceil" if x.recipe.scale_rule == "ceil" else "mxfp4"
     if fmt is not None:
         fp8 = getattr(x.recipe, "fp8_dtype", torch.float8_e4m3fn)
         return "e5m2" if fp8 == torch.float8_e5m2 else "e4m3"
@@ -125,13 +131,13 @@ def sqnr_bound(a: str, b: str, *, quantized: tuple[bool, bool] = (False, False))
     holding the same values allows, and its reason; None when no bound is known.
 
     Both quantized (``quantized=(True, True)``): one set of values is a re-encoding of the other,
-    so the floor is :data:`REENCODE_FLOORS` of the coarser side (NVFP4 before E4M3; a pair with an
-    E5M2 side and no NVFP4 side has none). Otherwise: the looser of the two sides'
+    so the floor is :data:`REENCODE_FLOORS` of the coarser side (MXFP4, then NVFP4, then E4M3; a pair
+    with an E5M2 side and no FP4 side has none). Otherwise: the looser of the two sides'
     :data:`SQNR_FLOORS` (a quantized tensor vs its high-precision values, or two plain float dtypes).
     """
     if all(quantized):
-        for enc in ("nvfp4", "e4m3"):
-            if enc in (a.removesuffix("_2d"), b.removesuffix("_2d")):
+        for enc in ("mxfp4", "nvfp4", "e4m3"):
+            if enc in (a.removesuffix("_2d").removesuffix("_ceil"), b.removesuffix("_2d").removesuffix("_ceil")):
                 if enc == "e4m3" and "e5m2" in (a, b):
                     return None
                 return REENCODE_FLOORS[enc]

@@ -7,6 +7,10 @@ docs/formats.md (the written spec), which follows TransformerEngine's kernels (T
 * ``common/util/ptx_arch_spec.cuh::float_to_e8m0`` and ``ptx.cuh::exp2f_rcp`` (MXFP8 E8M0 scales),
 * ``common/cast/nvfp4/core_nvfp4.cuh`` and ``dequantize_nvfp4.cuh`` (NVFP4 two-level scales).
 
+MXFP4 follows the OCP Microscaling Formats (MX) v1.0 specification (section 6.3, the floor scale
+rule) and the round-up scale rules the producers use, named as torchao 0.18 names them
+(``torchao/prototype/mx_formats/config.py::ScaleCalculationMode``); docs/formats.md, "7. `mxfp4`".
+
 "min(a, FLT_MAX)" below is C's ``fminf``: a NaN operand yields the other operand (``torch.fmin``).
 NaN: every NaN the spec writes is canonical -- fp32 0x7FC00000 (amaxes, dequantized values), FP8
 0x7F, E2M1 0x7, E8M0 255 -- so that the bytes do not depend on which NaN torch's kernels propagate
@@ -47,6 +51,10 @@ __all__ = [
     "dequantize_mxfp8",
     "quantize_nvfp4",
     "dequantize_nvfp4",
+    "MXFP4_SCALE_RULES",
+    "mxfp4_scale_from_amax",
+    "quantize_mxfp4",
+    "dequantize_mxfp4",
 ]
 
 #: The high-precision dtypes: what ckptq quantizes from, dequantizes to and stores high-precision
@@ -341,3 +349,70 @@ def dequantize_nvfp4(
     mult = (scale.to(_F32) * _f32(amax)[..., None, None]) * INV_2688
     xb = blocked_view(e2m1_decode(codes), block)
     return _canonical_nan(unblock(xb * mult[..., :, None, :, None], codes.shape)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- #
+# mxfp4 (E2M1 data packed two per byte, E8M0 scales per 1x32 block)                             #
+# --------------------------------------------------------------------------------------------- #
+#: The MXFP4 scale rules (the names of torchao 0.18 ``ScaleCalculationMode``, lower case):
+#: ``floor`` OCP MX v1.0 6.3; ``even`` torchao EVEN = compressed-tensors 0.20 ``generate_mx_scales``;
+#: ``ceil`` torchao CEIL; ``rceil`` torchao RCEIL = NVIDIA cuBLAS/TE and triton_kernels
+#: ``downcast_to_mxfp`` ROUND_UP (gpt-oss; transformers' ``quantize_to_mxfp4``).
+MXFP4_SCALE_RULES = ("floor", "even", "ceil", "rceil")
+E2M1_EMAX = 2  # exponent of the largest E2M1 power of two: 4 = 2^2 (6 = 1.5 * 2^2)
+_EVEN_ROUND = 1 << 21  # half an ulp of a 1-bit mantissa (E2M1's) in fp32's 23-bit field
+
+
+def mxfp4_scale_from_amax(amax: torch.Tensor, rule: str = "floor") -> torch.Tensor:
+    """E8M0 scale byte (uint8) of an MXFP4 block from its fp32 amax, elementwise.
+
+    Finite amax (``E`` = amax's fp32 exponent field, ``m`` its mantissa field):
+
+    * ``floor`` (OCP MX v1.0 6.3): ``max(E - 2, 0)``, i.e. ``2^(floor(log2 amax) - 2)``;
+    * ``even``: ``E`` is taken after rounding amax to one mantissa bit (``bits + 2^21``, mantissa
+      cleared), then ``max(E' - 2, 0)``;
+    * ``ceil``: ``max(E + (m != 0) - 2, 0)``, i.e. ``2^(ceil(log2 amax) - 2)``;
+    * ``rceil``: ``d = amax / 6`` (fp32 division) rounded up to a power of two (TE ``float_to_e8m0``
+      of ``d``: 2^ceil(log2 d), d <= 2^-127 -> 0, saturating at 254).
+
+    Every rule: amax NaN -> 255 (the block decodes to NaN), amax +inf -> 254; amax 0 -> 0.
+    """
+    amax = _f32(amax)
+    if rule == "rceil":
+        e = e8m0_from_fp32(amax / torch.tensor(6.0, dtype=_F32))
+    else:
+        bits = amax.view(torch.int32)
+        if rule == "even":
+            bits = (bits + _EVEN_ROUND) & 0x7F800000
+        exp = (bits >> 23) & 0xFF
+        if rule == "ceil":
+            exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        elif rule not in ("floor", "even"):
+            raise ValueError(f"unknown mxfp4 scale rule {rule!r}; one of {MXFP4_SCALE_RULES}")
+        e = (exp - E2M1_EMAX).clamp(0, 254).to(torch.uint8)
+    e = torch.where(torch.isinf(amax), torch.full_like(e, 254), e)
+    return torch.where(torch.isnan(amax), torch.full_like(e, 255), e)
+
+
+def quantize_mxfp4(x: torch.Tensor, *, scale_rule: str = "floor") -> dict[str, torch.Tensor]:
+    """MXFP4 (OCP MX v1.0: E2M1 elements, one E8M0 scale per 1x32 block along K).
+
+    x (..., M, K), K even -> data uint8 (..., M, K/2) (element 2i in the low nibble), scale uint8
+    (..., M, ceil(K/32)). Per block: ``s = mxfp4_scale_from_amax(amax_block, scale_rule)``;
+    ``code = e2m1_rne(clamp(x * 2^(127 - s), -6, 6))`` (an exact power-of-two multiply, then
+    round-to-nearest-even with saturation; +-inf elements saturate to +-6). A block holding a NaN
+    gets scale 255 and every code of the block is 0x7.
+    """
+    x = _f32(x)
+    xb = blocked_view(x, (1, 32))
+    s = mxfp4_scale_from_amax(_amax(xb, (-3, -1)), scale_rule)
+    v = (xb * pow2_from_e8m0_rcp(s)[..., :, None, :, None]).clamp(-6.0, 6.0)
+    return {"data": pack_fp4(unblock(e2m1_encode(v), x.shape)), "scale": s}
+
+
+def dequantize_mxfp4(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = _F32) -> torch.Tensor:
+    """``x = e2m1(code) * 2^(scale - 127)`` in fp32 (exact; NaN canonical; byte 0 means 2^-127,
+    byte 255 NaN), then cast to ``dtype``. data (..., M, K/2), scale (..., M, ceil(K/32))."""
+    codes = unpack_fp4(data)
+    xb = blocked_view(e2m1_decode(codes), (1, 32))
+    return _canonical_nan(unblock(xb * e8m0_to_fp32(scale)[..., :, None, :, None], codes.shape)).to(dtype)

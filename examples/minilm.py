@@ -74,7 +74,7 @@ from ckptq.io import AtomicFileSystemWriter, SafeFileSystemReader, dcp_failure, 
 from ckptq.metrics import bit_exact, sqnr_db  # noqa: E402
 from ckptq.verify import check_integrity  # noqa: E402
 
-#: format name -> quantization recipe (the defaults of docs/formats.md, "9. Recipes", spelled out).
+#: format name -> quantization recipe (the defaults of docs/formats.md, "10. Recipes", spelled out).
 FORMATS: dict[str, dict] = {
     "nvfp4": {},  # 1x16 blocks, e4m3 block scales, fp32 amax
     "mxfp8": {},  # 1x32 blocks, e8m0 scales, e4m3 data

@@ -15,8 +15,12 @@ FLOOR_E4M3 = SQNR_FLOORS["e4m3"][0]  # model 31.5 dB
 FLOOR_E5M2 = SQNR_FLOORS["e5m2"][0]  # model 25.5 dB
 FLOOR_NVFP4_1D = SQNR_FLOORS["nvfp4"][0]  # model 20.5 dB
 FLOOR_NVFP4_2D = SQNR_FLOORS["nvfp4_2d"][0]  # model 19.1 dB
+FLOOR_MXFP4 = SQNR_FLOORS["mxfp4"][0]  # model 18.7 (rceil) to 19.0 (even) dB
+FLOOR_MXFP4_CEIL = SQNR_FLOORS["mxfp4_ceil"][0]  # model 16.8 dB
 
 #: MXFP8 re-encoded on other block boundaries (every value re-rounded to E4M3 under a new pow2 scale).
 REENCODE_E4M3 = REENCODE_FLOORS["e4m3"][0]
 #: NVFP4 (E2M1 with 1x16 or 16x16 E4M3 scales) from FP8/MXFP8/NVFP4 values: ~19-20 dB model.
 REENCODE_NVFP4 = REENCODE_FLOORS["nvfp4"][0]
+#: MXFP4 (E2M1 with 1x32 E8M0 scales) from or to any other encoding: ~16.5-19 dB model.
+REENCODE_MXFP4 = REENCODE_FLOORS["mxfp4"][0]

@@ -32,6 +32,8 @@ CASES = [
     ("mxfp8", {"columnwise": True}),
     ("nvfp4", {}),
     ("nvfp4", {"two_d": True}),
+    ("mxfp4", {}),
+    ("mxfp4", {"scale_rule": "rceil"}),
 ]
 IDS = [f"{f}-" + ",".join(f"{k}={v}" for k, v in r.items()) for f, r in CASES]
 CLASSES = {
@@ -39,6 +41,7 @@ CLASSES = {
     "fp8_block": ckptq.Float8BlockTensor,
     "mxfp8": ckptq.MXFP8Tensor,
     "nvfp4": ckptq.NVFP4Tensor,
+    "mxfp4": ckptq.MXFP4Tensor,
 }
 # (288, 400): 288 = 2*128 + 32 and 400 = 3*128 + 16 = 12*32 + 16 are ragged for the 128 and 32 blocks
 # and multiples of 16: every format has a partial block somewhere.
@@ -46,7 +49,7 @@ SHAPE = (288, 400)
 
 
 def _layout(fmt: str, recipe: dict, shape) -> dict:
-    """docs/formats.md (sections 3-6 and 8): component -> (dtype, per component dim: (logical dim, divisor))."""
+    """docs/formats.md (sections 3-7 and 8): component -> (dtype, per component dim: (logical dim, divisor))."""
     nb = len(shape) - 2
     batch = [(d, 1) for d in range(nb)]
     m, k = nb, nb + 1
@@ -74,6 +77,11 @@ def _layout(fmt: str, recipe: dict, shape) -> dict:
             "data": (torch.uint8, batch + [(m, 1), (k, 2)]),
             "scale": (E4M3, batch + [(m, 16 if recipe.get("two_d") else 1), (k, 16)]),
             "amax": (torch.float32, batch),
+        }
+    if fmt == "mxfp4":
+        return {
+            "data": (torch.uint8, batch + [(m, 1), (k, 2)]),
+            "scale": (torch.uint8, batch + [(m, 1), (k, 32)]),
         }
     raise AssertionError(fmt)
 
@@ -129,8 +137,8 @@ def quantized():
 @pytest.mark.parametrize("fmt, recipe", CASES, ids=IDS)
 @pytest.mark.parametrize("shape", [(288, 400), (5, 34), (1, 2), (3, 40, 18), (2, 1, 17, 48)])
 def test_component_layout(fmt, recipe, shape, backend):
-    if fmt == "nvfp4" and shape[-1] % 2:
-        pytest.skip("odd K is an error for nvfp4 (tested below)")
+    if fmt in ("nvfp4", "mxfp4") and shape[-1] % 2:
+        pytest.skip("odd K is an error for nvfp4 and mxfp4 (tested below)")
     x = _randn(shape, seed=2, dtype=torch.bfloat16)
     qt = ckptq.quantize(x, fmt, **recipe)
     assert type(qt) is CLASSES[fmt]
@@ -243,10 +251,14 @@ def test_nvfp4_amax_override_is_stored(backend):
 # =============================================================================================== #
 # Errors                                                                                          #
 # =============================================================================================== #
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("k", [1, 17, 33])
-def test_nvfp4_odd_k_raises(k, backend):
+def test_fp4_odd_k_raises(fmt, k, backend):
+    with pytest.raises(ckptq.QuantizationError, match="odd") as ei:
+        ckptq.quantize(torch.randn(4, k), fmt)
+    assert fmt in str(ei.value) and f"(4, {k})" in str(ei.value)
     with pytest.raises(ckptq.QuantizationError, match="odd"):
-        ckptq.quantize(torch.randn(4, k), "nvfp4")
+        ckptq.requantize(ckptq.quantize(torch.randn(4, k), "fp8_tensor"), fmt)
 
 
 BAD_OPTIONS = [
@@ -267,6 +279,11 @@ BAD_OPTIONS = [
     ("fp8_block", {"eps": "0"}),
     ("mxfp8", {"columnwise": "yes"}),
     ("nvfp4", {"two_d": "yes"}),
+    ("mxfp4", {"scale_rule": "round_up"}),
+    ("mxfp4", {"scale_rule": "FLOOR"}),
+    ("mxfp4", {"amax": 1.0}),
+    ("mxfp4", {"scale": 1.0}),
+    ("mxfp4", {"two_d": True}),
     ("fp8_block", {"amax": 1.0}),
     ("mxfp8", {"amax": 1.0}),
     ("mxfp8", {"scale": 1.0}),
@@ -503,6 +520,8 @@ UNALIGNED = [
     (6, 1, 8, 16, 8, 16),  # nvfp4 along K
     (6, 1, 16, 1, 17, 16),  # nvfp4: odd cut would also split a packed byte
     (7, 0, 8, 16, 8, 16),  # nvfp4 16x16 along M
+    (8, 1, 16, 32, 16, 32),  # mxfp4 along K
+    (9, 1, 32, 1, 33, 32),  # mxfp4: odd cut would also split a packed byte
 ]
 
 

@@ -1,7 +1,8 @@
 """Kernel backends vs the reference (the spec), byte for byte, plus the op registry.
 
-Every source -> target pair over {fp32, bf16, fp16, fp8_tensor, fp8_block, mxfp8, nvfp4} with the
-recipes (fp8 e4m3/e5m2, pow2 on/off, blocks (1,128)/(128,128), mxfp8 columnwise, nvfp4 two_d), on
+Every source -> target pair over {fp32, bf16, fp16, fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4} with
+the recipes (fp8 e4m3/e5m2, pow2 on/off, blocks (1,128)/(128,128), mxfp8 columnwise, nvfp4 two_d,
+the four mxfp4 scale rules), on
 random, ragged and batched shapes and on edge inputs, must give the reference's bytes
 (``ckptq.metrics.bit_exact`` compares ``.view(torch.uint8)``, NaN payloads included). The helpers
 take a device so that ``test_kernels_cuda.py`` runs the same cases on the GPU.
@@ -35,6 +36,8 @@ SOURCES = [
     ("mxfp8", {}),
     ("nvfp4", {}),
     ("nvfp4", {"two_d": True}),
+    ("mxfp4", {}),
+    ("mxfp4", {"scale_rule": "rceil"}),
 ]
 TARGETS = [
     ("fp32", {}),
@@ -48,6 +51,10 @@ TARGETS = [
     ("mxfp8", {"columnwise": True}),
     ("nvfp4", {}),
     ("nvfp4", {"two_d": True}),
+    ("mxfp4", {"scale_rule": "floor"}),
+    ("mxfp4", {"scale_rule": "even"}),
+    ("mxfp4", {"scale_rule": "ceil"}),
+    ("mxfp4", {"scale_rule": "rceil"}),
 ]
 
 
@@ -202,7 +209,7 @@ def test_pair_bit_exact_cpu(src, dst, shape, sources):
 
 @pytest.mark.parametrize("dst", TARGETS, ids=case_id)
 @pytest.mark.parametrize(
-    "src", [s for s in SOURCES if s[0] in HP or s[0] in ("mxfp8", "nvfp4", "fp8_block")], ids=case_id
+    "src", [s for s in SOURCES if s[0] in HP or s[0] in ("mxfp8", "nvfp4", "fp8_block", "mxfp4")], ids=case_id
 )
 def test_edge_values_cpu(src, dst):
     """NaN, +-inf, -0.0, subnormals, saturation, an all-zero matrix (amax 0), tiny matrices."""
@@ -211,7 +218,7 @@ def test_edge_values_cpu(src, dst):
 
 
 def crafted_sources(device="cpu"):
-    """Quantized sources with special scales a quantizer never writes: E8M0 bytes 0/254/255,
+    """Quantized sources with special scales a quantizer never writes: E8M0 bytes 0/254/255 (mxfp8, mxfp4),
     NVFP4 amax NaN/inf/0 and NaN block scales, FP8 scale_inv inf/NaN/0/negative, FP8 NaN data."""
     g = torch.Generator().manual_seed(3)
     m, k = 34, 96
@@ -223,6 +230,12 @@ def crafted_sources(device="cpu"):
         ckptq.from_components(
             {"format": "mxfp8", "version": 1, "shape": [m, k], "dtype": "bfloat16", "recipe": {}},
             {"data": data.view(E4M3), "scale": mx_scale},
+        )
+    )
+    out.append(
+        ckptq.from_components(
+            {"format": "mxfp4", "version": 1, "shape": [m, k], "dtype": "float32", "recipe": {}},
+            {"data": torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8), "scale": mx_scale},
         )
     )
     for amax in (float("nan"), float("inf"), 0.0, 3.5):
@@ -317,6 +330,9 @@ def cast_sweep(device="cpu") -> torch.Tensor:
         ("fp8_tensor", {"fp8_dtype": E5M2}, {"scale": 1.0}),
         ("mxfp8", {}, {}),
         ("nvfp4", {}, {"amax": 2688.0}),
+        ("mxfp4", {}, {}),
+        ("mxfp4", {"scale_rule": "even"}, {}),
+        ("mxfp4", {"scale_rule": "rceil"}, {}),
         ("bf16", {}, {}),
         ("fp16", {}, {}),
     ],
@@ -332,7 +348,13 @@ def test_cast_sweep_cpu(dst):
 def test_amax_op_cpu():
     _need_cpu()
     x = edge_matrix()
-    for src in [x, x.to(torch.float16), make_source("nvfp4", {"two_d": True}, x), make_source("mxfp8", {}, x)]:
+    for src in [
+        x,
+        x.to(torch.float16),
+        make_source("nvfp4", {"two_d": True}, x),
+        make_source("mxfp8", {}, x),
+        make_source("mxfp4", {}, x),
+    ]:
         with ops.force("reference"):
             ref = ops.amax(src)
         with ops.force("cpu"):
@@ -355,6 +377,7 @@ def opcheck_cases(device="cpu"):
     x = random_hp((2, 40, 96), seed=4, device=device).to(torch.bfloat16)
     nv = make_source("nvfp4", {}, x.float().cpu()).to(device)
     mx = make_source("mxfp8", {}, x.float().cpu()).to(device)
+    mx4 = make_source("mxfp4", {"scale_rule": "even"}, x.float().cpu()).to(device)
     amax = torch.tensor([1.0, 2.0], device=device)
     return [
         ([x], "bf16", [], "nvfp4", [1, 16], None, False, 0.0, False, None, None),
@@ -399,6 +422,8 @@ def opcheck_cases(device="cpu"):
             None,
             None,
         ),
+        ([x], "bf16", [], "mxfp4", [1, 32], None, False, 0.0, False, None, None, "rceil"),
+        ([mx4._components["data"], mx4._components["scale"]], "mxfp4", [1, 32], "fp32", []),
     ]
 
 
@@ -410,7 +435,7 @@ def opcheck_utils(args):
     return ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(8))
 def test_opcheck_requantize_cpu(i):
     _need_cpu()
     args = opcheck_cases()[i]

@@ -152,7 +152,7 @@ def test_unsupported_blocks_fall_back_to_the_reference_on_cuda():
         K.check_pair(q, "nvfp4", {}, backend="cuda")
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", range(8))
 def test_opcheck_requantize_cuda(i):
     _need_cuda_backend()
     args = K.opcheck_cases(DEV)[i]

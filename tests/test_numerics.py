@@ -1,4 +1,4 @@
-"""Numerics of the four formats against the spec (docs/formats.md).
+"""Numerics of the five formats against the spec (docs/formats.md).
 
 Layers, from the bottom up:
 
@@ -1106,7 +1106,14 @@ def test_nvfp4_nan_amax_propagates(backend):
 # 6. SQNR floors on Gaussian inputs                                                               #
 # =============================================================================================== #
 # The floors and their reasoning: tests/_bounds.py (one place for every SQNR bound of the suite).
-from _bounds import FLOOR_E4M3, FLOOR_E5M2, FLOOR_NVFP4_1D, FLOOR_NVFP4_2D  # noqa: E402
+from _bounds import (  # noqa: E402
+    FLOOR_E4M3,
+    FLOOR_E5M2,
+    FLOOR_MXFP4,
+    FLOOR_MXFP4_CEIL,
+    FLOOR_NVFP4_1D,
+    FLOOR_NVFP4_2D,
+)
 
 SQNR_CASES = [
     ("fp8_tensor", {}, FLOOR_E4M3, 3),
@@ -1119,6 +1126,10 @@ SQNR_CASES = [
     ("mxfp8", {}, FLOOR_E4M3, 3),
     ("nvfp4", {}, FLOOR_NVFP4_1D, None),
     ("nvfp4", {"two_d": True}, FLOOR_NVFP4_2D, None),
+    ("mxfp4", {}, FLOOR_MXFP4, None),
+    ("mxfp4", {"scale_rule": "even"}, FLOOR_MXFP4, None),
+    ("mxfp4", {"scale_rule": "ceil"}, FLOOR_MXFP4_CEIL, None),
+    ("mxfp4", {"scale_rule": "rceil"}, FLOOR_MXFP4, None),
 ]
 
 
@@ -1140,6 +1151,25 @@ def _nvfp4_model_db(x: torch.Tensor, two_d: bool) -> float:
     return 20 * math.log10(xb.norm().item() / (xb - q).norm().item())
 
 
+def _mxfp4_model_db(x: torch.Tensor, rule: str) -> float:
+    """float64 model: per 1x32 block the power-of-two scale of the rule (from log2 of the amax,
+    computed here in float64), E2M1 nearest with saturation at 6."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
+    m, k = x.shape
+    xb = x.double().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    if rule == "rceil":
+        e = torch.ceil(torch.log2(amax / 6))
+    else:
+        if rule == "even":  # amax rounded to one mantissa bit, half up
+            f = torch.floor(torch.log2(amax))
+            amax = torch.round(amax / 2**f * 2) / 2 * 2**f
+        e = (torch.ceil if rule == "ceil" else torch.floor)(torch.log2(amax)) - 2
+    v = (xb / 2**e).clamp(-6, 6)
+    q = grid[torch.bucketize(v.abs(), (grid[1:] + grid[:-1]) / 2)] * v.sign() * 2**e
+    return 20 * math.log10(xb.norm().item() / (xb - q).norm().item())
+
+
 @pytest.fixture(scope="module")
 def gaussian():
     return torch.randn(256, 512, generator=torch.Generator().manual_seed(2024))
@@ -1152,7 +1182,12 @@ def test_sqnr_floor(gaussian, fmt, recipe, floor, p, src, backend):
     qt = ckptq.quantize(x, fmt, **recipe)
     ref = x.float()
     got = sqnr_db(ref, qt.dequantize(torch.float32))
-    model = _float_model_db(ref, p) if p is not None else _nvfp4_model_db(ref, recipe.get("two_d", False))
+    if p is not None:
+        model = _float_model_db(ref, p)
+    elif fmt == "mxfp4":
+        model = _mxfp4_model_db(ref, recipe.get("scale_rule", "floor"))
+    else:
+        model = _nvfp4_model_db(ref, recipe.get("two_d", False))
     assert got >= floor, f"{fmt} {recipe}: SQNR {got:.2f} dB < floor {floor} dB (model {model:.2f} dB)"
     assert got <= model + 1.0, f"{fmt} {recipe}: SQNR {got:.2f} dB above the model {model:.2f} dB + 1"
     assert floor <= model - 1.0, "floor must sit below the model"
@@ -1177,3 +1212,125 @@ def test_sqnr_db_in_slices_is_the_one_shot_formula(n):
     bad = approx.clone()
     bad[n // 2] = float("nan")
     assert math.isnan(sqnr_db(ref, bad))
+
+
+# =============================================================================================== #
+# 7. MXFP4: scale rules, nibble order, and the producers' own code                               #
+# =============================================================================================== #
+# (amax, floor, even, ceil, rceil): E8M0 bytes of docs/formats.md "7. mxfp4", derived by hand.
+MXFP4_SCALES = [
+    (6.0, 127, 127, 128, 127),  # 1.5 * 2^2: floor 2 - 2 = 0; even: mantissa .5 + .25 < 1 stays; ceil 3 - 2; 6/6 = 1
+    (7.0, 127, 128, 128, 128),  # 1.75 * 2^2: even rounds up to 2^3; rceil 7/6 = 1.17 -> 2^1
+    (4.0, 127, 127, 127, 127),  # 2^2 exactly: every rule 0; rceil 4/6 = 0.67 -> 2^0
+    (1.0, 125, 125, 125, 125),  # 2^0: E - 2 = -2; rceil 1/6 = 0.167 = 2^-2.58 -> 2^-2
+    (0.0, 0, 0, 0, 0),  # all-zero block: the smallest scale
+    (1e-45, 0, 0, 0, 0),  # subnormal amax: clamped at byte 0 (2^-127)
+    (FLT_MAX, 252, 253, 253, 253),  # E = 254: floor 252; even/ceil carry to E' = 255 -> 253; FLT_MAX/6 = 2^125.4 -> 126
+    (INF, 254, 254, 254, 254),  # written rule: +inf -> 254 for every rule
+    (NAN, 255, 255, 255, 255),  # NaN -> 255: the block decodes to NaN
+]
+
+
+@pytest.mark.parametrize("amax, floor, even, ceil, rceil", MXFP4_SCALES)
+def test_mxfp4_scale_rules_table(amax, floor, even, ceil, rceil):
+    a = torch.tensor([amax], dtype=torch.float32)
+    for rule, want in zip(N.MXFP4_SCALE_RULES, (floor, even, ceil, rceil), strict=True):
+        assert N.mxfp4_scale_from_amax(a, rule).item() == want, (amax, rule)
+
+
+def test_mxfp4_hand_block(backend):
+    # one block of 32: amax 5 -> floor scale byte 127 - 0 (E(5) = 2, 2 - 2 = 0): codes are e2m1(x)
+    x = torch.tensor([[0.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.0, -0.3, -1.0, -6.5] + [0.0] * 20])
+    q = ckptq.quantize(x, "mxfp4")
+    c = q.components()
+    assert c["scale"].tolist() == [[127]]
+    # ties to even: .25 -> 0, .75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4; -6.5 saturates
+    codes = [0x0, 0x0, 0x2, 0x2, 0x4, 0x4, 0x6, 0x6, 0x8, 0x9, 0xA, 0xF]
+    want = [codes[2 * i] | codes[2 * i + 1] << 4 for i in range(6)] + [0] * 10
+    assert c["data"].tolist() == [want]
+    # rceil: 5/6 -> 2^0 as well; ceil: 2^(3 - 2) = 2 -> byte 128, values halved before rounding
+    assert ckptq.quantize(x, "mxfp4", scale_rule="ceil").components()["scale"].tolist() == [[128]]
+
+
+def test_mxfp4_nibble_order_and_decode():
+    # byte 0x21: low nibble code 1 (0.5) is element 0, high nibble code 2 (1.0) is element 1
+    data = torch.tensor([[0x21] + [0] * 15], dtype=torch.uint8)
+    for byte, mult in ((127, 1.0), (130, 8.0), (0, 2.0**-127)):
+        scale = torch.tensor([[byte]], dtype=torch.uint8)
+        x = N.dequantize_mxfp4(data, scale)
+        assert x[0, :2].tolist() == [0.5 * mult, 1.0 * mult]
+    assert torch.isnan(N.dequantize_mxfp4(data, torch.tensor([[255]], dtype=torch.uint8))).all()
+
+
+def test_mxfp4_nonfinite_inputs(backend):
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    x[0, 3] = NAN
+    x[1, 40] = INF
+    x[2, 5] = -INF
+    x[2, 6] = NAN  # NaN wins over inf in a block
+    for rule in N.MXFP4_SCALE_RULES:
+        q = ckptq.quantize(x, "mxfp4", scale_rule=rule)
+        c = q.components()
+        assert c["scale"].tolist()[0][0] == 255 and c["scale"].tolist()[1][1] == 254
+        assert c["scale"].tolist()[2][0] == 255
+        assert (N.unpack_fp4(c["data"])[0, :32] == 7).all()  # NaN block: every code 0x7
+        codes1 = N.unpack_fp4(c["data"])[1, 32:]
+        assert codes1[8].item() == 7  # +inf saturates to +6
+        y = q.dequantize()
+        assert torch.isnan(y[0, :32]).all() and torch.isnan(y[2, :32]).all()
+        assert y[1, 40].item() == INF  # 6 * 2^127 overflows fp32: +inf decodes to +inf again
+
+
+@pytest.mark.parametrize("rule", ["floor", "even", "rceil"])
+def test_mxfp4_requantize_to_itself_keeps_values(rule, backend):
+    # floor/even/rceil give a block whose largest code is 6 or 4 its own scale again (and a block of
+    # smaller codes a lower scale that holds every value): re-encoding keeps the values exactly.
+    q = ckptq.quantize(torch.randn(16, 256, generator=torch.Generator().manual_seed(3)), "mxfp4", scale_rule=rule)
+    assert_same_bytes(ckptq.requantize(q, "mxfp4", scale_rule=rule).dequantize(), q.dequantize())
+
+
+def _mx_input():
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 256)
+    x[0, :32] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_scale_rules_equal_torchao(dtype, backend):
+    """Each rule is the torchao 0.18 ScaleCalculationMode of its name, byte for byte (to_mx, FP4)."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = _mx_input().to(dtype)
+    for rule in N.MXFP4_SCALE_RULES:
+        scale, data = to_mx(x.clone(), torch.float4_e2m1fn_x2, 32, ScaleCalculationMode(rule))
+        c = ckptq.quantize(x, "mxfp4", scale_rule=rule).components()
+        assert_same_bytes(scale.view(torch.uint8), c["scale"], f"{rule} scale")
+        assert_same_bytes(data.view(torch.uint8), c["data"], f"{rule} data")
+
+
+def test_mxfp4_even_rule_equals_compressed_tensors_scales():
+    """compressed-tensors 0.20 generate_mx_scales (its MXFP4 observer's scale) is the even rule."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    x = _mx_input().to(torch.bfloat16)
+    amax = x.view(64, 8, 32).abs().amax(-1)
+    want = generate_mx_scales(amax, 4).to(torch.uint8)
+    assert_same_bytes(ckptq.quantize(x, "mxfp4", scale_rule="even").components()["scale"], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_decode_equals_transformers(dtype, backend):
+    """transformers 5.24's own MXFP4 unpacking (gpt-oss ``*_blocks`` (E, N, G, 16) + ``*_scales``
+    (E, N, G); low nibble = even element; ldexp by scale - 127), transposed back, is our decode."""
+    pytest.importorskip("transformers")
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    x = torch.randn(2, 24, 96, generator=torch.Generator().manual_seed(5)) * 3
+    q = ckptq.quantize(x, "mxfp4", scale_rule="rceil")
+    c = q.components()
+    blocks = c["data"].reshape(2, 24, 3, 16)
+    got = convert_moe_packed_tensors(blocks, c["scale"], dtype=dtype)  # (E, K, N)
+    assert_same_bytes(got.transpose(1, 2).contiguous(), q.dequantize(dtype))

@@ -24,7 +24,7 @@ from _dist import run_distributed
 pytestmark = pytest.mark.slow
 
 SHAPES = {"even": (1536, 512), "uneven": (1000, 384)}
-# (format, recipe, block along M, block along K) -- the cut granularity (docs/formats.md, "8. Cuts and block alignment")
+# (format, recipe, block along M, block along K) -- the cut granularity (docs/formats.md, "9. Cuts and block alignment")
 CASES = [
     ("fp8_tensor", {}, 1, 1),
     ("fp8_tensor", {"fp8_dtype": torch.float8_e5m2}, 1, 1),

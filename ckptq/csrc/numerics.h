@@ -253,11 +253,52 @@ CKPTQ_HD uint8_t nvfp4_code(float x, float enc) { return e2m1_encode(x * enc); }
 // Decode multiplier (TE dequantize order, uses amax not S_dec): (float(s) * amax) * (1/2688).
 CKPTQ_HD float nvfp4_dec_mult(float s, float amax) { return (s * amax) * u2f(kInv2688Bits); }
 
+// -------------------------------------------------------------------------------- MXFP4
+// numerics.MXFP4_SCALE_RULES, in that order (the op's scale_rule string, parsed in requantize.h).
+enum class Mxfp4Rule : int32_t { FLOOR = 0, EVEN = 1, CEIL = 2, RCEIL = 3 };
+
+// numerics.mxfp4_scale_from_amax: the E8M0 byte of a block from its fp32 amax (>= 0 or NaN).
+//   floor: max(E - 2, 0); even: E of (bits + 2^21) with the mantissa cleared, then max(E' - 2, 0);
+//   ceil: max(E + (m != 0) - 2, 0); rceil: e8m0_from_f32(amax / 6) (an fp32 division);
+//   every rule: +inf -> 254, NaN -> 255.
+// Unsigned arithmetic throughout (bits + 2^21 of a NaN would overflow an int).
+CKPTQ_HD uint8_t mxfp4_scale_from_amax(float amax, Mxfp4Rule rule) {
+  uint32_t e;
+  if (rule == Mxfp4Rule::RCEIL) {
+    e = e8m0_from_f32(amax / 6.0f);
+  } else {
+    uint32_t bits = f2u(amax);
+    if (rule == Mxfp4Rule::EVEN) bits = (bits + 0x200000u) & 0x7F800000u;
+    uint32_t exp = (bits >> 23) & 0xFFu;
+    if (rule == Mxfp4Rule::CEIL) exp += (bits & 0x7FFFFFu) != 0u ? 1u : 0u;
+    e = exp < 2u ? 0u : (exp - 2u > 254u ? 254u : exp - 2u);
+  }
+  e = is_inf(amax) ? 254u : e;
+  e = is_nan(amax) ? 255u : e;
+  return (uint8_t)e;
+}
+
+// MXFP4 element code: e2m1_rne(clamp(x * 2^(127 - s), -6, 6)) with mult = e8m0_rcp(s); the clamp
+// folds into e2m1_index as for nvfp4_code (same function: x * mult, then e2m1_encode).
+CKPTQ_HD uint8_t mxfp4_code(float x, float mult) { return e2m1_encode(x * mult); }
+
 }  // namespace num
 
 // ------------------------------------------------------------------ format descriptors
 // Formats as the op's string arguments name them. The hp formats are plain tensors.
-enum class Fmt : int32_t { F32 = 0, BF16 = 1, F16 = 2, FP8_TENSOR = 3, FP8_BLOCK = 4, MXFP8 = 5, NVFP4 = 6 };
+enum class Fmt : int32_t {
+  F32 = 0,
+  BF16 = 1,
+  F16 = 2,
+  FP8_TENSOR = 3,
+  FP8_BLOCK = 4,
+  MXFP8 = 5,
+  NVFP4 = 6,
+  MXFP4 = 7
+};
+
+// Formats whose data packs two E2M1 codes per byte (data is (..., M, K/2)).
+CKPTQ_HD bool fmt_is_fp4(Fmt f) { return f == Fmt::NVFP4 || f == Fmt::MXFP4; }
 
 CKPTQ_HD bool fmt_is_hp(Fmt f) { return f == Fmt::F32 || f == Fmt::BF16 || f == Fmt::F16; }
 

@@ -27,8 +27,9 @@ inline Fmt parse_fmt(c10::string_view s, const char* which) {
   if (n == "fp8_block") return Fmt::FP8_BLOCK;
   if (n == "mxfp8") return Fmt::MXFP8;
   if (n == "nvfp4") return Fmt::NVFP4;
+  if (n == "mxfp4") return Fmt::MXFP4;
   TORCH_CHECK(false, "ckptq: unknown ", which, " format '", n,
-              "'; expected one of fp32, bf16, fp16, fp8_tensor, fp8_block, mxfp8, nvfp4");
+              "'; expected one of fp32, bf16, fp16, fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4");
   return Fmt::F32;
 }
 
@@ -41,8 +42,20 @@ inline const char* fmt_name(Fmt f) {
     case Fmt::FP8_BLOCK: return "fp8_block";
     case Fmt::MXFP8: return "mxfp8";
     case Fmt::NVFP4: return "nvfp4";
+    case Fmt::MXFP4: return "mxfp4";
   }
   return "?";
+}
+
+// The op's scale_rule string (an mxfp4 target's E8M0 scale rule; "" means floor).
+inline num::Mxfp4Rule parse_mxfp4_rule(c10::string_view s) {
+  const std::string n(s.data(), s.size());
+  if (n.empty() || n == "floor") return num::Mxfp4Rule::FLOOR;
+  if (n == "even") return num::Mxfp4Rule::EVEN;
+  if (n == "ceil") return num::Mxfp4Rule::CEIL;
+  if (n == "rceil") return num::Mxfp4Rule::RCEIL;
+  TORCH_CHECK(false, "ckptq: unknown mxfp4 scale_rule '", n, "'; expected one of floor, even, ceil, rceil");
+  return num::Mxfp4Rule::FLOOR;
 }
 
 inline at::ScalarType hp_dtype(Fmt f) {
@@ -63,8 +76,9 @@ inline std::pair<int64_t, int64_t> parse_block(Fmt f, at::IntArrayRef blk, const
                   " fp8_block needs block=[bm, bk] of two positive ints, got ", blk);
       return {blk[0], blk[1]};
     case Fmt::MXFP8:
-      TORCH_CHECK(blk.empty() || (blk.size() == 2 && blk[0] == 1 && blk[1] == 32), "ckptq: ", which,
-                  " mxfp8 blocks are [1, 32], got ", blk);
+    case Fmt::MXFP4:
+      TORCH_CHECK(blk.empty() || (blk.size() == 2 && blk[0] == 1 && blk[1] == 32), "ckptq: ", which, " ",
+                  fmt_name(f), " blocks are [1, 32], got ", blk);
       return {1, 32};
     case Fmt::NVFP4:
       TORCH_CHECK(blk.empty() || (blk.size() == 2 && blk[1] == 16 && (blk[0] == 1 || blk[0] == 16)),
@@ -88,6 +102,7 @@ struct Plan {
   int64_t bm = 1, bk = 1;  // target block (per tensor / hp: unused)
   bool d_e5m2 = false, pow2 = false, columnwise = false;
   float eps = 0.0f;
+  num::Mxfp4Rule mx_rule = num::Mxfp4Rule::FLOOR;  // mxfp4 target
   at::Tensor amax_in, scale_in;  // fp32 (B,) contiguous, or undefined
   std::vector<at::Tensor> outs;  // in canonical component order
   at::Device device = at::kCPU;
@@ -129,7 +144,7 @@ inline void plan_source(Plan& p, at::TensorList src, c10::string_view src_format
   for (int64_t d : p.batch) p.B *= d;
   p.M = data.size(nd - 2);
   const int64_t last = data.size(nd - 1);
-  p.K = p.sf == Fmt::NVFP4 ? 2 * last : last;
+  p.K = fmt_is_fp4(p.sf) ? 2 * last : last;
   p.s_data = data.contiguous();
   auto blk = parse_block(p.sf, src_block, "source");
   switch (p.sf) {
@@ -169,6 +184,16 @@ inline void plan_source(Plan& p, at::TensorList src, c10::string_view src_format
       check_shape(src[1], cat_shape(p.batch, {p.s_srows, p.s_scols}), fn, "scale");
       p.s_scale = src[1].contiguous();
       break;
+    case Fmt::MXFP4:
+      check_dtype(data, at::kByte, fn, "data");
+      check_dtype(src[1], at::kByte, fn, "scale");
+      p.sbm = 1;
+      p.sbk = 32;
+      p.s_srows = p.M;
+      p.s_scols = cdiv(p.K, 32);
+      check_shape(src[1], cat_shape(p.batch, {p.s_srows, p.s_scols}), fn, "scale");
+      p.s_scale = src[1].contiguous();
+      break;
     case Fmt::NVFP4:
       check_dtype(data, at::kByte, fn, "data");
       check_dtype(src[1], at::kFloat8_e4m3fn, fn, "scale");
@@ -196,7 +221,8 @@ inline at::Tensor per_batch_f32(const at::Tensor& t, const Plan& p, const char* 
 // Parse the target and allocate its components.
 inline void plan_target(Plan& p, c10::string_view dst_format, at::IntArrayRef dst_block,
                         std::optional<at::ScalarType> fp8_dtype, bool pow2, double eps, bool columnwise,
-                        const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale) {
+                        const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale,
+                        c10::string_view scale_rule) {
   p.df = parse_fmt(dst_format, "target");
   const char* fn = fmt_name(p.df);
   auto blk = parse_block(p.df, dst_block, "target");
@@ -205,6 +231,8 @@ inline void plan_target(Plan& p, c10::string_view dst_format, at::IntArrayRef ds
   p.pow2 = pow2;
   p.eps = (float)eps;
   p.columnwise = columnwise;
+  TORCH_CHECK(scale_rule.empty() || p.df == Fmt::MXFP4, "ckptq: scale_rule= applies only to an mxfp4 target, not ", fn);
+  p.mx_rule = parse_mxfp4_rule(scale_rule);
   TORCH_CHECK(!columnwise || p.df == Fmt::MXFP8, "ckptq: columnwise=True applies only to an mxfp8 target, not ", fn);
   const bool fp8_target = p.df == Fmt::FP8_TENSOR || p.df == Fmt::FP8_BLOCK;
   if (fp8_target) {
@@ -222,8 +250,8 @@ inline void plan_target(Plan& p, c10::string_view dst_format, at::IntArrayRef ds
     TORCH_CHECK(p.df == Fmt::FP8_TENSOR, "ckptq: scale= applies only to an fp8_tensor target, not ", fn);
     p.scale_in = per_batch_f32(*scale, p, "scale");
   }
-  TORCH_CHECK(p.df != Fmt::NVFP4 || p.K % 2 == 0, "ckptq: nvfp4 packs two values per byte, so the last dim K must be even; got K = ",
-              p.K);
+  TORCH_CHECK(!fmt_is_fp4(p.df) || p.K % 2 == 0, "ckptq: ", fn,
+              " packs two values per byte, so the last dim K must be even; got K = ", p.K);
   auto opt = at::TensorOptions().device(p.device);
   const int64_t M = p.M, K = p.K;
   const auto& bt = p.batch;
@@ -253,16 +281,21 @@ inline void plan_target(Plan& p, c10::string_view dst_format, at::IntArrayRef ds
                 at::empty(cat_shape(bt, {cdiv(M, p.bm), cdiv(K, 16)}), opt.dtype(at::kFloat8_e4m3fn)),
                 at::empty(bt, opt.dtype(at::kFloat))};
       break;
+    case Fmt::MXFP4:
+      p.outs = {at::empty(cat_shape(bt, {M, K / 2}), opt.dtype(at::kByte)),
+                at::empty(cat_shape(bt, {M, cdiv(K, 32)}), opt.dtype(at::kByte))};
+      break;
   }
 }
 
 inline Plan make_plan(at::TensorList src, c10::string_view src_format, at::IntArrayRef src_block,
                       c10::string_view dst_format, at::IntArrayRef dst_block,
                       std::optional<at::ScalarType> fp8_dtype, bool pow2, double eps, bool columnwise,
-                      const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale) {
+                      const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale,
+                      c10::string_view scale_rule) {
   Plan p;
   plan_source(p, src, src_format, src_block);
-  plan_target(p, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale);
+  plan_target(p, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale, scale_rule);
   return p;
 }
 

@@ -148,6 +148,20 @@ CKPTQ_CLONES void nvfp4_decode_blocks(const uint8_t* __restrict x, int64_t n, co
   }
 }
 
+// MXFP4: blocks of 32 from a block boundary, n even; x = e2m1(code) * 2^(scale - 127).
+CKPTQ_CLONES void mxfp4_decode_blocks(const uint8_t* __restrict x, int64_t n, const float* __restrict mult,
+                                      float* __restrict o) {
+  for (int64_t j = 0, c = 0; c < n; ++j, c += 32) {
+    const float m = mult[j];
+    const int64_t np = std::min<int64_t>(32, n - c) / 2;
+    for (int64_t i = 0; i < np; ++i) {
+      const uint32_t byte = x[c / 2 + i];
+      o[c + 2 * i] = e2m1_decode(byte & 0xFu) * m;
+      o[c + 2 * i + 1] = e2m1_decode(byte >> 4) * m;
+    }
+  }
+}
+
 CKPTQ_CLONES void fp8_decode_blocks(const uint8_t* __restrict x, int64_t n, int64_t bk, const float* __restrict lut,
                                     const float* __restrict mult, float* __restrict o) {
   for (int64_t j = 0, c = 0; c < n; ++j, c += bk) {
@@ -238,6 +252,22 @@ CKPTQ_CLONES void nvfp4_blocks(const float* __restrict v, int64_t n, const float
   }
   for (int64_t c = 16 * full; c < n; c += 2)
     out[c / 2] = (uint8_t)(nvfp4_code(v[c], enc[full]) | (nvfp4_code(v[c + 1], enc[full]) << 4));
+}
+
+// MXFP4, blocks of 32, n even: out holds n/2 bytes, element 2i in the low nibble; mult[j] is the
+// encode multiplier 2^(127 - s) of block j.
+CKPTQ_CLONES void mxfp4_blocks(const float* __restrict v, int64_t n, const float* __restrict mult,
+                               uint8_t* __restrict out) {
+  const int64_t full = n / 32;
+  for (int64_t j = 0; j < full; ++j) {
+    const float m = mult[j];
+    const float* p = v + 32 * j;
+    uint8_t code[32];
+    for (int i = 0; i < 32; ++i) code[i] = mxfp4_code(p[i], m);
+    for (int i = 0; i < 16; ++i) out[16 * j + i] = (uint8_t)(code[2 * i] | (code[2 * i + 1] << 4));
+  }
+  for (int64_t c = 32 * full; c < n; c += 2)
+    out[c / 2] = (uint8_t)(mxfp4_code(v[c], mult[full]) | (mxfp4_code(v[c + 1], mult[full]) << 4));
 }
 
 CKPTQ_CLONES void f16_decode_row(const uint16_t* __restrict x, int64_t n, float* __restrict out) {
@@ -725,7 +755,7 @@ struct SrcCpu {
   const float* lut;        // fp8 / mxfp8 element table
   const float* e4m3;       // nvfp4 scale table
   const float* sc_f32;     // fp8 scale_inv grid
-  const uint8_t* sc_u8;    // mxfp8 e8m0 / nvfp4 e4m3 scale grid
+  const uint8_t* sc_u8;    // mxfp8 / mxfp4 e8m0, nvfp4 e4m3 scale grid
   const float* amax;       // nvfp4 per matrix
   int64_t M, K, sbm, sbk, srows, scols;
   bool avx512;             // use the v512:: loops (use_avx512())
@@ -748,7 +778,7 @@ SrcCpu make_src(const Plan& p) {
   s.avx512 = use_avx512();
   s.e4m3 = tb.e4m3;
   if (p.sf == Fmt::FP8_TENSOR || p.sf == Fmt::FP8_BLOCK) s.sc_f32 = p.s_scale.data_ptr<float>();
-  if (p.sf == Fmt::MXFP8 || p.sf == Fmt::NVFP4) s.sc_u8 = (const uint8_t*)p.s_scale.data_ptr();
+  if (p.sf == Fmt::MXFP8 || fmt_is_fp4(p.sf)) s.sc_u8 = (const uint8_t*)p.s_scale.data_ptr();
   if (p.sf == Fmt::NVFP4) s.amax = p.s_amax.data_ptr<float>();
   return s;
 }
@@ -780,7 +810,7 @@ void decode_row(const SrcCpu& s, int64_t b, int64_t r, int64_t c0, int64_t n, fl
   const int64_t srow = (b * s.srows + r / s.sbm) * s.scols;
   const int64_t end = c0 + n;
   constexpr int64_t kMaxBlocks = 128;
-  if (c0 % s.sbk == 0 && cdiv(n, s.sbk) <= kMaxBlocks && (s.f != Fmt::NVFP4 || n % 2 == 0)) {
+  if (c0 % s.sbk == 0 && cdiv(n, s.sbk) <= kMaxBlocks && (!fmt_is_fp4(s.f) || n % 2 == 0)) {
     // Common case: the chunk starts on a block boundary; multipliers first, then one loop.
     float mult[kMaxBlocks];
     const int64_t nb = cdiv(n, s.sbk), b0 = c0 / s.sbk;
@@ -801,6 +831,10 @@ void decode_row(const SrcCpu& s, int64_t b, int64_t r, int64_t c0, int64_t n, fl
         nvfp4_decode_blocks(s.data + row * (s.K / 2) + c0 / 2, n, mult, out);
         return;
       }
+      case Fmt::MXFP4:  // portable loop only (no v512 version)
+        for (int64_t j = 0; j < nb; ++j) mult[j] = e8m0_to_f32(s.sc_u8[srow + b0 + j]);
+        mxfp4_decode_blocks(s.data + row * (s.K / 2) + c0 / 2, n, mult, out);
+        return;
       default:
         break;
     }
@@ -823,8 +857,10 @@ void decode_row(const SrcCpu& s, int64_t b, int64_t r, int64_t c0, int64_t n, fl
       case Fmt::MXFP8:  // x = float(data) * 2^(scale - 127)
         fp8_decode_run(s.data + row * s.K + c, len, s.lut, e8m0_to_f32(s.sc_u8[srow + blk]), o);
         break;
-      case Fmt::NVFP4: {  // x = e2m1(code) * ((float(s) * amax) * (1/2688))
-        const float m = nvfp4_dec_mult(s.e4m3[s.sc_u8[srow + blk]], s.amax[b]);
+      case Fmt::NVFP4:  // x = e2m1(code) * ((float(s) * amax) * (1/2688))
+      case Fmt::MXFP4: {  // x = e2m1(code) * 2^(scale - 127)
+        const float m = s.f == Fmt::NVFP4 ? nvfp4_dec_mult(s.e4m3[s.sc_u8[srow + blk]], s.amax[b])
+                                          : e8m0_to_f32(s.sc_u8[srow + blk]);
         const uint8_t* x = s.data + row * (s.K / 2);
         if ((c & 1) == 0 && (len & 1) == 0) {
           nvfp4_decode_pairs(x + c / 2, len / 2, m, o);
@@ -1025,7 +1061,8 @@ void run_elementwise(const Plan& p, const SrcCpu& s, const std::vector<float>& t
   });
 }
 
-// Blocked targets: fp8_block (bm, bk), mxfp8 (1, 32) [+ (32, 1) columnwise], nvfp4 (1|16, 16).
+// Blocked targets: fp8_block (bm, bk), mxfp8 (1, 32) [+ (32, 1) columnwise], nvfp4 (1|16, 16),
+// mxfp4 (1, 32; portable loops only: the v512 paths below are never taken for it).
 void run_blocked(const Plan& p, const SrcCpu& s, const std::vector<Nvfp4Tensor>& nvt) {
   const int64_t M = p.M, K = p.K, B = p.B;
   if (B * M == 0 || K == 0) return;
@@ -1047,7 +1084,7 @@ void run_blocked(const Plan& p, const SrcCpu& s, const std::vector<Nvfp4Tensor>&
   void* scale = p.outs[1].data_ptr();
   uint8_t* cw_data = cw ? (uint8_t*)p.outs[2].data_ptr() : nullptr;
   uint8_t* cw_scale = cw ? (uint8_t*)p.outs[3].data_ptr() : nullptr;
-  const int64_t data_row = df == Fmt::NVFP4 ? K / 2 : K;  // bytes per row of data
+  const int64_t data_row = fmt_is_fp4(df) ? K / 2 : K;  // bytes per row of data
 
   // Block amax -> (encode multiplier, scale written to the output).
   auto block_params = [&](int64_t b, int64_t rb, int64_t cb, uint32_t amax_bits) -> float {
@@ -1064,6 +1101,11 @@ void run_blocked(const Plan& p, const SrcCpu& s, const std::vector<Nvfp4Tensor>&
         ((uint8_t*)scale)[si] = e;
         return e8m0_rcp(e);
       }
+      case Fmt::MXFP4: {  // e = the scale rule's E8M0 of amax; multiplier 2^(127 - e)
+        const uint8_t e = mxfp4_scale_from_amax(amax, p.mx_rule);
+        ((uint8_t*)scale)[si] = e;
+        return e8m0_rcp(e);
+      }
       case Fmt::NVFP4: {  // s = e4m3(amax * (S_enc / 6)); enc = fminf(1 / (s * S_dec), FLT_MAX)
         const uint8_t sb = nvfp4_block_scale(amax, nvt[b]);
         ((uint8_t*)scale)[si] = sb;
@@ -1075,14 +1117,16 @@ void run_blocked(const Plan& p, const SrcCpu& s, const std::vector<Nvfp4Tensor>&
     return 0.0f;
   };
   // Encode one row chunk of n elements at column c with one multiplier per block.
-  const bool vx = s.avx512;
+  const bool vx = s.avx512 && df != Fmt::MXFP4;  // the v512 loops of the target (none for mxfp4)
   auto encode = [&](const float* v, int64_t n, const float* mult, int64_t row, int64_t c) {
 #ifdef CKPTQ_HAVE_AVX512
     if (vx && df == Fmt::NVFP4) return v512::nvfp4_blocks(v, n, mult, data + row * data_row + c / 2);
     if (vx && !(df == Fmt::FP8_BLOCK && p.d_e5m2))
       return v512::e4m3_blocks(v512::LoadF32{v}, n, bk, mult, data + row * data_row + c);
 #endif
-    if (df == Fmt::NVFP4)
+    if (df == Fmt::MXFP4)
+      mxfp4_blocks(v, n, mult, data + row * data_row + c / 2);
+    else if (df == Fmt::NVFP4)
       nvfp4_blocks(v, n, mult, data + row * data_row + c / 2);
     else if (df == Fmt::FP8_BLOCK && p.d_e5m2)
       e5m2_blocks(v, n, bk, mult, data + row * data_row + c);
@@ -1225,8 +1269,9 @@ std::vector<at::Tensor> requantize_cpu(at::TensorList src, c10::string_view src_
                                        c10::string_view dst_format, at::IntArrayRef dst_block,
                                        std::optional<at::ScalarType> fp8_dtype, bool pow2, double eps,
                                        bool columnwise, const std::optional<at::Tensor>& amax,
-                                       const std::optional<at::Tensor>& scale) {
-  Plan p = make_plan(src, src_format, src_block, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale);
+                                       const std::optional<at::Tensor>& scale, c10::string_view scale_rule) {
+  Plan p = make_plan(src, src_format, src_block, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale,
+                     scale_rule);
   TORCH_INTERNAL_ASSERT(p.device.is_cpu());
   advise_huge_pages(p.outs);
   const SrcCpu s = make_src(p);
@@ -1264,6 +1309,7 @@ std::vector<at::Tensor> requantize_cpu(at::TensorList src, c10::string_view src_
     }
     case Fmt::FP8_BLOCK:
     case Fmt::MXFP8:
+    case Fmt::MXFP4:
       run_blocked(p, s, {});
       break;
     default:

@@ -1,4 +1,4 @@
-"""Quantized formats: ``fp8_tensor``, ``fp8_block``, ``mxfp8``, ``nvfp4`` (spec: docs/formats.md)."""
+"""Quantized formats: ``fp8_tensor``, ``fp8_block``, ``mxfp8``, ``nvfp4``, ``mxfp4`` (spec: docs/formats.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..errors import QuantizationError, UnsupportedFormatError
 from ..numerics import HP_FORMATS
 from .base import FORMATS, QuantizedTensor, format_class, from_components
 from .fp8 import Float8BlockRecipe, Float8BlockTensor, Float8Recipe, Float8Tensor
+from .mxfp4 import MXFP4Recipe, MXFP4Tensor
 from .mxfp8 import MXFP8Recipe, MXFP8Tensor
 from .nvfp4 import NVFP4Recipe, NVFP4Tensor
 
@@ -20,10 +21,12 @@ __all__ = [
     "Float8BlockTensor",
     "MXFP8Tensor",
     "NVFP4Tensor",
+    "MXFP4Tensor",
     "Float8Recipe",
     "Float8BlockRecipe",
     "MXFP8Recipe",
     "NVFP4Recipe",
+    "MXFP4Recipe",
     "FORMATS",
     "quantize",
     "requantize",
@@ -61,19 +64,20 @@ def quantize(
     Args:
         x: fp32, bf16 or fp16 tensor of shape (..., M, K); K is the reduction dim, leading dims are
             batch dims with their own scales.
-        fmt: ``"nvfp4"``, ``"mxfp8"``, ``"fp8_block"`` or ``"fp8_tensor"``.
+        fmt: ``"nvfp4"``, ``"mxfp4"``, ``"mxfp8"``, ``"fp8_block"`` or ``"fp8_tensor"``.
         amax: NVFP4 / fp8_tensor: use this per-tensor amax (fp32 scalar or batch-shaped) instead of
             the tensor's own, so that the shards of one tensor share it (as after an amax
             all-reduce over the shard group).
         scale: fp8_tensor: use this encode multiplier (``scale_inv = 1 / scale``).
         **recipe: the format's options: ``fp8_dtype``, ``pow2``, ``eps`` (fp8 formats),
-            ``block=(1, 128)`` (fp8_block), ``columnwise=True`` (mxfp8), ``two_d=True`` (nvfp4).
+            ``block=(1, 128)`` (fp8_block), ``columnwise=True`` (mxfp8), ``two_d=True`` (nvfp4),
+            ``scale_rule="floor"|"even"|"ceil"|"rceil"`` (mxfp4).
 
     Returns:
         The format's QuantizedTensor subclass with ``x``'s shape and dtype.
 
     Raises:
-        QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4.
+        QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4 / MXFP4.
         UnsupportedFormatError: unknown format or recipe option.
     """
     cls = format_class(fmt)
@@ -110,7 +114,7 @@ def requantize(
     Raises:
         UnsupportedFormatError: unknown format or recipe option, ``amax=``/``scale=`` where the
             format has no per-tensor value.
-        QuantizationError: nvfp4 with an odd last dim.
+        QuantizationError: nvfp4 / mxfp4 with an odd last dim.
     """
     if not isinstance(src, QuantizedTensor):
         hp = src if src.dtype in HP_FORMATS else src.float()

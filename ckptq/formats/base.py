@@ -132,13 +132,19 @@ class QuantizedTensor(torch.Tensor):
     @classmethod
     def kernel_args(cls, recipe: Any) -> dict:
         """The ``ckptq::requantize`` arguments describing this format with ``recipe``:
-        ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}`` (see
+        ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise", "scale_rule"}`` (see
         :func:`ckptq.ops.make_kernel_args`)."""
         raise NotImplementedError
 
     @classmethod
     def recipe_from_kernel_args(
-        cls, block: Sequence[int], fp8_dtype: torch.dtype | None, pow2: bool, eps: float, columnwise: bool
+        cls,
+        block: Sequence[int],
+        fp8_dtype: torch.dtype | None,
+        pow2: bool,
+        eps: float,
+        columnwise: bool,
+        scale_rule: str = "",
     ) -> Any:
         """Inverse of :meth:`kernel_args`: the recipe the op arguments describe (the fake kernels'
         output shapes). Raises UnsupportedFormatError as the recipe does for invalid values."""
@@ -148,7 +154,7 @@ class QuantizedTensor(torch.Tensor):
     def check_overrides(cls, shape: Sequence[int], amax: Any = None, scale: Any = None) -> None:
         """Validate a quantize/requantize call to this format for a logical ``shape``: ``amax=`` /
         ``scale=`` only where the format has that per-tensor value (``PER_TENSOR_OVERRIDES``);
-        formats with shape constraints (NVFP4: K even) extend it.
+        formats with shape constraints (NVFP4, MXFP4: K even) extend it.
 
         Raises:
             UnsupportedFormatError: an override the format does not take.

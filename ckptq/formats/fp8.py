@@ -69,7 +69,7 @@ class Float8Tensor(QuantizedTensor):
         return ops.make_kernel_args(cls.FORMAT, fp8_dtype=recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps)
 
     @classmethod
-    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> Float8Recipe:
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise, scale_rule="") -> Float8Recipe:
         return Float8Recipe(fp8_dtype=fp8_dtype, pow2=pow2, eps=eps)
 
     @classmethod
@@ -132,7 +132,7 @@ class Float8BlockTensor(QuantizedTensor):
         )
 
     @classmethod
-    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> Float8BlockRecipe:
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise, scale_rule="") -> Float8BlockRecipe:
         return Float8BlockRecipe(block=tuple(block), fp8_dtype=fp8_dtype, pow2=pow2, eps=eps)
 
     @classmethod

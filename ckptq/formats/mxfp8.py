@@ -45,7 +45,7 @@ class MXFP8Tensor(QuantizedTensor):
         return ops.make_kernel_args(cls.FORMAT, block=(1, MX_BLOCK), columnwise=recipe.columnwise)
 
     @classmethod
-    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> MXFP8Recipe:
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise, scale_rule="") -> MXFP8Recipe:
         return MXFP8Recipe(columnwise=columnwise)
 
     @classmethod

@@ -51,7 +51,7 @@ class NVFP4Tensor(QuantizedTensor):
         return ops.make_kernel_args(cls.FORMAT, block=(NVFP4_BLOCK if recipe.two_d else 1, NVFP4_BLOCK))
 
     @classmethod
-    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise) -> NVFP4Recipe:
+    def recipe_from_kernel_args(cls, block, fp8_dtype, pow2, eps, columnwise, scale_rule="") -> NVFP4Recipe:
         return NVFP4Recipe(two_d=bool(block) and int(block[0]) > 1)
 
     @classmethod

@@ -74,9 +74,11 @@ def make_kernel_args(
     pow2: bool = False,
     eps: float = 0.0,
     columnwise: bool = False,
+    scale_rule: str = "",
 ) -> dict:
     """The ``ckptq::requantize`` arguments describing one side (source or target) of the op:
-    ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}``, unused ones at their defaults."""
+    ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise", "scale_rule"}``, unused ones at
+    their defaults (``scale_rule``: the mxfp4 E8M0 scale rule, ``""`` elsewhere)."""
     return {
         "format": fmt,
         "block": [int(b) for b in block],
@@ -84,13 +86,14 @@ def make_kernel_args(
         "pow2": bool(pow2),
         "eps": float(eps),
         "columnwise": bool(columnwise),
+        "scale_rule": str(scale_rule),
     }
 
 
 def kernel_args(fmt: str, recipe: Any = None) -> dict:
     """The ``ckptq::requantize`` arguments describing format ``fmt`` with ``recipe``.
 
-    Returns ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}``; ``recipe`` is the
+    Returns ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise", "scale_rule"}``; ``recipe`` is the
     format's recipe dataclass (ignored for the high-precision formats ``fp32``/``bf16``/``fp16``).
     A quantized format answers through its class's ``kernel_args`` hook.
     """
@@ -106,6 +109,8 @@ def _cuda_supports(src: dict, dst: dict) -> bool:
     """Block shapes the CUDA kernels take (every default block; exotic fp8_block shapes use the
     reference): power-of-two blocks, column blocks of 16..512, and a target block that fits the
     kernel's tile (bm <= 4 * 256 / max(8, bk / 16) rows)."""
+    if "mxfp4" in (src["format"], dst["format"]):
+        return False  # no CUDA mxfp4 kernels yet: the reference backend serves it on the GPU
     if src["format"] == "fp8_block":
         bm, bk = src["block"]
         if not (_pow2(bm) and _pow2(bk) and bk >= 16):
@@ -145,6 +150,7 @@ def _run(src_list, src: dict, dst: dict, *, amax=None, scale=None) -> list[torch
         dst["columnwise"],
         amax,
         scale,
+        dst["scale_rule"],
     )
 
 

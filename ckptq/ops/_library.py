@@ -9,15 +9,17 @@ Ops:
 
 ``ckptq::requantize(Tensor[] src, str src_format, int[] src_block, str dst_format, int[] dst_block,
 ScalarType? fp8_dtype=None, bool pow2=False, float eps=0.0, bool columnwise=False, Tensor? amax=None,
-Tensor? scale=None) -> Tensor[]``
+Tensor? scale=None, str scale_rule="") -> Tensor[]``
     Decode ``src`` (the components of ``src_format``, canonical order) and encode it as
     ``dst_format`` in one pass; returns the target's components in canonical order. Formats:
     ``fp32``, ``bf16``, ``fp16`` (one plain tensor), ``fp8_tensor`` (data, scale_inv),
     ``fp8_block`` (data, scale_inv; block ``[bm, bk]``), ``mxfp8`` (data, scale; plus
     columnwise_data, columnwise_scale as a target with ``columnwise``; block ``[1, 32]``),
-    ``nvfp4`` (data, scale, amax; block ``[1, 16]`` or ``[16, 16]``). ``fp8_dtype`` is the element
-    dtype of an fp8 target; ``pow2`` and ``eps`` its scale options; ``amax`` (nvfp4, fp8_tensor)
-    and ``scale`` (fp8_tensor) override the per-matrix value (fp32, one value per matrix).
+    ``nvfp4`` (data, scale, amax; block ``[1, 16]`` or ``[16, 16]``), ``mxfp4`` (data, scale; block
+    ``[1, 32]``). ``fp8_dtype`` is the element dtype of an fp8 target; ``pow2`` and ``eps`` its
+    scale options; ``amax`` (nvfp4, fp8_tensor) and ``scale`` (fp8_tensor) override the per-matrix
+    value (fp32, one value per matrix); ``scale_rule`` is an mxfp4 target's E8M0 scale rule
+    (``floor``, ``even``, ``ceil``, ``rceil``; ``""`` means ``floor``).
 
 ``ckptq::amax(Tensor[] src, str src_format, int[] src_block) -> Tensor``
     The amax of each matrix of the decoded source (fp32, batch shape; NaN propagates as the
@@ -47,7 +49,7 @@ __all__ = [
 REQUANTIZE_SCHEMA = (
     "requantize(Tensor[] src, str src_format, int[] src_block, str dst_format, int[] dst_block, "
     "ScalarType? fp8_dtype=None, bool pow2=False, float eps=0.0, bool columnwise=False, "
-    "Tensor? amax=None, Tensor? scale=None) -> Tensor[]"
+    'Tensor? amax=None, Tensor? scale=None, str scale_rule="") -> Tensor[]'
 )
 AMAX_SCHEMA = "amax(Tensor[] src, str src_format, int[] src_block) -> Tensor"
 
@@ -83,10 +85,12 @@ def format_class(fmt: str) -> type:
         raise UnsupportedFormatError(f"unknown format '{fmt}'; ckptq supports {sorted(FORMATS)}") from None
 
 
-def _recipe(cls: type, block, fp8_dtype=None, pow2=False, eps=0.0, columnwise=False):
+def _recipe(cls: type, block, fp8_dtype=None, pow2=False, eps=0.0, columnwise=False, scale_rule=""):
     """``cls``'s recipe from op arguments; an invalid combination fails as the kernels do (RuntimeError)."""
     try:
-        return cls.recipe_from_kernel_args(list(block), fp8_dtype, bool(pow2), float(eps), bool(columnwise))
+        return cls.recipe_from_kernel_args(
+            list(block), fp8_dtype, bool(pow2), float(eps), bool(columnwise), str(scale_rule)
+        )
     except (CkptqError, TypeError, ValueError) as e:  # the recipe's own validation
         msg = f"ckptq: {e}"
         torch._check(False, lambda: msg)
@@ -98,7 +102,7 @@ def logical_shape(
     """``(batch, M, K)`` of the logical tensor whose ``src_format`` components are ``src``.
 
     ``src[0]`` is the element data (..., M, K / d), where ``d`` is the divisor of the format's
-    ``data`` component along K (2 for nvfp4's packed E2M1, 1 otherwise).
+    ``data`` component along K (2 for nvfp4's and mxfp4's packed E2M1, 1 otherwise).
     """
     data = src[0]
     torch._check(data.dim() >= 2, lambda: f"ckptq: source data must have rank >= 2, got {tuple(data.shape)}")
@@ -121,6 +125,7 @@ def output_specs(
     columnwise: bool,
     pow2: bool = False,
     eps: float = 0.0,
+    scale_rule: str = "",
 ) -> list[tuple[tuple, torch.dtype]]:
     """Shapes and dtypes of the target components, canonical order (the format's ``component_specs``)."""
     shape = tuple(batch) + (m, k)
@@ -129,7 +134,7 @@ def output_specs(
     cls = FORMATS.get(dst_format)
     if cls is None:
         raise ValueError(f"ckptq: unknown target format {dst_format!r}")
-    rec = _recipe(cls, dst_block, fp8_dtype, pow2, eps, columnwise)
+    rec = _recipe(cls, dst_block, fp8_dtype, pow2, eps, columnwise, scale_rule)
     return [(s.shape(shape), s.dtype) for s in cls.component_specs(shape, rec)]
 
 
@@ -151,12 +156,13 @@ def _requantize_fake(
     columnwise=False,
     amax=None,
     scale=None,
+    scale_rule="",
 ):
     batch, m, k = logical_shape(src, src_format, src_block)
     dev = src[0].device
     return [
         src[0].new_empty(shape, dtype=dt, device=dev)
-        for shape, dt in output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise, pow2, eps)
+        for shape, dt in output_specs(batch, m, k, dst_format, dst_block, fp8_dtype, columnwise, pow2, eps, scale_rule)
     ]
 
 

@@ -171,8 +171,10 @@ void launch_for_dst(int D, const Params& k, int64_t grid, cudaStream_t st) {
 std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src_format, at::IntArrayRef src_block,
                                         c10::string_view dst_format, at::IntArrayRef dst_block,
                                         std::optional<at::ScalarType> fp8_dtype, bool pow2, double eps, bool columnwise,
-                                        const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale) {
-  Plan p = make_plan(src, src_format, src_block, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale);
+                                        const std::optional<at::Tensor>& amax, const std::optional<at::Tensor>& scale,
+                                        c10::string_view scale_rule) {
+  Plan p = make_plan(src, src_format, src_block, dst_format, dst_block, fp8_dtype, pow2, eps, columnwise, amax, scale,
+                     scale_rule);
   TORCH_INTERNAL_ASSERT(p.device.is_cuda());
   c10::cuda::CUDAGuard guard(p.device);
   cudaStream_t st = c10::cuda::getCurrentCUDAStream(p.device.index());
