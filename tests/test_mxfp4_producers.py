@@ -454,6 +454,48 @@ def test_3d_expert_weights_round_trip_every_layout(tmp_path, layout, fmt):
     for e in range(3):  # expert e of the stack is the 2-D quantization of x[e]
         one = ckptq.quantize(x[e], fmt, **opts)
         assert_same_bytes(back.components()["data"][e], one.components()["data"], f"expert {e}")
+    if (layout, fmt) == ("compressed-tensors", "mxfp4") and _has("compressed_tensors"):
+        # compressed-tensors' decompressors are 2-D (one Linear): its MXFP4 compressor decodes each
+        # expert's slice of the stacked tensors to ckptq's values
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+        comp = BaseCompressor.get_value_from_registry("mxfp4-pack-quantized")
+        t = _read_all(out)
+        m = fqn[: -len(".weight")]
+        for e in range(3):
+            sd = {"weight_packed": t[m + ".weight_packed"][e], "weight_scale": t[m + ".weight_scale"][e]}
+            w = comp.decompress(sd, preset_name_to_scheme("MXFP4A16", ["Linear"]))["weight"]
+            assert_same_bytes(w, q.dequantize(torch.bfloat16)[e], f"expert {e}")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def test_ckptq_mxfp4_into_torchao_fp4_targets():
+    """A tensor ckptq quantized (each scale rule) written into torchao FP4 ``MXTensor`` targets,
+    plain and swizzled, 2-D and 3-D: torchao's fields hold ckptq's bytes and its own dequantize()
+    gives ckptq's values bit for bit."""
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    from ckptq import adapters
+
+    g = torch.Generator().manual_seed(5)
+    for shape in ((136, 256), (2, 128, 64)):
+        x = torch.randn(shape, generator=g) * 5
+        for rule in ("floor", "even", "ceil", "rceil"):
+            q = ckptq.quantize(x, "mxfp4", scale_rule=rule)
+            for swizzled in (False, True):
+                target = MXTensor.to_mx(
+                    torch.zeros(shape, dtype=torch.bfloat16), torch.float4_e2m1fn_x2, 32, is_swizzled_scales=swizzled
+                )
+                assert adapters.adapter_for(target).insert(target, q, "w") is None
+                assert_same_bytes(target.qdata, q.components()["data"], f"{shape} {rule}")
+                assert_same_bytes(target.dequantize(torch.float32), q.dequantize(torch.float32), f"{shape} {rule}")
 
 
 def test_bad_k_is_refused_before_writing(tmp_path):
