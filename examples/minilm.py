@@ -199,7 +199,21 @@ def formula_weights(t: dict[str, torch.Tensor], names: list[str]) -> dict[str, t
     for n in names:
         m = n[: -len(".weight")]
         w = t[f"{m}.weight"] if f"{m}.weight" in t else t[f"{m}.weight_packed"]
-        if w.dtype == torch.uint8:  # NVFP4: lut[q] * (weight_scale * weight_scale_2 | / weight_global_scale)
+        e8m0 = t.get(f"{m}.scale", t.get(f"{m}.weight_scale"))  # DeepSeek-V4 names its scales ``m.scale``
+        if e8m0 is not None and e8m0.dtype in (torch.uint8, torch.float8_e8m0fnu):
+            p2 = torch.exp2(e8m0.view(torch.uint8).float() - 127)  # E8M0: 2^(e-127)
+        if (
+            w.dtype in (torch.uint8, torch.int8)
+            and e8m0 is not None
+            and e8m0.dtype in (torch.uint8, torch.float8_e8m0fnu)
+        ):
+            # MXFP4 (compressed-tensors weight_packed, DeepSeek-V4 I8 weight): lut[q] * 2^(e-127) per 1x32
+            b = w.view(torch.uint8)
+            q = torch.stack([_E2M1_LUT[(b & 0xF).long()], _E2M1_LUT[(b >> 4).long()]], -1).reshape(b.shape[0], -1)
+            out[n] = q * p2.repeat_interleave(32, -1)[:, : q.shape[1]]
+        elif f"{m}.scale" in t:  # DeepSeek-V4 FP8: w * 2^(e-127) on the 128x128 grid
+            out[n] = w.float() * p2.repeat_interleave(128, 0).repeat_interleave(128, 1)[: w.shape[0], : w.shape[1]]
+        elif w.dtype == torch.uint8:  # NVFP4: lut[q] * (weight_scale * weight_scale_2 | / weight_global_scale)
             q = torch.stack([_E2M1_LUT[(w & 0xF).long()], _E2M1_LUT[(w >> 4).long()]], -1).reshape(w.shape[0], -1)
             g = t.get(f"{m}.weight_scale_2")
             s = (
@@ -321,7 +335,8 @@ def run_exports(fmt: str, native: Path, deq: dict, emb: torch.Tensor, ctx: dict)
 
     res = {}
     for layout, lay in LAYOUTS.items():
-        if lay.format_map(fmt) is None:
+        fm = lay.format_map(fmt)
+        if fm is None or fm.ndim not in (None, 2):  # gpt-oss holds 3-D experts only, MiniLM's Linears are 2-D
             continue
         dst = ctx["work"] / f"{fmt}-hf-{layout}"
         rep = export_checkpoint(native, dst, layout=layout)
