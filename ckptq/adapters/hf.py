@@ -1024,7 +1024,7 @@ def export_tensors(
     for t in fm.tensors:
         name = fm.name(module, t)
         x = comps[t.component]
-        if t.component == "scale" and fm.format in ("mxfp8", "mxfp4"):
+        if t.component == "scale":
             check_e8m0_finite(fm, x, f"tensor '{name}'")
         if t.codec == "same":
             y = x

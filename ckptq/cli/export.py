@@ -37,7 +37,9 @@ def export(
     dst: Annotated[
         Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
-    layout: Annotated[str, typer.Option("--layout", help="modelopt, compressed-tensors, deepseek-fp8, deepseek-v4 or gpt-oss.")],
+    layout: Annotated[
+        str, typer.Option("--layout", help="modelopt, compressed-tensors, deepseek-fp8, deepseek-v4 or gpt-oss.")
+    ],
     format: Annotated[
         str | None,
         typer.Option(

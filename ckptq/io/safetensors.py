@@ -253,7 +253,7 @@ class SafetensorsView(EntryTable):
         fm, group = self._quant[fqn]
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors}
         for t in fm.tensors:
-            if t.component == "scale" and fm.format in ("mxfp8", "mxfp4"):
+            if t.component == "scale":
                 hf.check_e8m0_finite(
                     fm, stored[t.suffix], f"{self._where[group[t.suffix]]}: tensor '{group[t.suffix]}'"
                 )
