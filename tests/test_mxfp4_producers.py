@@ -30,6 +30,7 @@ from ckptq.checkpoint import CheckpointView, open_checkpoint
 from ckptq.cli import app
 from ckptq.errors import CheckpointFormatError, CkptqError, UnsupportedFormatError
 from ckptq.export import export_checkpoint
+from ckptq.io.safetensors import check_safetensors_records
 from ckptq.reshard import reshard_checkpoint
 
 warnings.filterwarnings("ignore", message=".*Enum subclass.*")
@@ -145,6 +146,10 @@ def test_gpt_oss_import_matches_transformers_dequantize(gpt_oss):
         assert_same_bytes(c["data"], stored[fqn + "_blocks"].reshape(EXPERTS, n_out, k_in // 2), fqn)
         assert_same_bytes(c["scale"], stored[fqn + "_scales"], fqn)
     assert view.entry("model.layers.0.mlp.experts.gate_up_proj_bias").kind == "tensor"
+    r = CliRunner().invoke(app, ["inspect", str(folder), "--json"])  # not plain uint8 any more
+    assert r.exit_code == 0, r.output
+    rows = {row["fqn"]: row for row in json.loads(r.stdout)["tensors"]}
+    assert {rows[f]["format"] for f in _expert_fqns()} == {"mxfp4"}
     for dtype in (torch.float32, torch.bfloat16):
         theirs = _transformers_dequantized(folder, dtype)
         for fqn in _expert_fqns():
@@ -172,6 +177,8 @@ def test_gpt_oss_round_trip_native_two_ranks_export(gpt_oss, tmp_path):
     for name, t in {**stored, **plain}.items():
         assert_same_bytes(got[name], t, name)
     assert set(got) == set(stored) | set(plain)
+    problems, verified, _ = check_safetensors_records(out)  # the crc32c table ckptq export writes
+    assert problems == [] and verified == len(got)
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "mxfp4" and isinstance(qc["modules_to_not_convert"], list)
     src = open_checkpoint(folder)
