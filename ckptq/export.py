@@ -153,10 +153,15 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]
             items.append(_ExportEntry(e.fqn, "tensor", [(new, torch.float32, shape)], fm=fn))
         else:
             dtype = e.dtype
-            if e.kind == "quantized" or (
-                dtype is not None and dtype.is_floating_point and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
-            ):
+            if e.kind == "quantized":
                 dtype = torch.bfloat16
+            elif (
+                dtype is not None
+                and dtype.is_floating_point
+                and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
+                and lay.plain_dtype is not None
+            ):
+                dtype = lay.plain_dtype
             items.append(_ExportEntry(e.fqn, "tensor", [(name, dtype, tuple(e.shape))]))
         for n, _, _ in items[-1].out_names:
             if n in seen:

@@ -330,6 +330,9 @@ def _deepseek_v4_folder(folder: Path, *, scale_shard: bool = True) -> dict[str, 
         s = q.components()["scale_inv"]
         t[f"{name}.scale"] = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8).view(torch.float8_e8m0fnu)
     t["layers.0.attn_norm.weight"] = torch.ones(256, dtype=torch.bfloat16)
+    t["layers.0.attn.attn_sink"] = torch.randn(4, generator=g)  # fp32 in DeepSeek-V4: kept fp32 on export
+    t["layers.0.attn.compressor.wkv.weight"] = torch.randn(16, 256, generator=g)
+    t["layers.0.ffn.gate.tid2eid"] = torch.randint(0, 2, (32, 2), generator=g)
     t["embed.weight"] = torch.randn(32, 256, generator=g).to(torch.bfloat16)
     config = {
         "torch_dtype": "bfloat16",

@@ -205,6 +205,9 @@ class HFLayout:
     write_config: Callable[[Mapping[str, FormatMap], Sequence[str]], dict] = None  # type: ignore[assignment]
     #: the training FQN of a weight is ``<module><weight_suffix>`` (gpt-oss: the parameter name itself)
     weight_suffix: str = ".weight"
+    #: the dtype the exporter writes plain floating tensors in; None keeps each one's own (DeepSeek-V4
+    #: keeps fp32 tensors such as its compressors' weights and attention sinks in fp32)
+    plain_dtype: torch.dtype | None = torch.bfloat16
 
     def module_of(self, name: str) -> str:
         """The module path of a weight's HF name (the inverse of ``weight_suffix``)."""
@@ -556,6 +559,7 @@ _register(
         ("fp8",),
         ("scale",),
         _deepseek_v4_config,
+        plain_dtype=None,
     )
 )
 
