@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from .. import numerics
 from .._version import __version__
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import format_class
@@ -760,12 +761,9 @@ def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Map
 
 # ----------------------------------------------------------------------------- E8M0 bytes
 def e8m0_to_fp32(x: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2^(b - 127)``, exact (byte 0 is the subnormal
-    2^-127; byte 255 is NaN, canonical 0x7FC00000)."""
-    b = x.view(torch.uint8).to(torch.int32)
-    bits = torch.where(b == 0, torch.full_like(b, 0x00400000), b << 23)
-    bits = torch.where(b == 255, torch.full_like(b, 0x7FC00000), bits)
-    return bits.view(_F32)
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> fp32 ``2^(b - 127)``, exact (:func:`ckptq.numerics.e8m0_to_fp32`:
+    byte 0 is the subnormal 2^-127, byte 255 NaN)."""
+    return numerics.e8m0_to_fp32(x.view(torch.uint8))
 
 
 def fp32_to_e8m0(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -775,16 +773,15 @@ def fp32_to_e8m0(x: torch.Tensor, what: str) -> torch.Tensor:
         UnsupportedFormatError: a value that is not such a power of two (names ``what`` and the fix).
     """
     bits = x.to(_F32).contiguous().view(torch.int32)
-    sub = bits == 0x00400000
     exp = (bits >> 23) & 0xFF
-    ok = sub | (((bits & 0x807FFFFF) == 0) & (exp >= 1) & (exp <= 254))
+    ok = (bits == 0x00400000) | (((bits & 0x807FFFFF) == 0) & (exp >= 1) & (exp <= 254))
     if not bool(ok.all()):
         bad = x.reshape(-1)[~ok.reshape(-1)][:3].tolist()
         raise UnsupportedFormatError(
             f"{what}: scale values {bad} are not powers of two in [2^-127, 2^127], which an E8M0 byte cannot "
             f"hold; requantize with --format fp8_block (pow2 scales) or --ignore the tensor"
         )
-    return torch.where(sub, torch.zeros_like(exp), exp).to(torch.uint8)
+    return numerics.e8m0_from_fp32(x)  # exact for these (no mantissa to round up)
 
 
 def check_e8m0_finite(fm: FormatMap, x: torch.Tensor, what: str) -> None:
