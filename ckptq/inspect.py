@@ -56,7 +56,7 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
         ``{"path": str, "tensors": [row, ...], "summary": {...}}``, in the checkpoint's entry order.
         Every row has:
 
-        - ``fqn``; ``format``: the ckptq format (``nvfp4``, ``mxfp8``, ``fp8_block``, ``fp8_tensor``)
+        - ``fqn``; ``format``: the ckptq format (``nvfp4``, ``mxfp4``, ``mxfp8``, ``fp8_block``, ``fp8_tensor``)
           for quantized tensors, the dtype name (``bfloat16``) for plain tensors, ``bytes`` for
           non-tensor entries;
         - ``mode``: ``native`` / ``high_precision`` (ckptq tensors), ``plain``, or ``bytes``;

@@ -212,7 +212,7 @@ def parse_fp8_dtype(text: str | torch.dtype | None) -> torch.dtype | None:
 
 def parse_recipe(to: str, **options: Any) -> dict:
     """The recipe options of ``--to`` (``block``, ``two_d``, ``columnwise``, ``fp8_dtype``,
-    ``pow2``; ``None`` = the format's default) as a recipe dict; options the target does not
+    ``pow2``, ``scale_rule``; ``None`` = the format's default) as a recipe dict; options the target does not
     take are usage errors."""
     recipe = {
         **options,

@@ -56,7 +56,7 @@ from ckptq import numerics as N  # noqa: E402
 from ckptq import ops  # noqa: E402
 
 HP = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMATS = ["fp32", "bf16", "fp16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4"]
+FORMATS = ["fp32", "bf16", "fp16", "fp8_tensor", "fp8_block", "mxfp8", "nvfp4", "mxfp4"]
 TARGET_PAIRS = ["bf16->nvfp4", "bf16->mxfp8", "bf16->fp8_block", "mxfp8->nvfp4", "nvfp4->bf16"]
 EXTRA_PAIRS = [
     "bf16->nvfp4[amax]",
@@ -68,6 +68,11 @@ EXTRA_PAIRS = [
     "nvfp4->mxfp8",
     "mxfp8->bf16",
     "fp8_block->bf16",
+    "bf16->mxfp4",
+    "bf16->mxfp4[rceil]",
+    "mxfp4->bf16",
+    "mxfp8->mxfp4",
+    "mxfp4->nvfp4",
 ]
 BYTES_PER_ELEM = {
     "fp32": 4,
@@ -77,6 +82,7 @@ BYTES_PER_ELEM = {
     "fp8_block": 1,
     "mxfp8": 1 + 1 / 32,
     "nvfp4": 0.5 + 1 / 16,
+    "mxfp4": 0.5 + 1 / 32,
 }
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "benchmarks.md")
 
@@ -85,7 +91,7 @@ def parse_pair(name: str):
     base, _, opt = name.partition("[")
     src, dst = base.split("->")
     opt = opt.rstrip("]")
-    rec = {"2d": {"two_d": True}, "cw": {"columnwise": True}}.get(opt, {})
+    rec = {"2d": {"two_d": True}, "cw": {"columnwise": True}, "rceil": {"scale_rule": "rceil"}}.get(opt, {})
     return src, dst, rec, opt == "amax"
 
 
@@ -230,6 +236,8 @@ def reference_fn(src, dst: str, rec: dict, amax):
             args, dec = (comps["data"], comps["scale_inv"]), lambda d, s: N.dequantize_fp8_block(d, s, r.block)
         elif fmt == "mxfp8":
             args, dec = (comps["data"], comps["scale"]), N.dequantize_mxfp8
+        elif fmt == "mxfp4":
+            args, dec = (comps["data"], comps["scale"]), N.dequantize_mxfp4
         else:
             args, dec = (
                 (comps["data"], comps["scale"], comps["amax"]),
@@ -247,6 +255,7 @@ def reference_fn(src, dst: str, rec: dict, amax):
     enc = {
         "nvfp4": lambda x: N.quantize_nvfp4(x, two_d=rec.get("two_d", False), amax=amax),
         "mxfp8": lambda x: N.quantize_mxfp8(x, columnwise=rec.get("columnwise", False)),
+        "mxfp4": lambda x: N.quantize_mxfp4(x, scale_rule=rec.get("scale_rule", "floor")),
         "fp8_block": lambda x: N.quantize_fp8_block(x),
         "fp8_tensor": lambda x: N.quantize_fp8_tensor(x),
     }[dst]

@@ -111,6 +111,7 @@ def _quantized_state() -> dict:
         "layers.0.mxc": ckptq.quantize(x / 5, "mxfp8", columnwise=True),
         "layers.0.fb": ckptq.quantize(x, "fp8_block"),
         "layers.0.ft": ckptq.quantize(x.bfloat16(), "fp8_tensor"),
+        "layers.0.m4": ckptq.quantize(x, "mxfp4", scale_rule="rceil"),
         "layers.0.norm": torch.randn(SHAPE[1], generator=g).bfloat16(),
         "layers.0.ids": torch.arange(12, dtype=torch.int64) - 3,
         "step": 7,
@@ -343,12 +344,12 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
                 v[d] = _big_or_bad(rng, v[d])
             target["shape"] = v
         elif field == "format" and how < 0.6:
-            target["format"] = rng.choice(["nvfp4", "mxfp8", "fp8_block", "fp8_tensor", "int4", ""])
+            target["format"] = rng.choice(["nvfp4", "mxfp8", "mxfp4", "fp8_block", "fp8_tensor", "int4", ""])
         elif field in ("dtype", "stored_dtype") and how < 0.6:
             target[field] = rng.choice(["float32", "bfloat16", "float16", "uint8", "float8_e4m3fn", "int64", "bogus"])
         elif field == "recipe" and how < 0.6 and target["recipe"]:
             k = rng.choice(list(target["recipe"]))
-            target["recipe"][k] = rng.choice(JUNK + [[16, 16], [0, 0], [1, 128], 32, "float8_e5m2"])
+            target["recipe"][k] = rng.choice(JUNK + [[16, 16], [0, 0], [1, 128], 32, "float8_e5m2", "rceil", "up"])
         elif field == "mode" and how < 0.6:
             target["mode"] = "native" if target["mode"] == "high_precision" else "high_precision"
         elif field == "fqn" and how < 0.6:

@@ -32,6 +32,7 @@ def _state() -> dict:
         "w_mx": ckptq.quantize(torch.randn(128, 256, generator=g), "mxfp8"),
         "w_nv": ckptq.quantize(torch.randn(64, 128, generator=g), "nvfp4"),
         "w_f8": ckptq.quantize(torch.randn(32, 64, generator=g), "fp8_tensor"),
+        "w_m4": ckptq.quantize(torch.randn(2, 32, 96, generator=g), "mxfp4"),
         "norm": torch.randn(256, generator=g).to(torch.bfloat16),
         "step": 7,
     }

@@ -92,6 +92,11 @@ def test_the_tests_bounds_are_the_librarys():
     assert sqnr_bound("nvfp4_2d", "e4m3", quantized=(True, True)) == REENCODE_FLOORS["nvfp4"]
     assert sqnr_bound("e4m3", "e5m2", quantized=(True, True)) is None
     assert sqnr_bound("float32", "bfloat16") == SQNR_FLOORS["bfloat16"]
+    assert _bounds.FLOOR_MXFP4 == SQNR_FLOORS["mxfp4"][0] and _bounds.REENCODE_MXFP4 == REENCODE_FLOORS["mxfp4"][0]
+    assert sqnr_bound("mxfp4", "bfloat16") == SQNR_FLOORS["mxfp4"]
+    assert sqnr_bound("mxfp4_ceil", "float32") == SQNR_FLOORS["mxfp4_ceil"]
+    assert sqnr_bound("mxfp4_ceil", "nvfp4", quantized=(True, True)) == REENCODE_FLOORS["mxfp4"]
+    assert sqnr_bound("e5m2", "mxfp4", quantized=(True, True)) == REENCODE_FLOORS["mxfp4"]
 
 
 # ----------------------------------------------------------------------------- one .distcp file
@@ -235,3 +240,21 @@ def test_packaging_metadata_builds_without_warnings_of_ours():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["license"] == "Apache-2.0"  # an SPDX string, not the deprecated table
     assert any(r.startswith("numpy") for r in meta["build-system"]["requires"])
+
+
+def test_verify_mxfp4_against_bf16_and_nvfp4(tmp_path):
+    """ckptq verify judges mxfp4 by its floors: vs high precision (SQNR_FLOORS), vs another
+    quantized encoding (REENCODE_FLOORS)."""
+    from ckptq.verify import verify_checkpoints
+
+    w = torch.randn(128, 256, generator=torch.Generator().manual_seed(4))
+    for name, t in (
+        ("m4", ckptq.quantize(w, "mxfp4", scale_rule="ceil")),
+        ("bf", w.bfloat16()),
+        ("nv", ckptq.quantize(w, "nvfp4")),
+    ):
+        dcp.save({"w": t}, checkpoint_id=str(tmp_path / name), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    for other, floor in (("bf", SQNR_FLOORS["mxfp4_ceil"][0]), ("nv", REENCODE_FLOORS["mxfp4"][0])):
+        report = verify_checkpoints(tmp_path / "m4", tmp_path / other)
+        (row,) = report["tensors"]
+        assert report["summary"]["ok"] and row["bound_db"] == floor and row["sqnr_db"] >= floor, row

@@ -89,6 +89,7 @@ def base(tmp_path_factory):
     sd = {
         "w": ckptq.quantize(x, "mxfp8"),
         "n": ckptq.quantize(x, "nvfp4"),
+        "m4": ckptq.quantize(x, "mxfp4"),
         "b": torch.randn(64, generator=g),
         "step": 3,
     }
@@ -313,6 +314,8 @@ def test_corrupt_record_names_file_range_and_entry(ck):
         (lambda d: d["tensors"]["w"].update(dtype="float128"), "malformed descriptor"),
         (lambda d: d["tensors"]["w"].update(dtype="float8_e4m3fn"), "malformed descriptor"),
         (lambda d: d["tensors"]["w"].update(recipe={"columnwise": "yes"}), "invalid recipe"),
+        (lambda d: d["tensors"]["m4"].update(recipe={"scale_rule": "round_up"}), "invalid recipe"),
+        (lambda d: d["tensors"]["m4"]["components"]["data"].update(shape=[64, 64]), "descriptor says|do not match"),
         (lambda d: d["tensors"]["w"].update(recipe={"columnwise": False, "new_option": 1}), "unknown to this ckptq"),
         (lambda d: d["tensors"]["w"].update(recipe=[1]), "malformed descriptor"),
         (lambda d: d["tensors"]["w"]["components"]["data"].update(dtype="uint8"), "descriptor says"),

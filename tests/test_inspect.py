@@ -26,8 +26,17 @@ EXPECTED_NATIVE_BYTES = {
     "mxc": 2 * 98304 + 256 * 12 + 8 * 384,  # + columnwise data and scale (8, 384)
     "fb": 98304 + 2 * 3 * 4,  # data e4m3, scale_inv f32 (2, 3)
     "ft": 98304 + 4,  # data e4m3, scale_inv f32 ()
+    "m4": 49152 + 256 * 12,  # data u8 (256, 192), scale u8 (256, 12)
 }
-FORMATS = {"nv": "nvfp4", "nv2d": "nvfp4", "mx": "mxfp8", "mxc": "mxfp8", "fb": "fp8_block", "ft": "fp8_tensor"}
+FORMATS = {
+    "nv": "nvfp4",
+    "nv2d": "nvfp4",
+    "mx": "mxfp8",
+    "mxc": "mxfp8",
+    "fb": "fp8_block",
+    "ft": "fp8_tensor",
+    "m4": "mxfp4",
+}
 
 
 def _quantized() -> dict:
@@ -40,6 +49,7 @@ def _quantized() -> dict:
         "mxc": ckptq.quantize(x / 5, "mxfp8", columnwise=True),
         "fb": ckptq.quantize(x, "fp8_block"),
         "ft": ckptq.quantize(x.bfloat16(), "fp8_tensor"),
+        "m4": ckptq.quantize(x.bfloat16(), "mxfp4", scale_rule="rceil"),
     }
 
 
@@ -105,9 +115,9 @@ def test_native_rows_fold_components(native_ckpt, qts):
 def test_native_summary(native_ckpt):
     s = inspect_checkpoint(native_ckpt)["summary"]
     total = sum(EXPECTED_NATIVE_BYTES.values()) + 8 + 24
-    assert s["tensors"] == 8 and s["objects"] == 1
+    assert s["tensors"] == 9 and s["objects"] == 1
     assert s["total_bytes"] == total
-    assert s["bf16_bytes"] == 2 * (6 * NUMEL + 4 + 3)
+    assert s["bf16_bytes"] == 2 * (7 * NUMEL + 4 + 3)
     assert s["ratio_vs_bf16"] == pytest.approx(total / s["bf16_bytes"])
     assert s["formats"] == {
         "bfloat16": 1,
@@ -115,6 +125,7 @@ def test_native_summary(native_ckpt):
         "fp8_block": 1,
         "fp8_tensor": 1,
         "int64": 1,
+        "mxfp4": 1,
         "mxfp8": 2,
         "nvfp4": 2,
     }
@@ -138,7 +149,7 @@ def _decoded_scales(qt) -> torch.Tensor:
     c = qt.components()
     if "scale_inv" in c:
         return c["scale_inv"].float()
-    if qt.FORMAT == "mxfp8":
+    if qt.FORMAT in ("mxfp8", "mxfp4"):
         return torch.pow(2.0, c["scale"].double() - 127)  # independent of ckptq's decoder
     return c["scale"].float()
 

@@ -23,6 +23,8 @@ CASES = [
     ("mxfp8", {"columnwise": True}),
     ("nvfp4", {}),
     ("nvfp4", {"two_d": True}),
+    ("mxfp4", {}),
+    ("mxfp4", {"scale_rule": "rceil"}),
 ]
 IDS = [f"{f}-{'-'.join(f'{k}={v}' for k, v in r.items()) or 'default'}" for f, r in CASES]
 

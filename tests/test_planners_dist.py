@@ -26,6 +26,7 @@ CASES = [
     ("mxfp8", {"columnwise": True}),
     ("nvfp4", {}),
     ("nvfp4", {"two_d": True}),
+    ("mxfp4", {"scale_rule": "even"}),
 ]
 
 

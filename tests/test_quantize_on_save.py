@@ -22,6 +22,7 @@ TENSORS = {
     "layers.0.attn.q.weight": ((128, 256), 1, "mxfp8", {"columnwise": True}),
     "layers.0.attn.o.weight": ((256, 128), 0, "fp8_block", {}),
     "layers.0.fp8.weight": ((96, 64), 0, "fp8_tensor", {"fp8_dtype": torch.float8_e5m2}),
+    "layers.0.experts.w1": ((4, 64, 128), 2, "mxfp4", {"scale_rule": "rceil"}),
 }
 RULES = {
     "*.mlp.up.*": "nvfp4",
@@ -29,6 +30,7 @@ RULES = {
     "*.attn.q.*": {"format": "mxfp8", "columnwise": True},
     "*.attn.o.*": "fp8_block",
     "*.fp8.*": {"format": "fp8_tensor", "fp8_dtype": torch.float8_e5m2},
+    "*.experts.*": {"format": "mxfp4", "scale_rule": "rceil"},
     "*.bias": "nvfp4",  # matches 1-D tensors: saved as they are
 }
 

@@ -274,3 +274,49 @@ def test_reshard_memory_does_not_grow_with_checkpoint_size(tmp_path):
         peaks.append(_peak_rss_of_reshard(path, tmp_path / f"dst{n}", tmp_path / f"hwm{n}"))
     assert peaks[0] > 100 * 2**20  # it measured the ckptq process (torch alone is more than this)
     assert peaks[1] - peaks[0] < 8 * tensor_bytes, [p / 2**20 for p in peaks]
+
+
+def test_mxfp4_convert_reshard_experts_and_misaligned_k(src, tmp_path):
+    """--to mxfp4 --scale-rule rceil equals ckptq.requantize; 3-D mxfp4 experts resharded with the
+    experts split (exact bytes); a K cut inside a 32-element block is refused, nothing written."""
+    path, sd = src
+    dst = tmp_path / "mx4"
+    res = runner.invoke(app, ["convert", str(path), str(dst), "--to", "mxfp4", "--scale-rule", "rceil"])
+    assert res.exit_code == 0, res.output
+    got = CheckpointView(dst).read("model.layers.0.q_proj.weight")
+    assert _same(got, ckptq.requantize(sd["model"]["layers.0.q_proj.weight"], "mxfp4", scale_rule="rceil"))
+    res = runner.invoke(app, ["convert", str(path), str(tmp_path / "x"), "--to", "nvfp4", "--scale-rule", "rceil"])
+    assert res.exit_code == 2 and "--scale-rule" in res.output
+    # experts (E, N, K) = (4, 64, 96): split over experts (exact), then over K at 48 (inside a block)
+    experts = ckptq.quantize(torch.randn(4, 64, 96, generator=torch.Generator().manual_seed(3)), "mxfp4")
+    moe = tmp_path / "moe"
+    dcp.save({"experts.w": experts}, checkpoint_id=str(moe), planner=ckptq.QuantizedSavePlanner())
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"experts.w": ["S(0)"]}))
+    res = runner.invoke(app, ["reshard", str(moe), str(tmp_path / "ep"), "--mesh", "2", "--plan", str(plan)])
+    assert res.exit_code == 0, res.output
+    assert _same(CheckpointView(tmp_path / "ep").read("experts.w"), experts)
+    plan.write_text(json.dumps({"experts.w": ["S(2)"]}))
+    res = runner.invoke(app, ["reshard", str(moe), str(tmp_path / "k48"), "--mesh", "2", "--plan", str(plan)])
+    assert res.exit_code != 0 and "experts.w" in res.output and "32" in res.output, res.output
+    assert not (tmp_path / "k48").exists()
+
+
+def test_mxfp4_grouped_stack_and_split(tmp_path):
+    """GroupedLinear members weight0..1 in mxfp4 stack into one 3-D (experts, N, K) tensor whose
+    components are the members' bytes, and split back exactly."""
+    g = torch.Generator().manual_seed(5)
+    members = {
+        f"gl.weight{i}": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp4", scale_rule="even") for i in (0, 1)
+    }
+    path, stacked, split = tmp_path / "src", tmp_path / "stacked", tmp_path / "split"
+    dcp.save(dict(members), checkpoint_id=str(path), planner=ckptq.QuantizedSavePlanner())
+    assert runner.invoke(app, ["reshard", str(path), str(stacked), "--grouped", "stack"]).exit_code == 0
+    st = CheckpointView(stacked).read("gl.weight")
+    assert st.FORMAT == "mxfp4" and tuple(st.shape) == (2, 64, 96) and st.recipe.scale_rule == "even"
+    for i in (0, 1):
+        for k, v in members[f"gl.weight{i}"].components().items():
+            assert bit_exact(st.components()[k][i], v), (i, k)
+    assert runner.invoke(app, ["reshard", str(stacked), str(split), "--grouped", "split"]).exit_code == 0
+    for fqn, q in members.items():
+        assert _same(CheckpointView(split).read(fqn), q)

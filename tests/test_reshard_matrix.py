@@ -34,6 +34,7 @@ CASES = [
     ("mxfp8", {"columnwise": True}, 32, 32),
     ("nvfp4", {}, 1, 16),
     ("nvfp4", {"two_d": True}, 16, 16),
+    ("mxfp4", {}, 1, 32),
 ]
 # name -> (mesh shape, placements as strings)
 LAYOUTS = {

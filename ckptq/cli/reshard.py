@@ -185,6 +185,7 @@ def reshard(
     examples=[
         "ckptq convert ckpt ckpt-nvfp4 --to nvfp4 --two-d       # requantize every quantized tensor",
         "ckptq convert ckpt ckpt-fp8 --to fp8_block --block 1x128",
+        "ckptq convert ckpt ckpt-mxfp4 --to mxfp4 --scale-rule rceil",
         "ckptq convert ckpt ckpt-hp --to bfloat16               # high-precision export",
         "ckptq convert te-ckpt ckpt-native --to native          # a TE checkpoint as ckptq tensors",
     ],
@@ -198,7 +199,7 @@ def convert(
             "--to",
             help=(
                 "Target: native (each quantized tensor in its own format, e.g. a TransformerEngine "
-                "checkpoint's as ckptq components), nvfp4, mxfp8, fp8_block, fp8_tensor, or "
+                "checkpoint's as ckptq components), nvfp4, mxfp4, mxfp8, fp8_block, fp8_tensor, or "
                 "bfloat16/float16/float32 (high precision)."
             ),
         ),
@@ -221,6 +222,13 @@ def convert(
     ] = None,
     fp8_dtype: Annotated[str | None, typer.Option("--fp8-dtype", help="fp8 formats: e4m3 or e5m2.")] = None,
     pow2: Annotated[bool | None, typer.Option("--pow2/--no-pow2", help="fp8 formats: power-of-2 scales.")] = None,
+    scale_rule: Annotated[
+        str | None,
+        typer.Option(
+            "--scale-rule",
+            help="mxfp4: the E8M0 scale rule, floor (OCP MX default), even, ceil or rceil (docs/formats.md).",
+        ),
+    ] = None,
     mesh: MeshOpt = "1",
     plan: PlanOpt = "fsdp2",
     rule: RuleOpt = None,
@@ -240,7 +248,9 @@ def convert(
 
     if block is not None and not allow_any_block and to.strip().lower() == "fp8_block":
         _check_block(block)
-    options = ReshardOptions(to=to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2)
+    options = ReshardOptions(
+        to=to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2, scale_rule=scale_rule
+    )
     _run(src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output)
 
 

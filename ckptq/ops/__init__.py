@@ -109,8 +109,6 @@ def _cuda_supports(src: dict, dst: dict) -> bool:
     """Block shapes the CUDA kernels take (every default block; exotic fp8_block shapes use the
     reference): power-of-two blocks, column blocks of 16..512, and a target block that fits the
     kernel's tile (bm <= 4 * 256 / max(8, bk / 16) rows)."""
-    if "mxfp4" in (src["format"], dst["format"]):
-        return False  # no CUDA mxfp4 kernels yet: the reference backend serves it on the GPU
     if src["format"] == "fp8_block":
         bm, bk = src["block"]
         if not (_pow2(bm) and _pow2(bk) and bk >= 16):

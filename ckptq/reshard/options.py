@@ -25,7 +25,7 @@ from .run import run_reshard
 
 __all__ = ["ReshardOptions", "reshard_checkpoint"]
 
-_RECIPE_OPTIONS = ("block", "two_d", "columnwise", "fp8_dtype", "pow2")
+_RECIPE_OPTIONS = ("block", "two_d", "columnwise", "fp8_dtype", "pow2", "scale_rule")
 
 
 def _spelled(choices: Sequence[str]) -> tuple[str, ...]:
@@ -48,11 +48,12 @@ class ReshardOptions:
         dtype: storage dtype of high-precision output (``bfloat16``, ``float16``, ``float32``).
         grouped: ``"stack"`` / ``"split"`` grouped weights whose stems match ``grouped_glob``.
         to: convert every quantized tensor: ``native`` (natively in its own format, e.g. a
-            TransformerEngine checkpoint's tensors as ckptq components), ``nvfp4``, ``mxfp8``,
+            TransformerEngine checkpoint's tensors as ckptq components), ``nvfp4``, ``mxfp4``, ``mxfp8``,
             ``fp8_block``, ``fp8_tensor``, or ``bfloat16``/``float16``/``float32`` (dequantized;
             then also the dtype of ``misaligned`` output). Not with ``mode``.
-        block, two_d, columnwise, fp8_dtype, pow2: recipe options of a format ``to`` (``None``: its
-            default); ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``.
+        block, two_d, columnwise, fp8_dtype, pow2, scale_rule: recipe options of a format ``to``
+            (``None``: its default); ``block`` ``"1x128"``, ``fp8_dtype`` ``"e4m3"``/``"e5m2"``,
+            ``scale_rule`` (mxfp4) ``"floor"``/``"even"``/``"ceil"``/``"rceil"``.
         misaligned: ``"error"`` or ``"high-precision"`` (export tensors whose cuts split blocks).
         overwrite: replace an existing destination. dry_run: plan only, write nothing.
         progress: ``True`` for a tqdm bar on stderr (bytes and bytes/s; rank 0's share when
@@ -77,6 +78,7 @@ class ReshardOptions:
     columnwise: bool | None = None
     fp8_dtype: str | torch.dtype | None = None
     pow2: bool | None = None
+    scale_rule: str | None = None
     misaligned: str = "error"
     overwrite: bool = False
     dry_run: bool = False
@@ -97,7 +99,8 @@ class ReshardOptions:
         if self.to is None:
             if any(v is not None for v in recipe.values()):
                 raise UsageError(
-                    "--block, --two-d, --columnwise, --fp8-dtype and --pow2 are recipe options of --to FORMAT"
+                    "--block, --two-d, --columnwise, --fp8-dtype, --pow2 and --scale-rule are recipe options "
+                    "of --to FORMAT"
                 )
             options = dict(
                 mode=parse.parse_choice("--mode", self.mode, _spelled(MODES)), hp_dtype=parse.parse_hp_dtype(self.dtype)

@@ -20,6 +20,9 @@
 //    bf16 / fp16 sources with 1x16 blocks and K % 16 == 0 a separate streaming kernel
 //    (nv1d_kernel: persistent CTAs, tiles brought into shared memory by bulk asynchronous copies
 //    several tiles ahead). CKPTQ_NVFP4_ENCODE=baseline still runs the encode of before (D_NVB).
+//  * mxfp4 (S_MX4 / D_MX4): packed E2M1 like nvfp4 (8 bytes per 16-element segment, the same decode
+//    and the same E2M1 packing, nvfp4_pack8), one E8M0 byte per 1x32 block (two segments) from the
+//    scale rule of numerics.h mxfp4_scale_from_amax; the encode multiplier is e8m0_rcp of that byte.
 // Numerics: numerics.h shared with the CPU; FP8 casts use the sm_89+ cvt.rn.satfinite
 // instructions (bit-identical to the spec's NaN-canonicalizing, clamping RNE cast: NaN -> 0x7F),
 // bf16/fp16 the same conversions c10 uses on the device. Build with --fmad=false.
@@ -41,11 +44,17 @@ namespace cudak {
 
 using namespace ckptq::num;
 
-enum SrcKind : int { S_F32 = 0, S_BF16, S_F16, S_FP8, S_MX, S_NV };
+// MX4: mxfp4 (packed E2M1 like S_NV, E8M0 scales like S_MX).
+enum SrcKind : int { S_F32 = 0, S_BF16, S_F16, S_FP8, S_MX, S_NV, S_MX4 };
 // MXCW: mxfp8 + columnwise copy. NVB: nvfp4 with the earlier encode (per-block division,
 // threshold-style E2M1 rounding), kept as the benchmark baseline (CKPTQ_NVFP4_ENCODE=baseline).
-enum DstKind : int { D_F32 = 0, D_BF16, D_F16, D_FP8T, D_FP8B, D_MX, D_NV, D_MXCW, D_NVB };
+// MX4: mxfp4 (1x32 blocks).
+enum DstKind : int { D_F32 = 0, D_BF16, D_F16, D_FP8T, D_FP8B, D_MX, D_NV, D_MXCW, D_NVB, D_MX4 };
 __host__ __device__ constexpr bool is_nv(int D) { return D == D_NV || D == D_NVB; }
+// Targets whose data packs two E2M1 codes per byte.
+__host__ __device__ constexpr bool is_fp4_dst(int D) { return is_nv(D) || D == D_MX4; }
+// Sources whose data packs two E2M1 codes per byte (16 elements = 8 bytes per segment).
+__host__ __device__ constexpr bool is_fp4_src(int S) { return S == S_NV || S == S_MX4; }
 
 constexpr int kThreads = 256;
 constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -69,11 +78,11 @@ __host__ __device__ constexpr int rows_for(int S, int D) { return (S == S_F32 ||
 __host__ __device__ constexpr int min_blocks_for(int S, int D) { return three_per_sm(S, D) ? 3 : 2; }
 // Preferred segments per tile row: about 256 contiguous source bytes per row and tile.
 __host__ __device__ constexpr int seg_cols_for(int S) {
-  return S == S_F32 ? 4 : ((S == S_BF16 || S == S_F16) ? 8 : (S == S_NV ? 32 : 16));
+  return S == S_F32 ? 4 : ((S == S_BF16 || S == S_F16) ? 8 : (is_fp4_src(S) ? 32 : 16));
 }
 // 32-bit words of raw source bytes per segment.
 __host__ __device__ constexpr int words_for(int S) {
-  return S == S_F32 ? 16 : ((S == S_BF16 || S == S_F16) ? 8 : (S == S_NV ? 2 : 4));
+  return S == S_F32 ? 16 : ((S == S_BF16 || S == S_F16) ? 8 : (is_fp4_src(S) ? 2 : 4));
 }
 
 struct Params {
@@ -81,7 +90,7 @@ struct Params {
   int32_t M, K;
   // source
   const void* s_data;
-  const void* s_scale;  // fp8: fp32 scale_inv grid; mx: e8m0 bytes; nv: e4m3 bytes
+  const void* s_scale;  // fp8: fp32 scale_inv grid; mx, mx4: e8m0 bytes; nv: e4m3 bytes
   const float* s_amax;  // nv
   int32_t s_lbm, s_lbk, s_srows, s_scols;  // log2 of the source block (per tensor: 31, 31)
   int32_t s_e5m2;
@@ -93,6 +102,7 @@ struct Params {
   int32_t lbm, lbk;  // log2 of the target block
   int32_t nsr, nsc;  // target rowwise scale grid per matrix
   int32_t d_e5m2, pow2, columnwise;
+  int32_t mx_rule;  // mxfp4 target: num::Mxfp4Rule
   float eps;
   const float* t_amax;   // per matrix: nvfp4 / fp8_tensor amax (computed or given)
   const float* t_scale;  // per matrix: fp8_tensor explicit scale, or null
@@ -240,7 +250,7 @@ __device__ __forceinline__ uint2 ldg8(const void* p) { return __ldg(reinterpret_
 template <int S>
 struct Seg {
   uint32_t w[words_for(S)];
-  uint32_t s;  // raw source scale: fp8 scale_inv bits, mx e8m0 byte, nv e4m3 byte (decoded later)
+  uint32_t s;  // raw source scale: fp8 scale_inv bits, mx / mx4 e8m0 byte, nv e4m3 byte (decoded later)
   bool ok;     // row < M and column < K
 };
 
@@ -257,7 +267,7 @@ __device__ __forceinline__ void load_raw(const Params& p, int64_t b, int r, int 
   if constexpr (S == S_FP8) {
     g.s = __float_as_uint(__ldg(reinterpret_cast<const float*>(p.s_scale) +
                                 (b * p.s_srows + (r >> p.s_lbm)) * (int64_t)p.s_scols + (c >> p.s_lbk)));
-  } else if constexpr (S == S_MX) {
+  } else if constexpr (S == S_MX || S == S_MX4) {
     g.s = __ldg(reinterpret_cast<const uint8_t*>(p.s_scale) + grow * p.s_scols + (c >> 5));
   } else if constexpr (S == S_NV) {
     g.s = __ldg(reinterpret_cast<const uint8_t*>(p.s_scale) + (b * p.s_srows + (r >> p.s_lbm)) * (int64_t)p.s_scols +
@@ -280,7 +290,7 @@ __device__ __forceinline__ void load_raw(const Params& p, int64_t b, int r, int 
     } else if constexpr (S == S_FP8 || S == S_MX) {
       const uint4 a = ldg16(reinterpret_cast<const uint8_t*>(p.s_data) + e0);
       g.w[0] = a.x, g.w[1] = a.y, g.w[2] = a.z, g.w[3] = a.w;
-    } else {  // S_NV: 16 codes in 8 bytes, element 2i in the low nibble
+    } else {  // S_NV, S_MX4: 16 codes in 8 bytes, element 2i in the low nibble
       const uint2 a = ldg8(reinterpret_cast<const uint8_t*>(p.s_data) + (e0 >> 1));
       g.w[0] = a.x, g.w[1] = a.y;
     }
@@ -312,11 +322,11 @@ __device__ __forceinline__ void load_raw(const Params& p, int64_t b, int r, int 
   }
 }
 
-// The segment's source multiplier (fp8: scale_inv; mx: 2^(e - 127); nv: (float(s) * amax) / 2688).
+// The segment's source multiplier (fp8: scale_inv; mx, mx4: 2^(e - 127); nv: (float(s) * amax) / 2688).
 template <int S>
 __device__ __forceinline__ float seg_mult(const Seg<S>& g, float src_amax) {
   if constexpr (S == S_FP8) return __uint_as_float(g.s);
-  if constexpr (S == S_MX) return e8m0_to_f32((uint8_t)g.s);
+  if constexpr (S == S_MX || S == S_MX4) return e8m0_to_f32((uint8_t)g.s);
   if constexpr (S == S_NV) return nvfp4_dec_mult(fp8_to_float((uint8_t)g.s, false), src_amax);
   return 0.0f;
 }
@@ -353,7 +363,7 @@ __device__ __forceinline__ void decode(const Params& p, const Seg<S>& g, int c, 
       v[4 * k + 2] = f1.x * m;
       v[4 * k + 3] = f1.y * m;
     }
-  } else {  // S_NV: x = e2m1(code) * ((float(s) * amax) * (1/2688))
+  } else {  // S_NV: x = e2m1(code) * ((float(s) * amax) * (1/2688)); S_MX4: x = e2m1(code) * 2^(e - 127)
     const float p2 = __uint_as_float(kPow2_126);
     const float m1 = m * p2;  // exact unless it overflows (multiplier >= 2)
     if (!(is_inf(m1) && !is_inf(m))) {
@@ -512,7 +522,7 @@ __device__ __forceinline__ uint32_t seg_amax_raw(const Params& p, const Seg<S>& 
     mx = __vmaxu4(mx, mx >> 16);
     mx = __vmaxu4(mx, mx >> 8) & 0x7Fu;
     return abs_bits(fp8_to_float((uint8_t)mx, S == S_FP8 && p.s_e5m2) * m);
-  } else if constexpr (S == S_NV) {
+  } else if constexpr (is_fp4_src(S)) {
     if (!p.vec || is_inf(m) || is_nan(m)) {
       float v[16];
       decode<S>(p, g, c, src_amax, v);
@@ -598,7 +608,7 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
   }
 
   // ---- blocked targets: block amax over (bm x bk) = (2^lbm rows) x (G = 2^lg segments)
-  if constexpr (D == D_FP8B || D == D_MX || D == D_MXCW || is_nv(D)) {
+  if constexpr (D == D_FP8B || D == D_MX || D == D_MXCW || is_fp4_dst(D)) {
     const int lg = p.lbk - 4;
     const int G = 1 << lg;
     const int lwr = 5 - p.lsc;  // log2 of the rows one warp covers per pass
@@ -610,6 +620,8 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
     if constexpr (is_nv(D)) T = nvfp4_tensor(p.t_amax[b]);
     // nvfp4 from bf16 / fp16: block amaxes from the raw words (2 elements per integer max). Raw
     // words past K are zero (load_raw); segments past M are skipped (1x16) or zeroed (16x16).
+    // Not for blocks of two segments (mxfp4, 1x32): a segment at c >= K holds raw words of row 0
+    // (ok false) that would join its block's amax; seg_amax of the decoded (zeroed) values is used.
     constexpr bool fast_amax = D == D_NV && (S == S_BF16 || S == S_F16);
 
     // Block amax -> (encode multiplier; writes the block scale if this thread owns it).
@@ -625,6 +637,10 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
         if (writer) reinterpret_cast<uint8_t*>(p.d_scale)[(b * p.nsr + (r >> p.lbm)) * (int64_t)p.nsc + (c >> 4)] = sb;
         if constexpr (D == D_NV) return s_enc[sb];  // the same function of the byte, tabulated per CTA
         return nvfp4_enc(fp8_to_float(sb, false), T);
+      } else if constexpr (D == D_MX4) {  // e = the scale rule's E8M0 byte; multiplier 2^(127 - e)
+        const uint8_t e = mxfp4_scale_from_amax(amax, (Mxfp4Rule)p.mx_rule);
+        if (writer) reinterpret_cast<uint8_t*>(p.d_scale)[(b * p.M + r) * (int64_t)p.nsc + (c >> 5)] = e;
+        return e8m0_rcp(e);
       } else {
         const uint8_t e = mx_scale_from_amax(amax);
         if (writer) reinterpret_cast<uint8_t*>(p.d_scale)[(b * p.M + r) * (int64_t)p.nsc + (c >> 5)] = e;
@@ -632,8 +648,10 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
       }
     };
     auto encode = [&](const float (&v)[16], float mult, int r) {
-      uint8_t* out = data + (((b * p.M + r) * (int64_t)p.K + c) >> (is_nv(D) ? 1 : 0));
-      if constexpr (is_nv(D))
+      uint8_t* out = data + (((b * p.M + r) * (int64_t)p.K + c) >> (is_fp4_dst(D) ? 1 : 0));
+      if constexpr (D == D_MX4)  // codes of v * mult (mxfp4_code), packed as nvfp4's
+        store_nvfp4_seg<D_NV>(p, out, v, mult, c);
+      else if constexpr (is_nv(D))
         store_nvfp4_seg<D>(p, out, v, mult, c);
       else
         store_fp8_seg(p, out, v, mult, e5m2, c);
@@ -943,4 +961,5 @@ void launch_amax(const Params& p, uint32_t* out, int64_t grid, cudaStream_t stre
   template void ckptq::cudak::launch_requant<ckptq::cudak::S_F16, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);  \
   template void ckptq::cudak::launch_requant<ckptq::cudak::S_FP8, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);  \
   template void ckptq::cudak::launch_requant<ckptq::cudak::S_MX, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);   \
-  template void ckptq::cudak::launch_requant<ckptq::cudak::S_NV, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);
+  template void ckptq::cudak::launch_requant<ckptq::cudak::S_NV, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);  \
+  template void ckptq::cudak::launch_requant<ckptq::cudak::S_MX4, D>(const ckptq::cudak::Params&, int64_t, cudaStream_t);

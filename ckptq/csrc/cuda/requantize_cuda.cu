@@ -20,7 +20,8 @@
   extern template void launch_requant<S_F16, D>(const Params&, int64_t, cudaStream_t);  \
   extern template void launch_requant<S_FP8, D>(const Params&, int64_t, cudaStream_t);  \
   extern template void launch_requant<S_MX, D>(const Params&, int64_t, cudaStream_t);   \
-  extern template void launch_requant<S_NV, D>(const Params&, int64_t, cudaStream_t);
+  extern template void launch_requant<S_NV, D>(const Params&, int64_t, cudaStream_t);   \
+  extern template void launch_requant<S_MX4, D>(const Params&, int64_t, cudaStream_t);
 
 // The requantize kernels are instantiated in inst_*.cu (compiled in parallel).
 namespace ckptq {
@@ -34,6 +35,7 @@ CKPTQ_EXTERN_DST(D_MX)
 CKPTQ_EXTERN_DST(D_MXCW)
 CKPTQ_EXTERN_DST(D_NV)
 CKPTQ_EXTERN_DST(D_NVB)
+CKPTQ_EXTERN_DST(D_MX4)
 extern template cudaError_t launch_nv1d<S_BF16>(const Params&, cudaStream_t);
 extern template cudaError_t launch_nv1d<S_F16>(const Params&, cudaStream_t);
 }  // namespace cudak
@@ -61,6 +63,7 @@ int src_kind(Fmt f) {
     case Fmt::FP8_BLOCK: return S_FP8;
     case Fmt::MXFP8: return S_MX;
     case Fmt::NVFP4: return S_NV;
+    case Fmt::MXFP4: return S_MX4;
   }
   return -1;
 }
@@ -89,6 +92,7 @@ int dst_kind(const Plan& p) {
     case Fmt::FP8_BLOCK: return D_FP8B;
     case Fmt::MXFP8: return p.columnwise ? D_MXCW : D_MX;
     case Fmt::NVFP4: return D_NV;
+    case Fmt::MXFP4: return D_MX4;
   }
   return -1;
 }
@@ -108,7 +112,7 @@ void fill_source(Params& k, const Plan& p) {
   k.s_scols = (int32_t)p.s_scols;
   if (p.sf == Fmt::FP8_TENSOR) {
     k.s_lbm = k.s_lbk = 31;  // one scale per matrix: r >> 31 == c >> 31 == 0
-  } else if (p.sf == Fmt::FP8_BLOCK || p.sf == Fmt::MXFP8 || p.sf == Fmt::NVFP4) {
+  } else if (p.sf == Fmt::FP8_BLOCK || p.sf == Fmt::MXFP8 || p.sf == Fmt::NVFP4 || p.sf == Fmt::MXFP4) {
     TORCH_CHECK(is_pow2(p.sbm) && is_pow2(p.sbk) && p.sbk >= 16, "ckptq (cuda): source ", fmt_name(p.sf), " block (",
                 p.sbm, ", ", p.sbk, ") is not supported by the CUDA kernels (power-of-two blocks with >= 16 columns); ",
                 "ckptq.ops uses the reference backend for it");
@@ -149,6 +153,7 @@ void launch_amax_kernel(const Params& k, uint32_t* out, cudaStream_t st, int S) 
     case S_FP8: launch_amax<S_FP8>(k, out, grid, st); break;
     case S_MX: launch_amax<S_MX>(k, out, grid, st); break;
     case S_NV: launch_amax<S_NV>(k, out, grid, st); break;
+    case S_MX4: launch_amax<S_MX4>(k, out, grid, st); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -165,6 +170,7 @@ void launch_for_dst(int D, const Params& k, int64_t grid, cudaStream_t st) {
     case D_MXCW: launch_requant<S, D_MXCW>(k, grid, st); break;
     case D_NV: launch_requant<S, D_NV>(k, grid, st); break;
     case D_NVB: launch_requant<S, D_NVB>(k, grid, st); break;
+    case D_MX4: launch_requant<S, D_MX4>(k, grid, st); break;
   }
 }
 
@@ -202,7 +208,7 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   if (nv_mode == NvMode::Baseline) D = D_NVB;  // same bytes, the earlier (baseline) encode
   // Target geometry and support (mirrored by ckptq.ops._cuda_supports).
   int G = 1;
-  if (p.df == Fmt::FP8_BLOCK || p.df == Fmt::MXFP8 || p.df == Fmt::NVFP4) {
+  if (p.df == Fmt::FP8_BLOCK || p.df == Fmt::MXFP8 || p.df == Fmt::NVFP4 || p.df == Fmt::MXFP4) {
     TORCH_CHECK(is_pow2(p.bm) && is_pow2(p.bk) && p.bk >= 16 && p.bk <= 512, "ckptq (cuda): target block (", p.bm,
                 ", ", p.bk, ") is not supported by the CUDA kernels (power-of-two blocks of 16..512 columns); ",
                 "ckptq.ops uses the reference backend for it");
@@ -224,6 +230,7 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
   k.pow2 = p.pow2;
   k.eps = p.eps;
   k.columnwise = p.columnwise;
+  k.mx_rule = (int32_t)p.mx_rule;
   bool vec = p.K % 16 == 0 && aligned(k.s_data, 16) && aligned(k.d_data, 16);
   if (p.columnwise) vec = vec && aligned(k.d_cw_data, 16);
   k.vec = vec;
@@ -266,6 +273,7 @@ std::vector<at::Tensor> requantize_cuda(at::TensorList src, c10::string_view src
     case S_FP8: launch_for_dst<S_FP8>(D, k, grid, st); break;
     case S_MX: launch_for_dst<S_MX>(D, k, grid, st); break;
     case S_NV: launch_for_dst<S_NV>(D, k, grid, st); break;
+    case S_MX4: launch_for_dst<S_MX4>(D, k, grid, st); break;
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return p.outs;
