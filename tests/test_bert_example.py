@@ -205,7 +205,10 @@ def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypat
     import ckptq
     from ckptq.export import export_checkpoint
 
-    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # import fails: the fallback path
+    # import fails: the fallback path (submodules another test imported are blocked too: an import of
+    # a dotted name found in sys.modules would not look at its parent)
+    for name in [m for m in sys.modules if m.startswith("compressed_tensors.")] + ["compressed_tensors"]:
+        monkeypatch.setitem(sys.modules, name, None)
     g = torch.Generator().manual_seed(0)
     q = ckptq.quantize(torch.randn(160, 256, generator=g), fmt)
     dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
