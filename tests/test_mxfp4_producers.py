@@ -171,7 +171,11 @@ def test_gpt_oss_round_trip_native_two_ranks_export(gpt_oss, tmp_path):
     fqn = _expert_fqns()[0]
     boxes = sorted((tuple(c.box[0]), tuple(c.box[1])) for c in v2.saved_chunks(f"{fqn}.data"))
     assert boxes == [((0, 0, 0), (2, 2 * INTER, HIDDEN // 2)), ((2, 0, 0), (2, 2 * INTER, HIDDEN // 2))]
-    res = export_checkpoint(two, out, layout="gpt-oss", config=folder / "config.json")
+    r = CliRunner().invoke(
+        app, ["export", str(two), str(out), "--layout", "gpt-oss", "--config", str(folder / "config.json"), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
     assert res["requantized"] == [] and set(res["quantized"]) == set(_expert_fqns())
     got = _read_all(out)
     for name, t in {**stored, **plain}.items():
