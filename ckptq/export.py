@@ -219,7 +219,6 @@ def _values(view, it: _ExportEntry):
         if isinstance(x, QuantizedTensor):
             return {it.out_names[0][0]: x.dequantize(dtype)}, {}, {}
         return {it.out_names[0][0]: x if x.dtype == dtype else x.to(dtype)}, {}, {}
-    recipe = {**_default_recipe(it.fmt), **it.recipe}
     if it.requant:
         opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in it.recipe.items()}
         if "fp8_dtype" in opts and isinstance(opts["fp8_dtype"], str):
@@ -228,8 +227,7 @@ def _values(view, it: _ExportEntry):
             opts["fp8_dtype"] = str_to_dtype(opts["fp8_dtype"])
         src = x if isinstance(x, QuantizedTensor) else x
         x = requantize(src, it.fmt, **opts)
-        recipe = {**_default_recipe(it.fmt), **x._recipe_to_json(x.recipe)}
-    return hf.export_tensors(it.fm, it.module, x.components(), tuple(x.shape), recipe)
+    return hf.export_tensors(it.fm, it.module, x)
 
 
 def _base_config(src: Path, config: Any) -> dict:
@@ -329,12 +327,11 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             files.append(fname)
             entries = [o for it in shard for o in it.out_names]
-            meta_keys = {
-                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(s[:-1]) if t.codec == "gs" else s))
+            meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
+                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
                 for it in shard
                 if it.kind == "quantized"
-                for t, (name, _, s) in zip(it.fm.tensors, it.out_names, strict=False)
-                if t.codec in ("ws2", "gs")
+                for name in hf.amax_record_names(it.fm, it.module, it.recipe)
             }
             metadata = {
                 "format": "pt",

@@ -71,7 +71,7 @@ class QuantizedTensor(torch.Tensor):
     ``_reference_quantize(x, recipe, amax=, scale=)`` / ``_reference_dequantize(comps, recipe,
     dtype)`` (:mod:`ckptq.numerics`), and the hooks through which :mod:`ckptq.ops` and
     :mod:`ckptq.inspect` handle the format without knowing it: :meth:`kernel_args` /
-    :meth:`recipe_from_kernel_args`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
+    :meth:`recipe_from_kernel_args` / :meth:`kernel_supports`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
     :meth:`check_overrides`, ``SCALE_COMPONENT`` / :meth:`decode_scale`. A subclass with a
     ``FORMAT`` registers itself in the format registry (:func:`ckptq.ops.register_format`, the
     dict :data:`FORMATS`).
@@ -135,6 +135,12 @@ class QuantizedTensor(torch.Tensor):
         ``{"format", "block", "fp8_dtype", "pow2", "eps", "columnwise"}`` (see
         :func:`ckptq.ops.make_kernel_args`)."""
         raise NotImplementedError
+
+    @classmethod
+    def kernel_supports(cls, recipe: Any) -> bool:
+        """Whether the ``ckptq::requantize`` kernels take this recipe as a source or target (else
+        :mod:`ckptq.ops` decodes and encodes it through the reference numerics). Default: True."""
+        return True
 
     @classmethod
     def recipe_from_kernel_args(

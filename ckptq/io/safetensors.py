@@ -189,7 +189,7 @@ class SafetensorsView(EntryTable):
                     f"(e.g. block size) disagrees with the tensors: fix config.json or re-export"
                 )
             fqn = hf.rename(f"{module}.weight", self._rules, inverse=True)
-            keys = {t.component: group[t.suffix] for t in fm.tensors}
+            keys = hf.component_keys(fm, group, recipe)
             desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer))
             self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
             self._quant[fqn] = (fm, group)
@@ -205,10 +205,20 @@ class SafetensorsView(EntryTable):
             self._plain[fqn] = name
 
     def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
+        record = self._amax_record_text(fm, group) is not None
         if fm.format not in ("fp8_block", "fp8_tensor"):
-            return {}
+            return hf.import_recipe(fm, {}, self.config, record)
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
-        return hf.import_recipe(fm, stored, self.config)
+        return hf.import_recipe(fm, stored, self.config, record)
+
+    def _amax_record_text(self, fm: hf.FormatMap, group: dict) -> str | None:
+        """The exporter's ``ckptq.amax`` record of this weight's global scale (file metadata), if any."""
+        for name in hf.amax_record_names(fm, "", {}):
+            hf_name = group[name.lstrip(".")]
+            text = self._file_meta.get(self._where[hf_name], {}).get(hf.amax_metadata_key(hf_name))
+            if text:
+                return text
+        return None
 
     def _load(self, name: str) -> torch.Tensor:
         """Tensor ``name`` from its file, checked against the file's checksum table when it has one
@@ -231,13 +241,10 @@ class SafetensorsView(EntryTable):
             return self._load(self._plain[fqn])
         fm, group = self._quant[fqn]
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors}
-        hint = None
-        for t in fm.tensors:
-            if t.codec in ("ws2", "gs"):
-                text = self._file_meta.get(self._where[group[t.suffix]], {}).get(hf.amax_metadata_key(group[t.suffix]))
-                if text:
-                    hint = hf.decode_amax(text, e.shape[:-2])
-        comps, _ = hf.import_components(fm, stored, e.shape, hint)
+        text = self._amax_record_text(fm, group)
+        record = None if text is None else hf.decode_amax(text, e.shape[:-2])
+        where = f"{self._where[group[fm.data.suffix]]}: weight '{fqn}'"
+        comps = hf.import_components(fm, stored, e.shape, e.descriptor.recipe, record, where)
         return from_components(e.descriptor, comps)
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
