@@ -315,9 +315,11 @@ NVFP4_PER_TENSOR = ("amax", "global_scale_inv", "global_scale")
 def nvfp4_per_tensor_from_amax(amax: torch.Tensor, per_tensor: str) -> torch.Tensor:
     """The per-tensor value a convention stores for an fp32 ``amax`` (any shape; fp32 out):
     ``amax`` itself; ``global_scale_inv = fl32(amax / 2688)`` (ModelOpt
-    ``NVFP4QTensor.get_weights_scaling_factor_2``, torchao ``per_tensor_amax_to_scale``: a division);
-    ``global_scale = fl32(2688 / amax)``, 1 where that is not finite (compressed-tensors
-    ``generate_gparam``: ``nan_to_num(..., nan=1, posinf=1)``)."""
+    ``NVFP4QTensor.get_weights_scaling_factor_2``, torchao ``per_tensor_amax_to_scale``: a tensor
+    divided by a Python float, a true division); ``global_scale = fl32(fl32(1 / amax) * 2688)``, 1
+    where that is not finite (compressed-tensors ``generate_gparam``: ``448.0 * 6.0 / amax`` with
+    Python floats, which torch evaluates as ``amax.reciprocal() * 2688``; then
+    ``nan_to_num(..., nan=1, posinf=1)``)."""
     a = _f32(amax)
     if per_tensor == "amax":
         return a.clone()
@@ -325,7 +327,7 @@ def nvfp4_per_tensor_from_amax(amax: torch.Tensor, per_tensor: str) -> torch.Ten
     if per_tensor == "global_scale_inv":
         return a / n
     if per_tensor == "global_scale":
-        g = n / a
+        g = torch.reciprocal(a) * n
         return torch.where(torch.isfinite(g), g, torch.ones_like(g))
     raise ValueError(f"unknown nvfp4 per-tensor convention {per_tensor!r}; one of {NVFP4_PER_TENSOR}")
 

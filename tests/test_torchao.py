@@ -208,52 +208,31 @@ def test_canonical_components_and_values(name):
     assert bit_exact(c["data"].view(torch.uint8), t.qdata.view(torch.uint8))
     if isinstance(t, NVFP4Tensor):
         assert bit_exact(c["scale"], _compact_scales(t, 16))
+        assert qt.recipe.per_tensor == "global_scale_inv"
         pts = t.per_tensor_scale
-        if pts is None:
-            assert bool((c["amax"] == 2688.0).all())
-        else:  # writing back divides by 2688: the same per_tensor_scale bytes
-            assert bit_exact((c["amax"] / 2688.0).reshape(pts.shape), pts)
+        if pts is None:  # single-level: a global scale of 1 decodes the same values
+            assert bool((c["global_scale_inv"] == 1.0).all())
+        else:  # torchao's per_tensor_scale bytes, kept
+            assert bit_exact(c["global_scale_inv"].reshape(-1)[: pts.numel()], pts.reshape(-1))
     elif isinstance(t, MXTensor):
         assert bit_exact(c["scale"], _compact_scales(t, 32).view(torch.uint8))
     else:
         assert bit_exact(c["scale_inv"].reshape(-1)[: t.scale.numel()], t.scale.reshape(-1))
-    ours, theirs = qt.dequantize(torch.float32), t.dequantize(torch.float32)
-    if CASES[name][3]:
-        assert bit_exact(ours, theirs)
-        assert bit_exact(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16))
-    else:
-        assert 0 <= producer["scale_product_max_ulp"] <= NV_ULP
-        assert _ulps(ours, theirs) <= NV_ULP
-        assert _ulps(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16)) <= 1
+    # torchao's own dequantize, bit for bit, NVFP4 with a global scale included
+    assert bit_exact(qt.dequantize(torch.float32), t.dequantize(torch.float32))
+    assert bit_exact(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16))
 
 
-def test_nvfp4_global_scale_bound_over_many_scales():
-    """For torchao's per_tensor_amax_to_scale of 2000 random amaxes (30 binades): an amax exists whose
-    fp32 division by 2688 gives the per_tensor_scale back, and the scale products differ by <= 2 ulp;
-    NVFP4 values decode within that bound for every E2M1 x E4M3 pair."""
-    g = torch.Generator().manual_seed(5)
-    amaxes = (torch.rand(2000, generator=g) + 0.5) * torch.exp2(torch.randint(-15, 15, (2000,), generator=g).float())
-    e4 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    e4 = e4[torch.isfinite(e4) & (e4 > 0)]
-    e2 = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    worst = 0
-    for a in amaxes:
-        p = per_tensor_amax_to_scale(a)
-        amax, ulp = ao.nvfp4_amax_for_scale(p.item())
-        assert 0 <= ulp <= NV_ULP and bit_exact(torch.tensor(amax) / 2688.0, p)
-        ours = e2[:, None] * ((e4 * torch.tensor(amax)) * (1.0 / torch.tensor(2688.0)))[None]
-        theirs = e2[:, None] * (p * e4)[None]
-        worst = max(worst, _ulps(ours, theirs))
-    assert worst <= NV_ULP
-
-
-def test_nvfp4_scale_that_no_amax_gives_is_refused():
-    # a per_tensor_scale torchao's amax/2688 never produces (mantissa gaps above 1.524)
-    p = next(v for v in (torch.tensor(1.9) + torch.arange(200) * 1e-7).tolist() if ao.nvfp4_amax_for_scale(v)[1] < 0)
-    t = _nv(_x(), False)
-    t.per_tensor_scale = torch.tensor(p, dtype=torch.float32)
-    with pytest.raises(ckptq.UnsupportedFormatError, match=r"(?s)'w'.*NVFP4Tensor.*per_tensor_scale"):
-        _canonical(t)
+def test_nvfp4_any_per_tensor_scale_is_kept_exactly():
+    """Any fp32 per_tensor_scale, also one torchao's amax / 2688 never gives (mantissa gaps above
+    1.524), is stored as it is and decodes as torchao decodes it."""
+    x = _x(2)
+    t = _nv(x, True)
+    for p in (1.9000001, 3.0517578e-05, 7.1e-12):
+        t.per_tensor_scale = torch.tensor(p, dtype=torch.float32)
+        qt, _ = _canonical(t)
+        assert bit_exact(qt.components()["global_scale_inv"], t.per_tensor_scale)
+        assert bit_exact(qt.dequantize(torch.float32), t.dequantize(torch.float32))
 
 
 @pytest.mark.parametrize("elem", [torch.float4_e2m1fn_x2, torch.float8_e5m2], ids=["mxfp4", "mxfp8_e5m2"])
@@ -293,14 +272,17 @@ def test_native_save_and_load_into_torchao_in_place(tmp_path, name):
 
 
 def test_ckptq_nvfp4_into_torchao_targets():
-    """A tensor ckptq quantized (real amax) written into torchao targets: per_tensor_scale =
-    amax/2688, values within the bound; a target without per_tensor_scale is refused."""
+    """A tensor ckptq quantized (ckptq's amax convention) written into torchao targets: the codes and
+    block scales as they are, the per_tensor_scale whose decode is closest to ckptq's (its difference
+    as with_per_tensor reports it, within the bound); a target without per_tensor_scale is refused."""
     x = _x(3)
     qt = ckptq.quantize(x, "nvfp4")
     target = _zeros_like(_nv(x, True))
     assert adapters.adapter_for(target).insert(target, qt, "w") is None
-    assert bit_exact(target.per_tensor_scale, qt.components()["amax"] / 2688.0)
-    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) <= NV_ULP
+    converted, ulps = qt.with_per_tensor("global_scale_inv")
+    assert bit_exact(target.per_tensor_scale, converted.components()["global_scale_inv"])
+    assert 0 <= ulps <= NV_ULP
+    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) == ulps
     with pytest.raises(ckptq.CheckpointFormatError, match="per_tensor_scale"):
         adapters.adapter_for(target).insert(_zeros_like(_nv(x, False, pts=False)), qt, "w")
 

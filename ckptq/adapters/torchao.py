@@ -12,9 +12,10 @@ torchao class      fields -> ckptq components                                   
 NVFP4Tensor        ``qdata`` uint8 (..., M, K/2) -> data (view; same nibble order:   nvfp4 (1x16)
                    element 2i low); ``scale`` e4m3 (..., M, K/16), or swizzled
                    (ceil(M/128)*32, ceil(K/64)*16) -> scale (..., M, K/16);
-                   ``per_tensor_scale`` fp32 () or (E, 1, 1) or None -> amax (...)
-                   (see "NVFP4 global scale" below). ``prototype/mx_formats/
-                   nvfp4_tensor.py`` (``dequantize``, ``get_hp_scales``).
+                   ``per_tensor_scale`` fp32 () or (E, 1, 1) -> global_scale_inv
+                   (...) byte for byte (recipe ``per_tensor="global_scale_inv"``);
+                   None -> 1.0. ``prototype/mx_formats/nvfp4_tensor.py``
+                   (``dequantize``, ``get_hp_scales``).
 MXTensor           ``qdata`` e4m3 (..., M, K) -> data (view); ``scale`` e8m0fnu     mxfp8
                    (..., M, K/32) or swizzled (ceil(M/128)*32, ceil(K/128)*16) ->
                    scale uint8 (..., M, K/32) (``.view(uint8)``: the biased
@@ -41,25 +42,15 @@ Exactness (ckptq dequantize vs torchao ``dequantize()``, both computing in fp32)
 
 * MXTensor (E4M3) and Float8Tensor: components equal byte for byte, values bit-exact in both
   directions (the same formulas: ``float(q) * 2^(e-127)`` and ``float(q) * scale``).
-* NVFP4Tensor, global scale. torchao decodes ``e2m1 * (per_tensor_scale * float(s))`` with
-  ``per_tensor_scale = amax / 2688`` (``per_tensor_amax_to_scale``, a division); ckptq decodes
-  ``e2m1 * ((float(s) * amax) * fl32(1/2688))``. Reading, ckptq stores the fp32 ``amax`` with
-  ``fl32(amax / 2688) == per_tensor_scale`` (so writing back divides and gives the same bytes: the
-  per_tensor_scale round trip is exact) that, among those, minimizes the largest difference of the two
-  scale products over every finite positive E4M3 scale. The two operation orders still differ: the
-  scale products differ by at most ``producer["scale_product_max_ulp"]`` ulp of fp32 for this tensor
-  (computed over every E4M3 scale when it is read, so the figure is exact, not an estimate).
-  Measured on 20000 random amaxes over 2^-60..2^60 (tests/test_torchao.py checks 2000): the scale
-  products differ by <= 2 ulp (0: 5%, 1: 91%, 2: 4% of tensors) and the dequantized fp32 values by
-  <= 2 ulp (the E2M1 multiply rounds once more); no bfloat16 value differed, and the tests allow 1
-  bf16 ulp. A per_tensor_scale that is
-  not ``amax / 2688`` of any fp32 amax (never produced by torchao itself) is refused.
-  Writing a ckptq tensor into a torchao target sets ``per_tensor_scale = fl32(amax / 2688)``, torchao's
-  own convention; for an arbitrary amax (a tensor ckptq quantized) the values then differ by <= 2 ulp
-  of fp32 too (20000 random amaxes: 0 ulp 4%, 1 ulp 52%, 2 ulp 44%); nothing is requantized.
-* NVFP4Tensor without a global scale (``per_tensor_scale=None``): stored with ``amax = 2688``, for which
-  ``(float(s) * 2688) * fl32(1/2688) == float(s)`` for every E4M3 value (checked at import): bit-exact.
-  A target without per_tensor_scale accepts only such tensors (else CheckpointFormatError).
+* NVFP4Tensor: torchao decodes ``e2m1 * fl32(per_tensor_scale * float(s))`` (``get_hp_scales``), which
+  is ckptq's ``global_scale_inv`` convention (docs/formats.md): ``per_tensor_scale`` is stored as it
+  is and the values are bit-exact in both directions. Without a global scale (``per_tensor_scale=None``,
+  decode ``e2m1 * float(s)``) the tensor is stored with ``global_scale_inv = 1``, which decodes to the
+  same values; a target without per_tensor_scale accepts only such tensors (else
+  CheckpointFormatError). A tensor in another convention (ckptq's own ``amax``) is written into a
+  torchao target with the ``per_tensor_scale`` whose decode is closest to its own
+  (:meth:`ckptq.formats.NVFP4Tensor.with_per_tensor`, <= 2 fp32 ulps in the tests); nothing is
+  requantized.
 
 Not in the canonical tensor: NVFP4's ``act_per_tensor_scale`` (a static activation calibration value,
 no part of the weight's values) and the attributes (``act_quant_kwargs``, ``mm_config``,
@@ -99,7 +90,6 @@ __all__ = [
     "PAYLOAD_TYPES",
     "TorchAOPayload",
     "ao_class_of",
-    "nvfp4_amax_for_scale",
     "to_canonical",
     "empty_canonical",
     "insert",
@@ -120,17 +110,6 @@ AO_CLASSES: dict[tuple[str, str], str] = {
 }
 
 _E4M3, _E5M2, _U8, _F32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float32
-_NVFP4_IDENTITY_AMAX = 2688.0  # amax giving ckptq's nvfp4 decode e2m1 * float(s) exactly
-_INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)  # ckptq's fp32 constant (numerics.INV_2688)
-
-
-def _positive_e4m3() -> torch.Tensor:
-    v = torch.arange(256, dtype=torch.uint8).view(_E4M3).to(_F32)
-    return v[(v > 0) & torch.isfinite(v)].unique()
-
-
-_E4M3_POS = _positive_e4m3()  # the 126 finite positive E4M3 values
-assert torch.equal((_E4M3_POS * _NVFP4_IDENTITY_AMAX) * _INV_2688, _E4M3_POS)
 
 
 # ============================================================================ pickle stand-ins
@@ -357,34 +336,6 @@ def _write_block_scales(obj: Any, compact: torch.Tensor, swizzled: bool) -> None
         target.copy_(src)
 
 
-# ============================================================================ NVFP4 global scale
-def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
-    """The fp32 ``amax`` ckptq stores for torchao's fp32 ``per_tensor_scale`` p, and the largest
-    difference (ulp of fp32) between the scale products ``(float(s) * amax) * fl32(1/2688)`` (ckptq)
-    and ``p * float(s)`` (torchao) over every finite positive E4M3 ``s``.
-
-    The amax is the candidate within 4 ulp of ``fl32(p * 2688)`` with ``fl32(amax / 2688) == p``
-    (torchao's ``per_tensor_amax_to_scale``, so writing it back gives p exactly) and the smallest such
-    difference (ties: nearest to ``fl32(p * 2688)``). Returns ``(nan, -1)`` when no candidate divides
-    back to p. Zero maps to zero (exact).
-    """
-    p = torch.tensor(per_tensor_scale, dtype=_F32)
-    if p.item() == 0.0:
-        return 0.0, 0
-    a0 = (p * _NVFP4_IDENTITY_AMAX).view(torch.int32)
-    want = (p * _E4M3_POS).view(torch.int32)
-    best: tuple[int, float] | None = None
-    for k in sorted(range(-4, 5), key=abs):
-        a = (a0 + k).view(_F32)
-        if not torch.isfinite(a) or not torch.equal(a / _NVFP4_IDENTITY_AMAX, p):
-            continue
-        got = ((_E4M3_POS * a) * _INV_2688).view(torch.int32)
-        ulp = int((got.to(torch.int64) - want.to(torch.int64)).abs().max())
-        if best is None or ulp < best[0]:
-            best = (ulp, float(a.item()))
-    return (float("nan"), -1) if best is None else (best[1], best[0])
-
-
 # ============================================================================ per-class logic
 def _version() -> str | None:
     v = getattr(sys.modules.get("torchao"), "__version__", None)
@@ -405,16 +356,16 @@ def _nvfp4_describe(obj: Any, fqn: str) -> _AOContents:
     _check(q, (*d.shape[:-1], d.shape[-1] // 2), _U8, "qdata", d, fqn)
     if d.shape[-1] % 16:
         _refuse(fqn, d.ao_class, f"K={d.shape[-1]}", "is not a multiple of 16")
-    d.recipe = dict(two_d=False)
+    d.recipe = dict(two_d=False, per_tensor="global_scale_inv")
     return d
 
 
-def _nvfp4_amax(obj: Any, d: _AOContents, fqn: str) -> tuple[torch.Tensor, int]:
+def _nvfp4_global_scale_inv(obj: Any, d: _AOContents, fqn: str) -> torch.Tensor:
+    """``per_tensor_scale`` as the batch-shaped fp32 ``global_scale_inv`` (bytes kept; 1 where None)."""
     lead = d.shape[:-2]
     pts = _tensor(obj, "per_tensor_scale", d.ao_class, fqn, optional=True)
-    dev = obj.qdata.device
     if pts is None:
-        return torch.full(lead, _NVFP4_IDENTITY_AMAX, dtype=_F32, device=dev), 0
+        return torch.ones(lead, dtype=_F32, device=obj.qdata.device)
     if pts.dtype != _F32 or pts.numel() not in (1, math.prod(lead)):
         _refuse(
             fqn,
@@ -422,61 +373,45 @@ def _nvfp4_amax(obj: Any, d: _AOContents, fqn: str) -> tuple[torch.Tensor, int]:
             f"per_tensor_scale {pts.dtype} {tuple(pts.shape)}",
             f"is not fp32 with one value (or one per expert of {lead})",
         )
-    vals = pts.detach().to("cpu").reshape(-1).tolist()
-    amax, worst = [], 0
-    for v in vals:
-        a, ulp = nvfp4_amax_for_scale(v)
-        if ulp < 0:
-            _refuse(
-                fqn,
-                d.ao_class,
-                f"per_tensor_scale={v!r} ({float(v).hex()})",
-                "is not amax/2688 of any fp32 amax (ckptq's nvfp4 stores amax)",
-            )
-        amax.append(a)
-        worst = max(worst, ulp)
-    out = torch.tensor(amax, dtype=_F32, device=dev)
-    if len(amax) == 1:  # one global scale (also for a 3-D tensor): the same amax for every matrix
-        return out.reshape(()).expand(lead).contiguous(), worst
-    return out.reshape(lead), worst
+    if pts.numel() == 1:  # one global scale (also for a 3-D tensor): the same value for every matrix
+        return pts.detach().reshape(()).expand(lead).contiguous()
+    return pts.detach().reshape(lead)
 
 
 def _nvfp4_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     k = d.shape[-1]
     scale = _read_block_scales(obj, d, k // 16, _E4M3, fqn)
-    amax, ulp = _nvfp4_amax(obj, d, fqn)
     pts = getattr(obj, "per_tensor_scale", None)
     extra = {
         "per_tensor_scale": None if pts is None else ("per_expert" if pts.dim() == 3 else "scalar"),
-        "scale_product_max_ulp": ulp,
         "use_triton_kernel": bool(getattr(obj, "use_triton_kernel", False)),
         "act_per_tensor_scale": _plain(getattr(obj, "act_per_tensor_scale", None)),
         "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
     }
-    return {"data": obj.qdata, "scale": scale, "amax": amax}, extra
+    return {"data": obj.qdata, "scale": scale, "global_scale_inv": _nvfp4_global_scale_inv(obj, d, fqn)}, extra
 
 
 def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> None:
+    qt, _ = qt.with_per_tensor("global_scale_inv")  # no copy when it already is torchao's convention
     c = qt.components()
     scale = c["scale"]
     if qt.recipe.two_d:  # 16x16 tiles: each tile's scale on its 16 rows is the same 1x16 value
         scale = scale.repeat_interleave(16, dim=-2)[..., : d.shape[-2], :]
-    amax = c["amax"].to(_F32)
+    new = c["global_scale_inv"]
     pts = getattr(obj, "per_tensor_scale", None)
     if pts is None:
-        if not bool((amax == _NVFP4_IDENTITY_AMAX).all()):
+        if not bool((new == 1.0).all()):
             raise CheckpointFormatError(
-                f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's amax "
-                f"({amax.reshape(-1)[:4].tolist()}) is not 2688 (the single-level encoding); build the target "
+                f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's global "
+                f"scale ({new.reshape(-1)[:4].tolist()}) is not 1 (the single-level encoding); build the target "
                 f"with a per_tensor_scale (NVFP4Tensor.to_nvfp4(..., per_tensor_scale=...))"
             )
     else:
-        new = amax / _NVFP4_IDENTITY_AMAX  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
         if pts.numel() == 1 and new.numel() > 1:
             if not bool((new == new.reshape(-1)[0]).all()):
                 raise CheckpointFormatError(
                     f"{_where(fqn, d.ao_class)}: the target holds one per_tensor_scale, "
-                    f"the loaded tensor one amax per expert"
+                    f"the loaded tensor one global scale per expert"
                 )
             new = new.reshape(-1)[:1]
         pts.copy_(new.reshape(pts.shape))
@@ -624,10 +559,11 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
     payload) and a ``producer`` record of builtins.
 
     Components are compact and unswizzled, of the object's logical shape; ``data`` (and unswizzled
-    scales, Float8 scales) are views of torchao's buffers, swizzled scales and NVFP4 ``amax`` copies.
+    scales, Float8 scales) are views of torchao's buffers, swizzled scales and NVFP4 ``global_scale_inv``
+    (``per_tensor_scale``'s bytes) copies.
     ``producer`` = ``{"name": "torchao", "version" (of the live library; None for a pickle payload),
     "class", "orig_dtype", "swizzled", ...}`` plus, for
-    NVFP4Tensor, ``per_tensor_scale`` (None / "scalar" / "per_expert"), ``scale_product_max_ulp``,
+    NVFP4Tensor, ``per_tensor_scale`` (None / "scalar" / "per_expert"),
     ``use_triton_kernel``, ``act_per_tensor_scale`` (float hex list), ``act_quant_kwargs``; MXTensor
     ``elem_dtype``, ``block_size``, ``kernel_preference``, ``act_quant_kwargs``; Float8Tensor
     ``granularity`` (per_tensor / per_row / per_block), ``block_size``, ``fp8_dtype``,
@@ -668,12 +604,13 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
 
 def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
     """Write canonical ``qt`` into the torchao tensor's buffers in place: ``qdata``, ``scale``
-    (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` =
-    ``fl32(amax / 2688)``. Nothing is requantized: returns None.
+    (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` (``qt``'s
+    ``global_scale_inv``, or the closest one for another convention:
+    :meth:`ckptq.formats.NVFP4Tensor.with_per_tensor`). Nothing is requantized: returns None.
 
     Raises:
         CheckpointFormatError: ``qt``'s format, element dtype, block or shape does not fit the target
-            (including an NVFP4 target without per_tensor_scale for a tensor whose amax is not 2688).
+            (including an NVFP4 target without per_tensor_scale for a tensor whose global scale is not 1).
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
     local, d, _, ins = _resolve(obj, fqn)
