@@ -360,9 +360,7 @@ def _nvfp4_amax_of(value: torch.Tensor, per_tensor: str) -> torch.Tensor:
     return {"amax": value, "global_scale_inv": value * n, "global_scale": n / value}[per_tensor]
 
 
-def nvfp4_convert_per_tensor(
-    value: torch.Tensor, src: str, dst: str, scale: torch.Tensor
-) -> tuple[torch.Tensor, int]:
+def nvfp4_convert_per_tensor(value: torch.Tensor, src: str, dst: str, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The per-tensor value of convention ``dst`` whose decode is closest to that of ``value``
     (convention ``src``) over the block scales occurring in ``scale`` (E4M3, (..., R, C)); fp32 of
     ``value``'s batch shape, and the largest difference of the two decodes in fp32 ulps over all

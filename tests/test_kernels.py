@@ -555,7 +555,10 @@ def test_cuda_support_rule_matches_docs():
     assert math.prod((1,)) == 1
 
 
-PRODUCER_NVFP4 = [("nvfp4", {"per_tensor": "global_scale_inv"}), ("nvfp4", {"per_tensor": "global_scale", "two_d": True})]
+PRODUCER_NVFP4 = [
+    ("nvfp4", {"per_tensor": "global_scale_inv"}),
+    ("nvfp4", {"per_tensor": "global_scale", "two_d": True}),
+]
 
 
 @pytest.mark.parametrize("dst", TARGETS + PRODUCER_NVFP4, ids=case_id)

@@ -59,6 +59,15 @@ class NVFP4Tensor(QuantizedTensor):
     SCALE_COMPONENT = "scale"
 
     @classmethod
+    def _recipe_to_json(cls, recipe) -> dict:
+        """ckptq's own convention is written as before the field existed (no ``per_tensor`` key:
+        ``amax``), so its descriptors are unchanged; a producer's convention is named."""
+        out = super()._recipe_to_json(recipe)
+        if out.get("per_tensor") == "amax":
+            del out["per_tensor"]
+        return out
+
+    @classmethod
     def kernel_supports(cls, recipe: NVFP4Recipe) -> bool:
         return recipe.per_tensor == "amax"
 
@@ -104,7 +113,9 @@ class NVFP4Tensor(QuantizedTensor):
     @classmethod
     def _reference_dequantize(cls, comps, recipe, dtype):
         p = recipe.per_tensor
-        return numerics.dequantize_nvfp4(comps["data"], comps["scale"], comps[p], dtype, two_d=recipe.two_d, per_tensor=p)
+        return numerics.dequantize_nvfp4(
+            comps["data"], comps["scale"], comps[p], dtype, two_d=recipe.two_d, per_tensor=p
+        )
 
     def with_per_tensor(self, per_tensor: str) -> tuple[NVFP4Tensor, int]:
         """The same ``data`` and ``scale`` bytes with the per-tensor value in convention ``per_tensor``
@@ -121,6 +132,8 @@ class NVFP4Tensor(QuantizedTensor):
         if per_tensor == src:
             return self, 0
         rec = NVFP4Recipe(two_d=self.recipe.two_d, per_tensor=per_tensor)
-        value, worst = numerics.nvfp4_convert_per_tensor(self._components[src], src, per_tensor, self._components["scale"])
+        value, worst = numerics.nvfp4_convert_per_tensor(
+            self._components[src], src, per_tensor, self._components["scale"]
+        )
         comps = {"data": self._components["data"], "scale": self._components["scale"], per_tensor: value}
         return NVFP4Tensor(comps, self.shape, self.dtype, rec), worst
