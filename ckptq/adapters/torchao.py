@@ -82,7 +82,7 @@ import torch
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor
 from ._swizzle import swizzle, swizzled_numel, unswizzle
-from .base import check_fits, refuse
+from .base import FlatTensor, check_fits, refuse
 
 __all__ = [
     "AO_CLASSES",
@@ -93,6 +93,8 @@ __all__ = [
     "to_canonical",
     "empty_canonical",
     "insert",
+    "safetensors_groups",
+    "safetensors_to_canonical",
 ]
 
 PRODUCER = "torchao"
@@ -617,3 +619,116 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
     check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.ao_class))
     ins(local, qt, d, fqn)
     return None
+
+
+# ============================================================================ safetensors files
+# torchao 0.18 ``prototype/safetensors/safetensors_support.py`` (``flatten_tensor_state_dict`` /
+# ``unflatten_tensor_state_dict``, what transformers' torchao integration saves with
+# ``safe_serialization=True``): a tensor ``<module>.<name>`` of a torchao class is stored as the plain
+# tensors ``<module>._<name>_<field>`` (one per tensor-data field that is not None), and the file's
+# ``__metadata__`` maps ``<module>.<name>`` to the JSON ``{"_type": class, "_data": {attribute:
+# encoded value}, "_tensor_data_names": [fields]}`` and ``"tensor_names"`` to the JSON list of every
+# tensor name (plain ones have ``{"_type": "Tensor"}``). Encoded values (``safetensors_utils.py``,
+# ``TensorSubclassAttributeJSONEncoder``): ``{"_type": "torch.dtype", "_data": "bfloat16"}``, enums
+# ``{"_type": enum class, "_data": member name}``, dataclasses / NamedTuples ``{"_type", "_data": {field:
+# value}}``, lists as lists.
+_ST_PAYLOADS = {"NVFP4Tensor": NVFP4Payload, "MXTensor": MXPayload, "Float8Tensor": Float8Payload}
+#: canonical component -> torchao field, per class
+_ST_COMPONENTS = {
+    "NVFP4Tensor": {"data": "qdata", "scale": "scale", "global_scale_inv": "per_tensor_scale"},
+    "MXTensor": {"data": "qdata", "scale": "scale"},
+    "Float8Tensor": {"data": "qdata", "scale_inv": "scale"},
+}
+#: the logical dtype's attribute per class
+_ST_DTYPE_ATTR = {"NVFP4Tensor": "orig_dtype", "MXTensor": "orig_dtype", "Float8Tensor": "dtype"}
+#: torchao's str enums the metadata names by member (``KernelPreference``, ``ScaleCalculationMode``)
+_ST_ENUMS = ("KernelPreference", "ScaleCalculationMode")
+#: torchao's other safetensors classes (``ALLOWED_TENSORS_SUBCLASSES``), refused by name
+_ST_OTHER = ("Int4Tensor", "Int4TilePackedTo4dTensor", "IntxUnpackedToInt8Tensor", "Int8Tensor", "Int4PlainInt32Tensor")
+
+
+def _st_decode(v: Any, depth: int = 0) -> Any:
+    """An encoded attribute value as the pickle stand-ins hold it: dtypes -> torch.dtype, enums ->
+    the member name (torchao's str enums pickle as their value; both are upper-case names here),
+    dataclasses / NamedTuples -> records, lists kept."""
+    if depth > 8:
+        raise CheckpointFormatError("torchao safetensors metadata nests deeper than 8 levels")
+    if isinstance(v, list):
+        return [_st_decode(x, depth + 1) for x in v]
+    if not isinstance(v, dict):
+        return v
+    kind, data = v.get("_type"), v.get("_data")
+    if kind == "torch.dtype":
+        dt = getattr(torch, str(data), None)
+        if not isinstance(dt, torch.dtype):
+            raise CheckpointFormatError(f"torchao safetensors metadata: unknown dtype {data!r}")
+        return dt
+    if kind in _ST_ENUMS and isinstance(data, str):
+        return data.lower()  # torchao 0.18: each member's value is its name in lower case ("AUTO" -> "auto")
+    if isinstance(data, dict):
+        rec = _KWARG_RECORDS.get(kind) or (_MM_CONFIG if kind == "Float8MMConfig" else _record_type(str(kind)))
+        obj = object.__new__(rec)
+        obj.__dict__.update({k: _st_decode(x, depth + 1) for k, x in data.items()})
+        return obj
+    return data  # an enum member name
+
+
+def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, FlatTensor]:
+    """The torchao tensors a safetensors file's ``__metadata__`` describes, by name; ``{}`` when the
+    metadata is not torchao's. ``names``: the tensor names stored (in any file of the folder).
+
+    Raises:
+        CheckpointFormatError: malformed torchao metadata, or a member tensor missing (names it).
+        UnsupportedFormatError: a torchao class ckptq does not hold (names the tensor and class).
+    """
+    import json
+
+    text = (metadata or {}).get("tensor_names")
+    if not isinstance(text, str):
+        return {}
+    try:
+        tensor_names = json.loads(text)
+        records = {n: json.loads(metadata[n]) for n in tensor_names}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointFormatError(f"{where}: torchao safetensors metadata is malformed ({e!r}); re-save it") from e
+    out = {}
+    for name, rec in records.items():
+        kind = rec.get("_type") if isinstance(rec, dict) else None
+        if kind == "Tensor":
+            continue
+        if kind in _ST_OTHER:
+            raise UnsupportedFormatError(
+                f"{where}: tensor '{name}' is a torchao {kind}, which ckptq does not hold (it holds "
+                f"{sorted(_ST_PAYLOADS)}); dequantize it with torchao first"
+            )
+        if kind not in _ST_PAYLOADS or not isinstance(rec.get("_data"), dict):
+            raise CheckpointFormatError(f"{where}: tensor '{name}' has torchao metadata of unknown type {kind!r}")
+        module, _, leaf = name.rpartition(".")
+        members = {f: f"{module}._{leaf}_{f}" if module else f"_{leaf}_{f}" for f in rec.get("_tensor_data_names", [])}
+        missing = [m for m in members.values() if m not in names]
+        if missing:
+            raise CheckpointFormatError(
+                f"{where}: torchao {kind} '{name}' lists {sorted(members)}, but {missing} are not in the "
+                f"folder; a shard is missing or the file was changed"
+            )
+        attrs = {k: _st_decode(v) for k, v in rec["_data"].items()}
+        small = tuple(f for f in members if f not in ("qdata", "scale"))  # global scales: read when opened
+        out[name] = FlatTensor(name, kind, attrs, members, small, dict(_ST_COMPONENTS[kind]))
+    return out
+
+
+def safetensors_to_canonical(flat: FlatTensor, tensors: dict) -> tuple[QuantizedTensor, dict]:
+    """The canonical tensor and producer record of a flattened torchao tensor (``tensors``: stored
+    name -> tensor; meta tensors for ``qdata`` and ``scale`` give the descriptor without reading
+    them), through the same checks as a live or pickled one (:func:`to_canonical`)."""
+    fields = {f: tensors[n] for f, n in flat.members.items()}
+    q = fields.get("qdata")
+    if q is None:
+        raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no qdata")
+    shape = tuple(q.shape[:-1]) + ((q.shape[-1] * 2,) if flat.kind == "NVFP4Tensor" else (q.shape[-1],))
+    dtype = flat.attributes.get(_ST_DTYPE_ATTR[flat.kind])
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no logical dtype in its metadata")
+    payload = torch.Tensor._make_wrapper_subclass(_ST_PAYLOADS[flat.kind], shape, dtype=dtype, device=q.device)
+    payload.__setstate__({**{k: v for k, v in flat.attributes.items() if k != "dtype"}, **fields})
+    return to_canonical(payload, flat.fqn)
