@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from . import adapters
 from .adapters import hf
 from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
@@ -63,7 +64,8 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
 
 def _parse_layout(layout: str) -> hf.HFLayout:
     if layout not in hf.LAYOUTS:
-        raise UsageError(f"--layout: unknown layout '{layout}'; choose one of {list(hf.LAYOUTS)}")
+        flat = [a.producer for a in adapters.registered() if a.safetensors_flatten is not None]
+        raise UsageError(f"--layout: unknown layout '{layout}'; choose one of {list(hf.LAYOUTS) + flat}")
     return hf.LAYOUTS[layout]
 
 
@@ -265,7 +267,8 @@ def export_checkpoint(
     Args:
         src: any checkpoint :func:`ckptq.checkpoint.open_checkpoint` reads.
         dst: the output folder (new; an existing one needs ``overwrite``).
-        layout: ``"modelopt"``, ``"compressed-tensors"`` or ``"deepseek-fp8"``.
+        layout: ``"modelopt"``, ``"compressed-tensors"`` or ``"deepseek-fp8"``; or ``"torchao"``: torchao's
+            own safetensors form (:func:`export_flattened`; ``format`` and ``ignore`` do not apply).
         format: requantize every quantized tensor (and every plain floating ``*.weight`` of rank >= 2
             not ignored) to this ckptq format with :func:`ckptq.requantize` first (tensors already in
             it with a recipe the layout holds are kept bit-exact); None: each quantized tensor in its
@@ -291,6 +294,11 @@ def export_checkpoint(
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix).
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
     """
+    flat = adapters.flattening(layout)
+    if flat is not None:
+        if format is not None:
+            raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
+        return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
     lay = _parse_layout(layout)
     fmt = _parse_format(lay, format)
     max_bytes = parse_size(max_shard_size)
@@ -402,4 +410,105 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
         "skipped": skipped,
         "numerics": numerics,
         "config_files": sorted({*cfg_files, "config.json"}),
+    }
+
+
+def export_flattened(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    adapter: adapters.Adapter,
+    max_shard_size: str | int = "5GB",
+    names: Any = None,
+    overwrite: bool = False,
+    progress: bool | Callable[[int], None] | None = None,
+) -> dict:
+    """Write ``src`` as safetensors files in a library's own flattened form (``adapter``'s
+    ``safetensors_flatten``; torchao: what its ``flatten_tensor_state_dict`` writes, read back by its
+    ``unflatten_tensor_state_dict``): quantized tensors as the adapter flattens them, plain ones as
+    stored, each file's ``__metadata__`` describing its tensors (``tensor_names``) plus ckptq's
+    checksum table, and a ``model.safetensors.index.json`` when there are several files.
+
+    Returns the dict of :func:`export_checkpoint` (``layout`` the producer's name, no config files).
+    Raises as :func:`export_checkpoint`, and UnsupportedFormatError for a tensor the library's
+    classes cannot hold (names it).
+    """
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from .checksums import checksum
+
+    max_bytes = parse_size(max_shard_size)
+    try:
+        rules = hf.parse_rename_rules(names)
+    except ValueError as e:
+        raise UsageError(f"--rename: {e}") from None
+    view = open_checkpoint(src)
+    dst = Path(dst).absolute()
+    check_destination(Path(view.path).absolute(), dst, overwrite)
+    if progress is True:
+        progress = None  # one pass over whole tensors; the caller's callable still gets the bytes
+    tmp = staging_dir(dst)
+    shards: list[tuple[dict, dict]] = [({}, {})]
+    numerics: dict[str, int] = {}
+    quantized: dict[str, str] = {}
+    plain, skipped = [], []
+    written = 0
+    try:
+        for e in view.entries():
+            if e.kind == "bytes":
+                skipped.append(e.fqn)
+                continue
+            name = hf.rename(e.fqn, rules)
+            x = view.read(e.fqn)
+            if isinstance(x, QuantizedTensor):
+                producer = e.descriptor.producer if e.descriptor is not None else None
+                tensors, record, info = adapter.safetensors_flatten(name, x, producer)
+                quantized[e.fqn] = x.FORMAT
+                if "max_ulps" in info:
+                    numerics[e.fqn] = info["max_ulps"]
+            else:
+                tensors, record = {name: x.contiguous()}, _json.dumps({"_type": "Tensor"})
+                plain.append(e.fqn)
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            data, meta = shards[-1]
+            if data and sum(t.numel() * t.element_size() for t in data.values()) + size > max_bytes:
+                shards.append(({}, {}))
+                data, meta = shards[-1]
+            data.update(tensors)
+            meta[name] = record
+            written += size
+            if callable(progress):
+                progress(size)
+        files, weight_map = [], {}
+        for i, (data, meta) in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            metadata = {
+                "format": "pt",
+                **meta,
+                "tensor_names": _json.dumps(list(meta)),
+                SAFETENSORS_KEY: safetensors_table({n: checksum(t) for n, t in data.items()}),
+            }
+            save_file(data, str(tmp / fname), metadata=metadata)
+            files.append(fname)
+            weight_map.update(dict.fromkeys(data, fname))
+        if len(files) > 1:
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dir(tmp, dst)
+    return {
+        "path": str(dst),
+        "layout": adapter.producer,
+        "files": files,
+        "bytes": written,
+        "tensors": len(weight_map),
+        "quantized": quantized,
+        "requantized": [],
+        "high_precision": plain,
+        "skipped": skipped,
+        "numerics": numerics,
+        "config_files": [],
     }

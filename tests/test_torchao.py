@@ -584,3 +584,133 @@ def test_torch_save_source_reads_any_adapter(tmp_path):
     for k, t in sd.items():
         assert view.entry(k).descriptor.producer["name"] == "transformer_engine"
         assert _same_components(view.read(k), _canonical(t, k)[0]), k
+
+
+# ------------------------------------------------------------------ torchao's safetensors form
+def _ao_unflatten(folder):
+    """torchao 0.18's own reader of its safetensors form: every file through
+    ``unflatten_tensor_state_dict``; returns its tensors by name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            meta = h.metadata()
+        got, leftover = unflatten_tensor_state_dict(load_file(str(f)), meta)
+        assert leftover == {}, sorted(leftover)
+        out.update(got)
+    return out
+
+
+def _ao_folder(tmp_path, sd):
+    """A folder written by torchao 0.18's own flatten_tensor_state_dict (+ safetensors save_file)."""
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    data, meta = flatten_tensor_state_dict(sd)
+    folder = tmp_path / "ao-st"
+    folder.mkdir()
+    save_file(data, str(folder / "model.safetensors"), metadata=meta)
+    return folder
+
+
+def test_torchao_safetensors_read_inspect_convert(tmp_path):
+    """A folder torchao's flatten wrote: every quantized tensor read as the same canonical tensor as
+    the live object (bytes, recipe), inspect lists them with their producer, convert --to native
+    keeps them; torchao's own unflatten reads ckptq's export of it back to the same values."""
+    sd = _state()
+    folder = _ao_folder(tmp_path, sd)
+    view = open_checkpoint(folder)
+    assert view.source == "safetensors (torchao)"
+    rows = {r["fqn"]: r for r in inspect_checkpoint(folder)["tensors"]}
+    for fqn, t in sd.items():
+        got = view.read(fqn)
+        if fqn.endswith("bias"):
+            assert rows[fqn]["mode"] == "plain" and bit_exact(got, t)
+            continue
+        want, _ = _canonical(t, fqn)
+        assert _same_components(got, want) and got.recipe == want.recipe, fqn
+        assert (rows[fqn]["format"], rows[fqn]["producer"]) == (want.FORMAT, f"torchao {type(t).__name__}")
+    ckptq.reshard_checkpoint(folder, tmp_path / "native", to="native")
+    native = CheckpointView(tmp_path / "native")
+    for fqn, t in sd.items():
+        if not fqn.endswith("bias"):
+            assert _same_components(native.read(fqn), _canonical(t, fqn)[0]), fqn
+    # ckptq export --layout torchao of that folder, read by torchao's own unflatten
+    from typer.testing import CliRunner
+
+    from ckptq.cli import app
+
+    out = tmp_path / "back"
+    r = CliRunner().invoke(app, ["export", str(folder), str(out), "--layout", "torchao"])
+    assert r.exit_code == 0, r.output
+    theirs = _ao_unflatten(out)
+    assert set(theirs) == set(sd)
+    for fqn, t in sd.items():
+        if fqn.endswith("bias"):
+            assert bit_exact(theirs[fqn], t)
+            continue
+        assert type(theirs[fqn]) is type(t) and theirs[fqn].dtype == t.dtype, fqn
+        assert _same_components(_canonical(theirs[fqn], fqn)[0], _canonical(t, fqn)[0]), fqn
+        for dt in (torch.float32, torch.bfloat16):
+            assert bit_exact(theirs[fqn].dequantize(dt), t.dequantize(dt)), fqn
+        if not getattr(t, "is_swizzled_scales", False):  # compact scales: the same bytes as torchao wrote
+            for f in ("qdata", "scale", "per_tensor_scale"):
+                if getattr(t, f, None) is not None:
+                    assert bit_exact(getattr(theirs[fqn], f), getattr(t, f)), (fqn, f)
+
+
+def test_export_ckptq_tensors_as_torchao_safetensors(tmp_path):
+    """ckptq's own tensors (NVFP4 in ckptq's amax convention, 1x16 and 16x16; MXFP8; FP8 per-tensor,
+    per-row, 128x128 blocks) exported with --layout torchao: torchao's unflatten gives NVFP4Tensor /
+    MXTensor / Float8Tensor whose qdata and scale bytes are ckptq's, and whose dequantize equals
+    ckptq's (NVFP4: within the ulps export reports for the global scale's change of convention);
+    ckptq reads the folder back to the same canonical tensors (NVFP4 as global_scale_inv)."""
+    from ckptq.export import export_checkpoint
+
+    g = torch.Generator().manual_seed(9)
+    sd = {
+        "a.weight": ckptq.quantize(torch.randn(64, 128, generator=g), "nvfp4"),
+        "b.weight": ckptq.quantize(torch.randn(2, 32, 64, generator=g) * 7, "nvfp4", two_d=True),
+        "c.weight": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp8"),
+        "d.weight": ckptq.quantize(torch.randn(48, 64, generator=g).bfloat16(), "fp8_tensor"),
+        "e.weight": ckptq.quantize(torch.randn(32, 64, generator=g), "fp8_block", block=(1, 64)),
+        "f.weight": ckptq.quantize(torch.randn(256, 128, generator=g), "fp8_block"),
+        "norm.weight": torch.randn(64, generator=g),
+    }
+    src = tmp_path / "src"
+    dcp.save(sd, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    res = export_checkpoint(src, tmp_path / "ao", layout="torchao")
+    assert set(res["numerics"]) <= {"a.weight", "b.weight"} and all(0 <= u <= NV_ULP for u in res["numerics"].values())
+    theirs = _ao_unflatten(tmp_path / "ao")
+    kinds = {"nvfp4": NVFP4Tensor, "mxfp8": MXTensor, "fp8_tensor": Float8Tensor, "fp8_block": Float8Tensor}
+    back = open_checkpoint(tmp_path / "ao")
+    for fqn, qt in sd.items():
+        if not isinstance(qt, ckptq.QuantizedTensor):
+            assert bit_exact(theirs[fqn], qt)
+            continue
+        t = theirs[fqn]
+        assert type(t) is kinds[qt.FORMAT] and t.dtype == qt.dtype, fqn
+        c = qt.components()
+        assert bit_exact(t.qdata.view(torch.uint8), c["data"].view(torch.uint8)), fqn
+        if qt.FORMAT == "nvfp4":
+            conv, u = qt.with_per_tensor("global_scale_inv")
+            want_scale = c["scale"].repeat_interleave(16, -2)[..., : qt.shape[-2], :] if qt.recipe.two_d else c["scale"]
+            assert bit_exact(t.scale, want_scale)
+            assert bit_exact(
+                t.per_tensor_scale.reshape(-1),
+                conv.components()["global_scale_inv"].reshape(-1)[: t.per_tensor_scale.numel()],
+            )
+            assert bit_exact(t.dequantize(torch.float32), conv.dequantize(torch.float32))
+            assert _ulps(t.dequantize(torch.float32), qt.dequantize(torch.float32)) <= res["numerics"].get(fqn, 0)
+            got = back.read(fqn)
+            assert got.recipe.per_tensor == "global_scale_inv" and bit_exact(got.dequantize(), conv.dequantize())
+        else:
+            if qt.FORMAT == "mxfp8":
+                assert bit_exact(t.scale.view(torch.uint8), c["scale"])
+            else:
+                assert bit_exact(t.scale.reshape(-1), c["scale_inv"].reshape(-1))
+            assert bit_exact(t.dequantize(torch.float32), qt.dequantize(torch.float32)), fqn
+            assert _same_components(back.read(fqn), qt), fqn

@@ -34,6 +34,7 @@ __all__ = [
     "registered",
     "FlatTensor",
     "safetensors_groups",
+    "flattening",
 ]
 
 
@@ -117,6 +118,11 @@ def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, tupl
     return out
 
 
+def flattening(producer: str) -> Adapter | None:
+    """The registered adapter of ``producer`` that writes its safetensors form, if any."""
+    return next((a for a in _ADAPTERS if a.producer == producer and a.safetensors_flatten is not None), None)
+
+
 def _register_builtin() -> None:
     register(
         Adapter(
@@ -147,6 +153,7 @@ def _register_builtin() -> None:
             "torchao 0.18.0",
             safetensors_groups=ao.safetensors_groups,
             safetensors_to_canonical=ao.safetensors_to_canonical,
+            safetensors_flatten=ao.safetensors_flatten,
         )
     )
 

@@ -58,6 +58,9 @@ class Adapter:
             producer has no such format.
         safetensors_to_canonical: ``(FlatTensor, {stored name: tensor}) -> (QuantizedTensor,
             producer dict)`` for one of them.
+        safetensors_flatten: ``(name, QuantizedTensor, producer dict or None) -> ({stored name:
+            tensor}, metadata JSON, numerics)``: the producer's flattened form of a canonical tensor
+            (what ``ckptq export --layout <producer>`` writes).
     """
 
     producer: str
@@ -71,6 +74,7 @@ class Adapter:
     entry_suffixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
     safetensors_groups: Callable[[Mapping, Any, str], dict] | None = None
     safetensors_to_canonical: Callable[[FlatTensor, Mapping], tuple[QuantizedTensor, dict]] | None = None
+    safetensors_flatten: Callable[[str, QuantizedTensor, Any], tuple[dict, str, dict]] | None = None
 
     @property
     def pickle_markers(self) -> tuple[bytes, ...]:

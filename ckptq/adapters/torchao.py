@@ -95,6 +95,7 @@ __all__ = [
     "insert",
     "safetensors_groups",
     "safetensors_to_canonical",
+    "safetensors_flatten",
 ]
 
 PRODUCER = "torchao"
@@ -732,3 +733,97 @@ def safetensors_to_canonical(flat: FlatTensor, tensors: dict) -> tuple[Quantized
     payload = torch.Tensor._make_wrapper_subclass(_ST_PAYLOADS[flat.kind], shape, dtype=dtype, device=q.device)
     payload.__setstate__({**{k: v for k, v in flat.attributes.items() if k != "dtype"}, **fields})
     return to_canonical(payload, flat.fqn)
+
+
+def _st_dtype(dt: torch.dtype) -> dict:
+    return {"_type": "torch.dtype", "_data": str(dt).replace("torch.", "")}
+
+
+def _st_enum(kind: str, value: Any, default: str) -> dict:
+    v = value if isinstance(value, str) and value else default
+    return {"_type": kind, "_data": v.upper()}  # member name (see _st_decode)
+
+
+def safetensors_flatten(name: str, qt: QuantizedTensor, producer: dict | None) -> tuple[dict, str, dict]:
+    """torchao's flattened form of canonical ``qt`` stored as ``name`` (what torchao's
+    ``flatten_tensor_state_dict`` writes for the torchao tensor :func:`insert` would fill):
+    ``({stored name: tensor}, metadata JSON, numerics)``; ``numerics`` ``{"max_ulps": n}`` when an
+    NVFP4 global scale changed convention (:meth:`~ckptq.formats.NVFP4Tensor.with_per_tensor`).
+
+    Scales are written compact (``is_swizzled_scales`` false); attributes torchao keeps beside the
+    values (``kernel_preference``, ``use_triton_kernel``) come from a torchao ``producer`` record,
+    else torchao's defaults; ``act_quant_kwargs``, ``mm_config`` and ``act_per_tensor_scale`` are not
+    written (null / absent: the weight's values do not depend on them).
+
+    Raises:
+        UnsupportedFormatError: a tensor torchao's classes cannot hold (MXFP8 with a columnwise copy
+            is written rowwise; fp8_block blocks that do not divide the shape; ranks other than 2, 3).
+    """
+    import json
+
+    prod = producer if isinstance(producer, dict) and producer.get("name") == PRODUCER else {}
+    c, shape, info = qt.components(), tuple(qt.shape), {}
+    module, _, leaf = name.rpartition(".")
+    prefix = f"{module}._{leaf}_" if module else f"_{leaf}_"
+    where = f"tensor '{name}' ({qt.FORMAT})"
+    if qt.FORMAT == "nvfp4":
+        qt, u = qt.with_per_tensor("global_scale_inv")
+        if u:
+            info["max_ulps"] = u
+        c = qt.components()
+        scale = c["scale"].repeat_interleave(16, dim=-2)[..., : shape[-2], :] if qt.recipe.two_d else c["scale"]
+        g = c["global_scale_inv"].to(_F32)
+        fields = {"qdata": c["data"], "scale": scale}
+        uniform = bool((g == g.reshape(-1)[0]).all()) if g.numel() else True
+        if not (prod and prod.get("per_tensor_scale") is None and bool((g == 1.0).all())):
+            one = uniform and (len(shape) == 2 or prod.get("per_tensor_scale") != "per_expert")
+            fields = {"per_tensor_scale": g.reshape(-1)[:1].reshape(()) if one else g.reshape(-1, 1, 1), **fields}
+        kind = "NVFP4Tensor"
+        data = {
+            "is_swizzled_scales": False,
+            "use_triton_kernel": bool(prod.get("use_triton_kernel", False)),
+            "act_quant_kwargs": None,
+            "block_size": 16,
+            "orig_dtype": _st_dtype(qt.dtype),
+        }
+    elif qt.FORMAT == "mxfp8":
+        kind = "MXTensor"
+        fields = {"qdata": c["data"], "scale": c["scale"].view(torch.float8_e8m0fnu)}
+        data = {
+            "elem_dtype": _st_dtype(_E4M3),
+            "block_size": 32,
+            "orig_dtype": _st_dtype(qt.dtype),
+            "kernel_preference": _st_enum("KernelPreference", prod.get("kernel_preference"), "emulated"),
+            "act_quant_kwargs": None,
+            "is_swizzled_scales": False,
+        }
+    elif qt.FORMAT in ("fp8_tensor", "fp8_block"):
+        kind = "Float8Tensor"
+        nd = len(shape)
+        if qt.FORMAT == "fp8_tensor":  # one scale (torchao's PerTensor), else one per matrix: block (1, M, K)
+            si = c["scale_inv"].reshape(-1)
+            if bool((si == si[0]).all()):
+                scale, block = si[:1].reshape((1,) * nd), list(shape)
+            else:
+                scale, block = si.reshape(tuple(shape[:-2]) + (1, 1)), [1] * (nd - 2) + list(shape[-2:])
+        else:
+            bm, bk = qt.recipe.block
+            if shape[-2] % bm or shape[-1] % bk:
+                refuse(
+                    where, name, f"block {(bm, bk)} of shape {shape}", "does not divide the shape (torchao infers it)"
+                )
+            scale, block = c["scale_inv"], [1] * (nd - 2) + [bm, bk]
+        fields = {"qdata": c["data"], "scale": scale.to(_F32)}
+        data = {
+            "block_size": block,
+            "mm_config": None,
+            "act_quant_kwargs": None,
+            "kernel_preference": _st_enum("KernelPreference", prod.get("kernel_preference"), "auto"),
+            "dtype": _st_dtype(qt.dtype),
+        }
+    else:
+        raise UnsupportedFormatError(f"{where}: torchao has no tensor class for {qt.FORMAT}")
+    if len(shape) not in (2, 3):
+        refuse(where, name, f"logical shape {shape}", "is not 2-D or 3-D")
+    record = {"_type": kind, "_data": data, "_tensor_data_names": list(fields)}
+    return {prefix + f: t.contiguous() for f, t in fields.items()}, json.dumps(record), info
