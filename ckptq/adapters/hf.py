@@ -596,8 +596,8 @@ def component_keys(fm: FormatMap, group: Mapping[str, str], recipe: Mapping) -> 
     """``{component: HF name}`` of one imported weight (``group``: ``{suffix: HF name}``); an NVFP4
     ``amax`` imported from the exporter's record stands for the layout's global-scale tensor."""
     keys = {t.component: group[t.suffix] for t in fm.tensors}
-    held, wanted = fm.recipe.get("per_tensor"), recipe.get("per_tensor")
-    if held is not None and wanted is not None and wanted != held:
+    held, wanted = fm.recipe.get("per_tensor"), recipe.get("per_tensor", "amax")
+    if held is not None and wanted != held:
         keys[wanted] = keys.pop(held)
     return keys
 
@@ -658,7 +658,7 @@ def import_components(
         x = stored[t.suffix]
         comps[t.component] = x.reshape(batch) if t.codec == "vec1" else x  # rows16: the 1x16 grid is 1-D
     layout_pt = fm.recipe.get("per_tensor")
-    wanted = (recipe or {}).get("per_tensor", layout_pt)
+    wanted = layout_pt if recipe is None else recipe.get("per_tensor", "amax")  # JSON omits ckptq's own
     if layout_pt is None or wanted == layout_pt:
         return comps
     cls = format_class(fm.format)

@@ -755,9 +755,11 @@ def safetensors_flatten(name: str, qt: QuantizedTensor, producer: dict | None) -
     else torchao's defaults; ``act_quant_kwargs``, ``mm_config`` and ``act_per_tensor_scale`` are not
     written (null / absent: the weight's values do not depend on them).
 
+    MXFP8 with a columnwise copy is written rowwise (torchao's MXTensor has none).
+
     Raises:
-        UnsupportedFormatError: a tensor torchao's classes cannot hold (MXFP8 with a columnwise copy
-            is written rowwise; fp8_block blocks that do not divide the shape; ranks other than 2, 3).
+        UnsupportedFormatError: a tensor torchao's classes cannot hold (fp8_block blocks that do not
+            divide the shape; ranks other than 2 and 3), naming it.
     """
     import json
 
@@ -809,8 +811,10 @@ def safetensors_flatten(name: str, qt: QuantizedTensor, producer: dict | None) -
         else:
             bm, bk = qt.recipe.block
             if shape[-2] % bm or shape[-1] % bk:
-                refuse(
-                    where, name, f"block {(bm, bk)} of shape {shape}", "does not divide the shape (torchao infers it)"
+                raise UnsupportedFormatError(
+                    f"{where}: torchao's Float8Tensor infers the block as shape // scale shape, so block "
+                    f"{(bm, bk)} must divide the shape {shape}; convert it with --to fp8_block --block of a "
+                    f"divisor first, or export another layout"
                 )
             scale, block = c["scale_inv"], [1] * (nd - 2) + [bm, bk]
         fields = {"qdata": c["data"], "scale": scale.to(_F32)}
