@@ -676,7 +676,8 @@ def _st_decode(v: Any, depth: int = 0) -> Any:
 
 def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, FlatTensor]:
     """The torchao tensors a safetensors file's ``__metadata__`` describes, by name; ``{}`` when the
-    metadata is not torchao's. ``names``: the tensor names stored (in any file of the folder).
+    metadata is not torchao's (no ``tensor_names``, or records of types torchao does not write).
+    ``names``: the tensor names stored (in any file of the folder).
 
     Raises:
         CheckpointFormatError: malformed torchao metadata, or a member tensor missing (names it).
@@ -690,11 +691,14 @@ def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, Flat
     try:
         tensor_names = json.loads(text)
         records = {n: json.loads(metadata[n]) for n in tensor_names}
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointFormatError(f"{where}: torchao safetensors metadata is malformed ({e!r}); re-save it") from e
+    except (ValueError, KeyError, TypeError):
+        return {}  # some other tool's "tensor_names" (torchao's is_metadata_torchao is as lenient)
+    known = ("Tensor", *_ST_PAYLOADS, *_ST_OTHER)
+    if not all(isinstance(r, dict) and r.get("_type") in known for r in records.values()):
+        return {}
     out = {}
     for name, rec in records.items():
-        kind = rec.get("_type") if isinstance(rec, dict) else None
+        kind = rec["_type"]
         if kind == "Tensor":
             continue
         if kind in _ST_OTHER:
@@ -702,8 +706,8 @@ def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, Flat
                 f"{where}: tensor '{name}' is a torchao {kind}, which ckptq does not hold (it holds "
                 f"{sorted(_ST_PAYLOADS)}); dequantize it with torchao first"
             )
-        if kind not in _ST_PAYLOADS or not isinstance(rec.get("_data"), dict):
-            raise CheckpointFormatError(f"{where}: tensor '{name}' has torchao metadata of unknown type {kind!r}")
+        if not isinstance(rec.get("_data"), dict):
+            raise CheckpointFormatError(f"{where}: torchao {kind} '{name}' has no attribute record ('_data')")
         module, _, leaf = name.rpartition(".")
         members = {f: f"{module}._{leaf}_{f}" if module else f"_{leaf}_{f}" for f in rec.get("_tensor_data_names", [])}
         missing = [m for m in members.values() if m not in names]

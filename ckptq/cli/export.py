@@ -1,4 +1,5 @@
-"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8``: a Hugging Face safetensors folder."""
+"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8|torchao``: a Hugging Face
+safetensors folder (torchao: torchao's own flattened safetensors form)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,13 @@ def export(
     dst: Annotated[
         Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
-    layout: Annotated[str, typer.Option("--layout", help="modelopt, compressed-tensors or deepseek-fp8.")],
+    layout: Annotated[
+        str,
+        typer.Option(
+            "--layout",
+            help="modelopt, compressed-tensors, deepseek-fp8, or torchao (torchao's own safetensors form).",
+        ),
+    ],
     format: Annotated[
         str | None,
         typer.Option(
