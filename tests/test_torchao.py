@@ -714,3 +714,34 @@ def test_export_ckptq_tensors_as_torchao_safetensors(tmp_path):
                 assert bit_exact(t.scale.reshape(-1), c["scale_inv"].reshape(-1))
             assert bit_exact(t.dequantize(torch.float32), qt.dequantize(torch.float32)), fqn
             assert _same_components(back.read(fqn), qt), fqn
+
+
+def test_torchao_safetensors_refusals(tmp_path):
+    """A torchao class ckptq does not hold is refused naming the tensor; another tool's
+    'tensor_names' metadata is not torchao's and the folder reads as plain tensors; an fp8_block
+    whose block does not divide the shape cannot be a torchao Float8Tensor (nothing written)."""
+    from safetensors.torch import save_file
+
+    from ckptq.export import export_checkpoint
+
+    int8 = tmp_path / "int8"
+    int8.mkdir()
+    record = {"_type": "Int8Tensor", "_data": {}, "_tensor_data_names": ["qdata", "scale"]}
+    meta = {"l.weight": json.dumps(record), "tensor_names": json.dumps(["l.weight"])}
+    save_file(
+        {"l._weight_qdata": torch.zeros(4, 4, dtype=torch.int8), "l._weight_scale": torch.ones(4)},
+        str(int8 / "model.safetensors"),
+        metadata=meta,
+    )
+    with pytest.raises(ckptq.UnsupportedFormatError, match=r"'l\.weight' is a torchao Int8Tensor"):
+        open_checkpoint(int8)
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"w": torch.ones(2, 2)}, str(other / "model.safetensors"), metadata={"tensor_names": "w,b"})
+    assert open_checkpoint(other).entry("w").kind == "tensor"
+    src = tmp_path / "ragged"
+    w = ckptq.quantize(torch.randn(200, 256), "fp8_block")  # 200 rows: a ragged 128-row block
+    dcp.save({"w": w}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    with pytest.raises(ckptq.UnsupportedFormatError, match=r"'w' \(fp8_block\).*must divide the shape"):
+        export_checkpoint(src, tmp_path / "out", layout="torchao")
+    assert not (tmp_path / "out").exists()
