@@ -12,6 +12,7 @@ Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,9 +132,11 @@ class NVFP4Tensor(QuantizedTensor):
         src = self.recipe.per_tensor
         if per_tensor == src:
             return self, 0
-        rec = NVFP4Recipe(two_d=self.recipe.two_d, per_tensor=per_tensor)
+        rec = dataclasses.replace(self.recipe, per_tensor=per_tensor)  # other options kept
         value, worst = numerics.nvfp4_convert_per_tensor(
             self._components[src], src, per_tensor, self._components["scale"]
         )
-        comps = {"data": self._components["data"], "scale": self._components["scale"], per_tensor: value}
+        comps = {k: v for k, v in self._components.items() if k != src}  # every other component as is
+        comps[per_tensor] = value
+        comps = {s.name: comps[s.name] for s in self.component_specs(self.shape, rec)}  # canonical order
         return NVFP4Tensor(comps, self.shape, self.dtype, rec), worst
