@@ -745,3 +745,23 @@ def test_torchao_safetensors_refusals(tmp_path):
     with pytest.raises(ckptq.UnsupportedFormatError, match=r"'w' \(fp8_block\).*must divide the shape"):
         export_checkpoint(src, tmp_path / "out", layout="torchao")
     assert not (tmp_path / "out").exists()
+
+
+def test_dcp_load_of_ckptq_nvfp4_into_torchao_target_keeps_codes(tmp_path):
+    """A checkpoint of ckptq's own NVFP4 (amax convention) loaded by QuantizedLoadPlanner into a live
+    torchao NVFP4Tensor (torchao's convention): the codes and block scales are ckptq's bytes and the
+    per_tensor_scale is the closest one (with_per_tensor), not a requantization (whose
+    per_tensor_scale would be amax / 2688: for this tensor not the closest, so the check can fail)."""
+    x = _x(4) * 1.140625
+    qt = ckptq.quantize(x, "nvfp4")
+    assert not bit_exact(
+        qt.with_per_tensor("global_scale_inv")[0].components()["global_scale_inv"], qt.components()["amax"] / 2688.0
+    )
+    dcp.save({"w": qt}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    target = _zeros_like(_nv(x, True))
+    dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
+    conv, ulps = qt.with_per_tensor("global_scale_inv")
+    assert bit_exact(target.qdata, qt.components()["data"])
+    assert bit_exact(_compact_scales(target, 16), qt.components()["scale"])
+    assert bit_exact(target.per_tensor_scale, conv.components()["global_scale_inv"])
+    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) <= ulps <= NV_ULP

@@ -165,6 +165,13 @@ class QuantizedTensor(torch.Tensor):
                 takers = sorted((f for f, c in FORMATS.items() if name in c.PER_TENSOR_OVERRIDES), reverse=True)
                 raise UnsupportedFormatError(f"{cls.FORMAT}: {name}= applies only to {' and '.join(takers)}")
 
+    def with_recipe(self, recipe: Any) -> tuple[QuantizedTensor, int] | None:
+        """This tensor in ``recipe`` without re-encoding, where the two recipes differ only in how a
+        per-tensor value is represented (NVFP4's global-scale convention): ``(tensor, largest
+        difference of the two decodes in fp32 ulps)``; None where ``recipe`` needs a requantize.
+        Default: None (the formats that can override it)."""
+        return None
+
     @classmethod
     def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:
         """The ``SCALE_COMPONENT`` tensor ``t`` decoded to fp32 (the default: a plain cast)."""

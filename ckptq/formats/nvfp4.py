@@ -118,6 +118,15 @@ class NVFP4Tensor(QuantizedTensor):
             comps["data"], comps["scale"], comps[p], dtype, two_d=recipe.two_d, per_tensor=p
         )
 
+    def with_recipe(self, recipe: NVFP4Recipe) -> tuple[NVFP4Tensor, int] | None:
+        """:meth:`with_per_tensor` when ``recipe`` differs from this tensor's only in ``per_tensor``."""
+        if (
+            not isinstance(recipe, NVFP4Recipe)
+            or dataclasses.replace(self.recipe, per_tensor=recipe.per_tensor) != recipe
+        ):
+            return None
+        return self.with_per_tensor(recipe.per_tensor)
+
     def with_per_tensor(self, per_tensor: str) -> tuple[NVFP4Tensor, int]:
         """The same ``data`` and ``scale`` bytes with the per-tensor value in convention ``per_tensor``
         (a producer's layout holds one convention), and the largest difference of the two decodes in
