@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from . import adapters
 from .adapters import hf
 from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
@@ -64,7 +65,8 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
 
 def _parse_layout(layout: str) -> hf.HFLayout:
     if layout not in hf.LAYOUTS:
-        raise UsageError(f"--layout: unknown layout '{layout}'; choose one of {list(hf.LAYOUTS)}")
+        flat = [a.producer for a in adapters.registered() if a.safetensors_flatten is not None]
+        raise UsageError(f"--layout: unknown layout '{layout}'; choose one of {list(hf.LAYOUTS) + flat}")
     return hf.LAYOUTS[layout]
 
 
@@ -225,7 +227,6 @@ def _values(view, it: _ExportEntry):
         if isinstance(x, QuantizedTensor):
             return {it.out_names[0][0]: x.dequantize(dtype)}, {}, {}
         return {it.out_names[0][0]: x if x.dtype == dtype else x.to(dtype)}, {}, {}
-    recipe = {**_default_recipe(it.fmt), **it.recipe}
     if it.requant:
         opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in it.recipe.items()}
         if "fp8_dtype" in opts and isinstance(opts["fp8_dtype"], str):
@@ -234,8 +235,7 @@ def _values(view, it: _ExportEntry):
             opts["fp8_dtype"] = str_to_dtype(opts["fp8_dtype"])
         src = x if isinstance(x, QuantizedTensor) else x
         x = requantize(src, it.fmt, **opts)
-        recipe = {**_default_recipe(it.fmt), **x._recipe_to_json(x.recipe)}
-    return hf.export_tensors(it.fm, it.module, x.components(), tuple(x.shape), recipe)
+    return hf.export_tensors(it.fm, it.module, x)
 
 
 def _base_config(src: Path, config: Any) -> dict:
@@ -275,7 +275,9 @@ def export_checkpoint(
         dst: the output folder (new; an existing one needs ``overwrite``).
         layout: ``"modelopt"``, ``"compressed-tensors"``, ``"deepseek-fp8"``, ``"deepseek-v4"`` (MXFP4
             experts + E8M0-scaled 128x128 FP8) or ``"gpt-oss"`` (3-D MXFP4 experts as ``*_blocks`` /
-            ``*_scales``; the weight's name is the module parameter's, e.g. ``...experts.gate_up_proj``).
+            ``*_scales``; the weight's name is the module parameter's, e.g. ``...experts.gate_up_proj``);
+            or ``"torchao"``: torchao's own safetensors form (:func:`export_flattened`; ``format`` and
+            ``ignore`` do not apply).
         format: requantize every quantized tensor (and every plain floating ``*.weight`` of rank >= 2
             not ignored) to this ckptq format with :func:`ckptq.requantize` first (tensors already in
             it with a recipe the layout holds are kept bit-exact); None: each quantized tensor in its
@@ -301,6 +303,11 @@ def export_checkpoint(
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix).
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
     """
+    flat = adapters.flattening(layout)
+    if flat is not None:
+        if format is not None:
+            raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
+        return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
     lay = _parse_layout(layout)
     fmt = _parse_format(lay, format)
     max_bytes = parse_size(max_shard_size)
@@ -337,12 +344,11 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             files.append(fname)
             entries = [o for it in shard for o in it.out_names]
-            meta_keys = {
-                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(s[:-1]) if t.codec == "gs" else s))
+            meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
+                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
                 for it in shard
                 if it.kind == "quantized"
-                for t, (name, _, s) in zip(it.fm.tensors, it.out_names, strict=False)
-                if t.codec in ("ws2", "gs")
+                for name in hf.amax_record_names(it.fm, it.module, it.recipe)
             }
             metadata = {
                 "format": "pt",
@@ -413,4 +419,105 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
         "skipped": skipped,
         "numerics": numerics,
         "config_files": sorted({*cfg_files, "config.json"}),
+    }
+
+
+def export_flattened(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    adapter: adapters.Adapter,
+    max_shard_size: str | int = "5GB",
+    names: Any = None,
+    overwrite: bool = False,
+    progress: bool | Callable[[int], None] | None = None,
+) -> dict:
+    """Write ``src`` as safetensors files in a library's own flattened form (``adapter``'s
+    ``safetensors_flatten``; torchao: what its ``flatten_tensor_state_dict`` writes, read back by its
+    ``unflatten_tensor_state_dict``): quantized tensors as the adapter flattens them, plain ones as
+    stored, each file's ``__metadata__`` describing its tensors (``tensor_names``) plus ckptq's
+    checksum table, and a ``model.safetensors.index.json`` when there are several files.
+
+    Returns the dict of :func:`export_checkpoint` (``layout`` the producer's name, no config files).
+    Raises as :func:`export_checkpoint`, and UnsupportedFormatError for a tensor the library's
+    classes cannot hold (names it).
+    """
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from .checksums import checksum
+
+    max_bytes = parse_size(max_shard_size)
+    try:
+        rules = hf.parse_rename_rules(names)
+    except ValueError as e:
+        raise UsageError(f"--rename: {e}") from None
+    view = open_checkpoint(src)
+    dst = Path(dst).absolute()
+    check_destination(Path(view.path).absolute(), dst, overwrite)
+    if progress is True:
+        progress = None  # one pass over whole tensors; the caller's callable still gets the bytes
+    tmp = staging_dir(dst)
+    shards: list[tuple[dict, dict]] = [({}, {})]
+    numerics: dict[str, int] = {}
+    quantized: dict[str, str] = {}
+    plain, skipped = [], []
+    written = 0
+    try:
+        for e in view.entries():
+            if e.kind == "bytes":
+                skipped.append(e.fqn)
+                continue
+            name = hf.rename(e.fqn, rules)
+            x = view.read(e.fqn)
+            if isinstance(x, QuantizedTensor):
+                producer = e.descriptor.producer if e.descriptor is not None else None
+                tensors, record, info = adapter.safetensors_flatten(name, x, producer)
+                quantized[e.fqn] = x.FORMAT
+                if "max_ulps" in info:
+                    numerics[e.fqn] = info["max_ulps"]
+            else:
+                tensors, record = {name: x.contiguous()}, _json.dumps({"_type": "Tensor"})
+                plain.append(e.fqn)
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            data, meta = shards[-1]
+            if data and sum(t.numel() * t.element_size() for t in data.values()) + size > max_bytes:
+                shards.append(({}, {}))
+                data, meta = shards[-1]
+            data.update(tensors)
+            meta[name] = record
+            written += size
+            if callable(progress):
+                progress(size)
+        files, weight_map = [], {}
+        for i, (data, meta) in enumerate(shards):
+            fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            metadata = {
+                "format": "pt",
+                **meta,
+                "tensor_names": _json.dumps(list(meta)),
+                SAFETENSORS_KEY: safetensors_table({n: checksum(t) for n, t in data.items()}),
+            }
+            save_file(data, str(tmp / fname), metadata=metadata)
+            files.append(fname)
+            weight_map.update(dict.fromkeys(data, fname))
+        if len(files) > 1:
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_dir(tmp, dst)
+    return {
+        "path": str(dst),
+        "layout": adapter.producer,
+        "files": files,
+        "bytes": written,
+        "tensors": len(weight_map),
+        "quantized": quantized,
+        "requantized": [],
+        "high_precision": plain,
+        "skipped": skipped,
+        "numerics": numerics,
+        "config_files": [],
     }

@@ -49,6 +49,10 @@ __all__ = [
     "dequantize_fp8_block",
     "quantize_mxfp8",
     "dequantize_mxfp8",
+    "NVFP4_PER_TENSOR",
+    "nvfp4_per_tensor_from_amax",
+    "nvfp4_block_multiplier",
+    "nvfp4_convert_per_tensor",
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "MXFP4_SCALE_RULES",
@@ -308,6 +312,106 @@ def nvfp4_global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
+#: The NVFP4 per-tensor (global) value conventions: the component a tensor stores and how its decode
+#: uses it (docs/formats.md, "6. `nvfp4`", "Global-scale conventions"). ``amax``: ckptq's and
+#: TransformerEngine's; ``global_scale_inv``: a decode multiplier ``amax / 2688`` (ModelOpt
+#: ``weight_scale_2``, torchao ``per_tensor_scale``); ``global_scale``: an encode multiplier
+#: ``2688 / amax`` (compressed-tensors ``weight_global_scale``).
+NVFP4_PER_TENSOR = ("amax", "global_scale_inv", "global_scale")
+
+
+def nvfp4_per_tensor_from_amax(amax: torch.Tensor, per_tensor: str) -> torch.Tensor:
+    """The per-tensor value a convention stores for an fp32 ``amax`` (any shape; fp32 out):
+    ``amax`` itself; ``global_scale_inv = fl32(amax / 2688)`` (ModelOpt
+    ``NVFP4QTensor.get_weights_scaling_factor_2``, torchao ``per_tensor_amax_to_scale``: a tensor
+    divided by a Python float, a true division); ``global_scale = fl32(fl32(1 / amax) * 2688)``, 1
+    where that is not finite (compressed-tensors ``generate_gparam``: ``448.0 * 6.0 / amax`` with
+    Python floats, which torch evaluates as ``amax.reciprocal() * 2688``; then
+    ``nan_to_num(..., nan=1, posinf=1)``)."""
+    a = _f32(amax)
+    if per_tensor == "amax":
+        return a.clone()
+    n = torch.tensor(NVFP4_SCALE_NUMERATOR, dtype=_F32, device=a.device)
+    if per_tensor == "global_scale_inv":
+        return a / n
+    if per_tensor == "global_scale":
+        g = torch.reciprocal(a) * n
+        return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+    raise ValueError(f"unknown nvfp4 per-tensor convention {per_tensor!r}; one of {NVFP4_PER_TENSOR}")
+
+
+def nvfp4_block_multiplier(scale: torch.Tensor, value: torch.Tensor, per_tensor: str) -> torch.Tensor:
+    """fp32 decode multiplier of each block: ``scale`` (E4M3 or its fp32 values, (..., R, C)) and the
+    per-tensor ``value`` (batch shape (...)) of convention ``per_tensor``, each in its producer's op
+    order: ``amax``: ``fl32(fl32(s * amax) * INV_2688)`` (TE ``dequantize_nvfp4.cuh``);
+    ``global_scale_inv``: ``fl32(s * g)`` (ModelOpt ``NVFP4QTensor.dequantize``: ``scale * double_scale``;
+    torchao ``get_hp_scales``: ``per_tensor_scale * scale``, the same product); ``global_scale``:
+    ``fl32(s / g)`` (compressed-tensors ``_dequantize``: ``scale / global_scale``)."""
+    s = scale.to(_F32)
+    v = _f32(value)[..., None, None]
+    if per_tensor == "amax":
+        return (s * v) * INV_2688
+    if per_tensor == "global_scale_inv":
+        return s * v
+    if per_tensor == "global_scale":
+        return s / v
+    raise ValueError(f"unknown nvfp4 per-tensor convention {per_tensor!r}; one of {NVFP4_PER_TENSOR}")
+
+
+_E2M1_POS = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=_F32)
+_NEIGHBOURS = 4  # fp32 neighbours tried on each side by nvfp4_convert_per_tensor
+
+
+def _nvfp4_amax_of(value: torch.Tensor, per_tensor: str) -> torch.Tensor:
+    """The amax a convention's value stands for (exact arithmetic inverted once in fp32)."""
+    n = torch.tensor(NVFP4_SCALE_NUMERATOR, dtype=_F32)
+    return {"amax": value, "global_scale_inv": value * n, "global_scale": n / value}[per_tensor]
+
+
+def nvfp4_convert_per_tensor(value: torch.Tensor, src: str, dst: str, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The per-tensor value of convention ``dst`` whose decode is closest to that of ``value``
+    (convention ``src``) over the block scales occurring in ``scale`` (E4M3, (..., R, C)); fp32 of
+    ``value``'s batch shape, and the largest difference of the two decodes in fp32 ulps over all
+    matrices (0: bit-exact; -1: no matrix with a finite positive value to compare).
+
+    Per matrix: the value ``dst`` derives from the amax ``value`` stands for
+    (:func:`nvfp4_per_tensor_from_amax`) and its 4 fp32 neighbours on each side; the first with the
+    smallest largest difference, nearest first. The codes and block scales are not changed, so a
+    decode of them with the result is within the returned ulps of the decode with ``value``.
+    """
+    device = value.device
+    value = _f32(value).cpu()
+    scale = scale.cpu()
+    batch = tuple(value.shape)
+    out = torch.empty(batch, dtype=_F32)
+    worst = -1
+    flat_v, flat_s = value.reshape(-1), scale.reshape((-1,) + tuple(scale.shape[-2:]))
+    for i in range(flat_v.numel()):
+        v = flat_v[i]
+        base = nvfp4_per_tensor_from_amax(_nvfp4_amax_of(v, src), dst)
+        if not (torch.isfinite(v) and v > 0 and torch.isfinite(base) and base > 0):
+            out.view(-1)[i] = base
+            continue
+        bytes_ = torch.unique(flat_s[i].contiguous().view(torch.uint8) & 0x7F)
+        occurring = bytes_[(bytes_ != 0) & (bytes_ != 0x7F)].view(torch.float8_e4m3fn).to(_F32)[None, :]
+        ref = _E2M1_POS[:, None] * nvfp4_block_multiplier(occurring, v, src)
+        bits = int(base.view(torch.int32))
+        best, best_u = base, None
+        for k in [0] + [sgn * j for j in range(1, _NEIGHBOURS + 1) for sgn in (1, -1)]:
+            if not 0 < bits + k < 0x7F800000:
+                continue
+            cand = torch.tensor(bits + k, dtype=torch.int32).view(_F32)
+            got = _E2M1_POS[:, None] * nvfp4_block_multiplier(occurring, cand, dst)
+            u = int((got.view(torch.int32).long() - ref.view(torch.int32).long()).abs().max()) if got.numel() else 0
+            if best_u is None or u < best_u:
+                best, best_u = cand, u
+            if u == 0:
+                break
+        out.view(-1)[i] = best
+        worst = max(worst, best_u)
+    return out.to(device), worst
+
+
 def quantize_nvfp4(
     x: torch.Tensor, *, two_d: bool = False, amax: torch.Tensor | None = None
 ) -> dict[str, torch.Tensor]:
@@ -341,12 +445,15 @@ def dequantize_nvfp4(
     dtype: torch.dtype = _F32,
     *,
     two_d: bool = False,
+    per_tensor: str = "amax",
 ) -> torch.Tensor:
-    """``x = e2m1(code) * ((float(s) * amax) * (1/2688))`` (TE dequantize kernel order; uses amax,
-    not S_dec), fp32 (NaN canonical) then cast to ``dtype``."""
+    """``x = fl32(e2m1(code) * m)`` with the block multiplier ``m`` of :func:`nvfp4_block_multiplier`
+    (``amax`` convention: ``(float(s) * amax) * (1/2688)``, TE's dequantize kernel order; uses amax,
+    not S_dec), fp32 (NaN canonical) then cast to ``dtype``. ``amax`` is the per-tensor value of
+    convention ``per_tensor``."""
     codes = unpack_fp4(data)
     block = (16, 16) if two_d else (1, 16)
-    mult = (scale.to(_F32) * _f32(amax)[..., None, None]) * INV_2688
+    mult = nvfp4_block_multiplier(scale, amax, per_tensor)
     xb = blocked_view(e2m1_decode(codes), block)
     return _canonical_nan(unblock(xb * mult[..., :, None, :, None], codes.shape)).to(dtype)
 

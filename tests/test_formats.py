@@ -752,3 +752,57 @@ def test_property_layout_roundtrip_and_cuts(case, data, backend):
     else:
         with pytest.raises(ckptq.ShardingError):
             qt.narrow(dim, start, end - start)
+
+
+# ------------------------------------------------------------------ NVFP4 global-scale conventions
+def test_nvfp4_per_tensor_conventions():
+    """Each convention stores its producer's value of the amax (docs/formats.md: ModelOpt/torchao
+    amax / 2688, compressed-tensors 2688 / amax) over the same codes and block scales, decodes in its
+    producer's op order, and round-trips through its descriptor and pickle."""
+    x = torch.randn(3, 32, 64) * 5
+    base = ckptq.quantize(x, "nvfp4")
+    amax = base.components()["amax"]
+    # what the producers compute from an fp32 amax (docs/formats.md): ModelOpt / torchao
+    # amax.float() / (6.0 * 448.0); compressed-tensors 448.0 * 6.0 / amax, i.e. reciprocal * 2688
+    want = {"global_scale_inv": amax / (6.0 * 448.0), "global_scale": 448.0 * 6.0 / amax}
+    for pt, value in want.items():
+        qt = ckptq.quantize(x, "nvfp4", per_tensor=pt)
+        c = qt.components()
+        assert list(c) == ["data", "scale", pt] and qt.descriptor()["recipe"]["per_tensor"] == pt
+        assert_same_bytes(c["data"], base.components()["data"])
+        assert_same_bytes(c["scale"], base.components()["scale"])
+        assert_same_bytes(c[pt], value)
+        s = c["scale"].float()
+        mult = s * value[:, None, None] if pt == "global_scale_inv" else s / value[:, None, None]
+        codes = N.e2m1_decode(N.unpack_fp4(c["data"]))
+        assert_same_bytes(qt.dequantize(torch.float32), codes * mult.repeat_interleave(16, -1))
+        assert_same_components(ckptq.from_components(qt.descriptor(), qt.components()), qt)
+        assert_same_components(copy.deepcopy(qt), qt)
+        assert_same_components(qt[:, 16:], ckptq.from_components(qt.descriptor(), qt.components())[:, 16:])
+    with pytest.raises(ckptq.UnsupportedFormatError, match="per_tensor='scale_2' is not supported"):
+        ckptq.quantize(x, "nvfp4", per_tensor="scale_2")
+
+
+def test_nvfp4_with_per_tensor_keeps_codes_and_bounds_the_decode():
+    """with_per_tensor keeps data and scale bytes and picks the value whose decode is closest; over
+    300 random tensors (8 binades either side of 1) the decodes differ by at most 2 fp32 ulps
+    (at most the figure it reports), and converting back to amax gives ckptq's decode where the
+    conversion was exact."""
+    g = torch.Generator().manual_seed(3)
+    worst = {"global_scale_inv": 0, "global_scale": 0}
+    for _ in range(300):
+        x = torch.randn(16, 64, generator=g) * 2.0 ** int(torch.randint(-8, 9, (), generator=g))
+        qt = ckptq.quantize(x, "nvfp4")
+        for pt in worst:
+            other, u = qt.with_per_tensor(pt)
+            assert_same_bytes(other.components()["data"], qt.components()["data"])
+            assert_same_bytes(other.components()["scale"], qt.components()["scale"])
+            a, b = other.dequantize(torch.float32), qt.dequantize(torch.float32)
+            # u covers every E2M1 value with every block scale that occurs: the codes present are a subset
+            assert int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max()) <= u
+            worst[pt] = max(worst[pt], u)
+            if u == 0:
+                back, u2 = other.with_per_tensor("amax")
+                assert u2 == 0 and torch.equal(back.dequantize(), b)
+    assert qt.with_per_tensor("amax") == (qt, 0)
+    assert 0 < max(worst.values()) <= 2, worst

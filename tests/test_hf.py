@@ -356,29 +356,6 @@ def test_deepseek_fp8_block_dequantizer(plain, exports):
         assert torch.equal(out[fqn].float(), ckptq.requantize(plain[1][fqn], "fp8_block").dequantize(torch.float32))
 
 
-# ----------------------------------------------------------------------------- NVFP4 global scale
-def test_nvfp4_global_scale_bound_and_roundtrip():
-    """amax -> ws2/gs -> amax is not exact in fp32 in general; the export records amax so a re-import
-    is exact, and an import without it recovers an amax whose decode is within the same bound."""
-    from ckptq.adapters import hf
-
-    g = torch.Generator().manual_seed(3)
-    worst = {"ws2": 0, "gs": 0}
-    exact = {"ws2": 0, "gs": 0}
-    for _i in range(200):
-        x = torch.randn(16, 64, generator=g) * float(10 ** torch.empty(()).uniform_(-4, 4, generator=g))
-        qt = ckptq.quantize(x, "nvfp4")
-        c = qt.components()
-        for codec in ("ws2", "gs"):
-            v, u = hf.nvfp4_global_for_layout(codec, c["amax"], c["scale"])
-            worst[codec] = max(worst[codec], u)
-            exact[codec] += u == 0
-            a, u2 = hf.amax_from_layout(codec, v, c["scale"])
-            assert u2 <= 2
-    assert worst["ws2"] <= 2 and worst["gs"] <= 2, worst
-
-
-# ----------------------------------------------------------------------------- names
 def test_rename_rules(plain, tmp_path):
     dst = tmp_path / "renamed"
     export_checkpoint(
@@ -523,8 +500,9 @@ def _modelopt_quantize(x):
 
 def test_import_third_party_modelopt_folder(tmp_path):
     """A ModelOpt-style NVFP4 folder not written by ckptq (no recorded amax, with input_scale):
-    detected from its configs, data and block scales imported byte for byte, the decoded values within
-    2 fp32 ulps of ModelOpt's formula; re-exported as compressed-tensors with input_global_scale = 1/input_scale."""
+    detected from its configs, imported byte for byte in ModelOpt's convention (weight_scale_2 as
+    global_scale_inv), decoded exactly as ModelOpt's formula; re-exported as ModelOpt byte for byte,
+    and as compressed-tensors with input_global_scale = 1/input_scale."""
     g = torch.Generator().manual_seed(5)
     folder = tmp_path / "mo"
     folder.mkdir()
@@ -560,11 +538,21 @@ def test_import_third_party_modelopt_folder(tmp_path):
         qt = view.read(f"{name}.weight")
         assert_same_bytes(qt.components()["data"], tensors[f"{name}.weight"])
         assert_same_bytes(qt.components()["scale"], tensors[f"{name}.weight_scale"])
+        assert e.descriptor.recipe["per_tensor"] == "global_scale_inv"
+        assert_same_bytes(qt.components()["global_scale_inv"], tensors[f"{name}.weight_scale_2"])
         ref = _modelopt_nvfp4_reference(
             {k: tensors[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")}
         )
-        assert _ulps(qt.dequantize(torch.float32), ref) <= 2
+        assert_same_bytes(qt.dequantize(torch.float32), ref)
+        assert_same_bytes(qt.dequantize(torch.bfloat16), ref.bfloat16())
     assert view.entry("model.layers.0.mlp.up_proj.input_scale").kind == "tensor"
+    same = tmp_path / "mo-again"
+    res = export_checkpoint(folder, same, layout="modelopt")
+    assert res["numerics"] == {}
+    again = _read_all(same)
+    for name in ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"):
+        for k in ("weight", "weight_scale", "weight_scale_2"):
+            assert_same_bytes(again[f"{name}.{k}"], tensors[f"{name}.{k}"])
     out = tmp_path / "ct"
     export_checkpoint(folder, out, layout="compressed-tensors")
     t = _read_all(out)
@@ -584,3 +572,83 @@ def test_import_third_party_modelopt_folder(tmp_path):
         )
         mine = _modelopt_nvfp4_reference({k: t2[f"{name}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
         assert _ulps(mine, ref) <= 2
+
+
+# ----------------------------------------------------------------------------- compressed-tensors' own NVFP4
+def _ct_nvfp4_folder(folder: Path, dtype: torch.dtype, g) -> tuple[dict, dict]:
+    """An NVFP4 folder made by compressed-tensors 0.20's own functions from a model of ``dtype``:
+    ``generate_gparam`` (weight_global_scale), ``calculate_qparams`` per 16-group (weight_scale) and
+    ``NVFP4PackedCompressor.compress`` (weight_packed). Returns (its tensors, {module: weight})."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    args = NVFP4["weights"]
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors, weights = {}, {}
+    for i, (m, k, mag) in enumerate([(64, 128, 1.0), (48, 64, 3e-3), (32, 256, 70.0)]):
+        module = f"model.layers.{i}.mlp.down_proj"
+        w = (torch.randn(m, k, generator=g) * mag).to(dtype)
+        gs = generate_gparam(w.min(), w.max())
+        groups = w.reshape(m, k // 16, 16)
+        scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=gs)
+        out = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs}, scheme)
+        tensors.update({f"{module}.{n}": t for n, t in out.items()})
+        weights[module] = w
+    tensors["model.embed_tokens.weight"] = torch.randn(8, 64, generator=g).to(dtype)
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    group = {"targets": ["Linear"], "weights": args.model_dump(mode="json"), "format": "nvfp4-pack-quantized"}
+    qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {"group_0": group}}
+    (folder / "config.json").write_text(json.dumps({"torch_dtype": str(dtype)[6:], "quantization_config": qc}))
+    return tensors, weights
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compressed_tensors_nvfp4_kept_exactly(tmp_path, dtype):
+    """A compressed-tensors NVFP4 folder (its own API, a bf16/fp16/fp32 model): imported with the
+    global scale as stored (``per_tensor="global_scale"``), exported back byte for byte, and ckptq's
+    dequantize equals compressed-tensors' own decode bit for bit: its decompress (bf16 output) and
+    its ``dequantize`` in fp32 (``scale / global_scale``, then the product)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.quant_scheme import NVFP4
+
+    args = NVFP4["weights"]
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    src = tmp_path / "ct"
+    tensors, weights = _ct_nvfp4_folder(src, dtype, torch.Generator().manual_seed(7))
+    view = open_checkpoint(src)
+    for module in weights:
+        e = view.entry(f"{module}.weight")
+        assert e.format == "nvfp4" and e.descriptor.recipe["per_tensor"] == "global_scale"
+        qt = view.read(f"{module}.weight")
+        stored = {n: tensors[f"{module}.{n}"] for n in ("weight_packed", "weight_scale", "weight_global_scale")}
+        assert_same_bytes(qt.components()["global_scale"], stored["weight_global_scale"].reshape(()))
+        theirs = NVFP4PackedCompressor.decompress(dict(stored), scheme)["weight"]
+        assert theirs.dtype == torch.bfloat16
+        assert_same_bytes(qt.dequantize(torch.bfloat16), theirs)
+        m, n = stored["weight_packed"].shape
+        codes = unpack_fp4_from_uint8(stored["weight_packed"], m, n * 2, dtype=torch.float32)
+        fp32 = dequantize(codes, stored["weight_scale"].float(), args=args, global_scale=stored["weight_global_scale"])
+        assert fp32.dtype == torch.float32
+        assert_same_bytes(qt.dequantize(torch.float32), fp32)
+    dst = tmp_path / "ct-again"
+    res = export_checkpoint(src, dst, layout="compressed-tensors")
+    assert res["numerics"] == {} and res["requantized"] == []
+    again = _read_all(dst)
+    for module in weights:
+        for n in ("weight_packed", "weight_scale", "weight_global_scale"):
+            assert_same_bytes(again[f"{module}.{n}"], tensors[f"{module}.{n}"])
+    # and to ModelOpt's convention: the closest weight_scale_2, its decode difference reported
+    mo = tmp_path / "mo"
+    res = export_checkpoint(src, mo, layout="modelopt")
+    t = _read_all(mo)
+    for module in weights:
+        ref = view.read(f"{module}.weight").dequantize(torch.float32)
+        mine = _modelopt_nvfp4_reference({k: t[f"{module}.{k}"] for k in ("weight", "weight_scale", "weight_scale_2")})
+        assert _ulps(mine, ref) == res["numerics"][f"{module}.weight"] <= 2

@@ -578,3 +578,32 @@ def test_cuda_support_rule_matches_docs():
     assert not ok(hp, args("fp8_block", make_recipe("fp8_block", block=(3, 128))))
     assert not ok(args("fp8_block", make_recipe("fp8_block", block=(1, 8))), hp)
     assert math.prod((1,)) == 1
+
+
+PRODUCER_NVFP4 = [
+    ("nvfp4", {"per_tensor": "global_scale_inv"}),
+    ("nvfp4", {"per_tensor": "global_scale", "two_d": True}),
+]
+
+
+@pytest.mark.parametrize("dst", TARGETS + PRODUCER_NVFP4, ids=case_id)
+@pytest.mark.parametrize("src", PRODUCER_NVFP4, ids=case_id)
+def test_producer_nvfp4_source_cpu(src, dst):
+    """From an NVFP4 tensor in a producer's global-scale convention (the kernels take ckptq's amax
+    only; ops decodes it through the reference): the CPU backend gives the reference's bytes, and
+    requantize equals quantize(dequantize(src)) as for every other pair."""
+    _need_cpu()
+    src_t = make_source(*src, random_hp((3, 48, 64)))
+    check_pair(src_t, *dst, backend="cpu")
+    if dst[0] not in HP:
+        with ops.force("cpu"):
+            want = ckptq.quantize(src_t.dequantize(torch.float32), dst[0], **dst[1]).components()
+        assert_same(want, convert(src_t, *dst), "requantize vs quantize(dequantize)")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=case_id)
+def test_producer_nvfp4_target_cpu(src):
+    """Into the producer conventions: the CPU backend gives the reference's bytes."""
+    _need_cpu()
+    for dst in PRODUCER_NVFP4:
+        check_pair(make_source(*src, random_hp((2, 32, 64))), *dst, backend="cpu")

@@ -320,3 +320,30 @@ def test_mxfp4_grouped_stack_and_split(tmp_path):
     assert runner.invoke(app, ["reshard", str(stacked), str(split), "--grouped", "split"]).exit_code == 0
     for fqn, q in members.items():
         assert _same(CheckpointView(split).read(fqn), q)
+
+
+@pytest.mark.parametrize("per_tensor", ["global_scale_inv", "global_scale"])
+def test_nvfp4_producer_convention_reshard_convert_verify(tmp_path, per_tensor):
+    """An NVFP4 tensor in a producer's global-scale convention (as imported from ModelOpt / torchao /
+    compressed-tensors) saved natively, resharded to 4 ranks, verified and loaded back: the same
+    components (its per-tensor value under its own name, deduplicated), the recipe kept; `convert
+    --to nvfp4` requantizes it to ckptq's amax convention (SQNR reported)."""
+    g = torch.Generator().manual_seed(4)
+    w = ckptq.quantize(torch.randn(2, 64, 128, generator=g), "nvfp4", per_tensor=per_tensor, two_d=True)
+    src = tmp_path / "src"
+    dcp.save({"w": w}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    view = CheckpointView(src)
+    assert view.entry("w").descriptor.recipe == {"two_d": True, "per_tensor": per_tensor}
+    assert f"w.{per_tensor}" in view.metadata.state_dict_metadata
+    mesh = parse_mesh("dp_shard=2,tp=2")
+    dst = tmp_path / "dst"
+    run_reshard(view, plan_reshard(view, mesh, parse_placement_rules(mesh, "fsdp2-tp")), dst)
+    target = {"w": w.new_empty(w.shape)}
+    dcp.load(target, checkpoint_id=str(dst), planner=ckptq.QuantizedLoadPlanner())
+    assert _same(target["w"], w)
+    report = verify_checkpoints(src, dst)
+    assert report["summary"]["ok"] and report["summary"]["bit_exact"] == report["summary"]["compared"]
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "amax"), "--to", "nvfp4", "--two-d"])
+    assert r.exit_code == 0, r.output
+    back = CheckpointView(tmp_path / "amax").read("w")
+    assert back.recipe.per_tensor == "amax" and set(back.components()) == {"data", "scale", "amax"}

@@ -227,52 +227,31 @@ def test_canonical_components_and_values(name):
     assert bit_exact(c["data"].view(torch.uint8), t.qdata.view(torch.uint8))
     if isinstance(t, NVFP4Tensor):
         assert bit_exact(c["scale"], _compact_scales(t, 16))
+        assert qt.recipe.per_tensor == "global_scale_inv"
         pts = t.per_tensor_scale
-        if pts is None:
-            assert bool((c["amax"] == 2688.0).all())
-        else:  # writing back divides by 2688: the same per_tensor_scale bytes
-            assert bit_exact((c["amax"] / 2688.0).reshape(pts.shape), pts)
+        if pts is None:  # single-level: a global scale of 1 decodes the same values
+            assert bool((c["global_scale_inv"] == 1.0).all())
+        else:  # torchao's per_tensor_scale bytes, kept
+            assert bit_exact(c["global_scale_inv"].reshape(-1)[: pts.numel()], pts.reshape(-1))
     elif isinstance(t, MXTensor):
         assert bit_exact(c["scale"], _compact_scales(t, 32).view(torch.uint8))
     else:
         assert bit_exact(c["scale_inv"].reshape(-1)[: t.scale.numel()], t.scale.reshape(-1))
-    ours, theirs = qt.dequantize(torch.float32), t.dequantize(torch.float32)
-    if CASES[name][3]:
-        assert bit_exact(ours, theirs)
-        assert bit_exact(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16))
-    else:
-        assert 0 <= producer["scale_product_max_ulp"] <= NV_ULP
-        assert _ulps(ours, theirs) <= NV_ULP
-        assert _ulps(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16)) <= 1
+    # torchao's own dequantize, bit for bit, NVFP4 with a global scale included
+    assert bit_exact(qt.dequantize(torch.float32), t.dequantize(torch.float32))
+    assert bit_exact(qt.dequantize(torch.bfloat16), t.dequantize(torch.bfloat16))
 
 
-def test_nvfp4_global_scale_bound_over_many_scales():
-    """For torchao's per_tensor_amax_to_scale of 2000 random amaxes (30 binades): an amax exists whose
-    fp32 division by 2688 gives the per_tensor_scale back, and the scale products differ by <= 2 ulp;
-    NVFP4 values decode within that bound for every E2M1 x E4M3 pair."""
-    g = torch.Generator().manual_seed(5)
-    amaxes = (torch.rand(2000, generator=g) + 0.5) * torch.exp2(torch.randint(-15, 15, (2000,), generator=g).float())
-    e4 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    e4 = e4[torch.isfinite(e4) & (e4 > 0)]
-    e2 = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    worst = 0
-    for a in amaxes:
-        p = per_tensor_amax_to_scale(a)
-        amax, ulp = ao.nvfp4_amax_for_scale(p.item())
-        assert 0 <= ulp <= NV_ULP and bit_exact(torch.tensor(amax) / 2688.0, p)
-        ours = e2[:, None] * ((e4 * torch.tensor(amax)) * (1.0 / torch.tensor(2688.0)))[None]
-        theirs = e2[:, None] * (p * e4)[None]
-        worst = max(worst, _ulps(ours, theirs))
-    assert worst <= NV_ULP
-
-
-def test_nvfp4_scale_that_no_amax_gives_is_refused():
-    # a per_tensor_scale torchao's amax/2688 never produces (mantissa gaps above 1.524)
-    p = next(v for v in (torch.tensor(1.9) + torch.arange(200) * 1e-7).tolist() if ao.nvfp4_amax_for_scale(v)[1] < 0)
-    t = _nv(_x(), False)
-    t.per_tensor_scale = torch.tensor(p, dtype=torch.float32)
-    with pytest.raises(ckptq.UnsupportedFormatError, match=r"(?s)'w'.*NVFP4Tensor.*per_tensor_scale"):
-        _canonical(t)
+def test_nvfp4_any_per_tensor_scale_is_kept_exactly():
+    """Any fp32 per_tensor_scale, also one torchao's amax / 2688 never gives (mantissa gaps above
+    1.524), is stored as it is and decodes as torchao decodes it."""
+    x = _x(2)
+    t = _nv(x, True)
+    for p in (1.9000001, 3.0517578e-05, 7.1e-12):
+        t.per_tensor_scale = torch.tensor(p, dtype=torch.float32)
+        qt, _ = _canonical(t)
+        assert bit_exact(qt.components()["global_scale_inv"], t.per_tensor_scale)
+        assert bit_exact(qt.dequantize(torch.float32), t.dequantize(torch.float32))
 
 
 @pytest.mark.parametrize("elem", [torch.float8_e5m2, "fp6_e2m3"], ids=["mxfp8_e5m2", "mxfp6"])
@@ -312,14 +291,17 @@ def test_native_save_and_load_into_torchao_in_place(tmp_path, name):
 
 
 def test_ckptq_nvfp4_into_torchao_targets():
-    """A tensor ckptq quantized (real amax) written into torchao targets: per_tensor_scale =
-    amax/2688, values within the bound; a target without per_tensor_scale is refused."""
+    """A tensor ckptq quantized (ckptq's amax convention) written into torchao targets: the codes and
+    block scales as they are, the per_tensor_scale whose decode is closest to ckptq's (its difference
+    as with_per_tensor reports it, within the bound); a target without per_tensor_scale is refused."""
     x = _x(3)
     qt = ckptq.quantize(x, "nvfp4")
     target = _zeros_like(_nv(x, True))
     assert adapters.adapter_for(target).insert(target, qt, "w") is None
-    assert bit_exact(target.per_tensor_scale, qt.components()["amax"] / 2688.0)
-    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) <= NV_ULP
+    converted, ulps = qt.with_per_tensor("global_scale_inv")
+    assert bit_exact(target.per_tensor_scale, converted.components()["global_scale_inv"])
+    assert 0 <= ulps <= NV_ULP
+    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) == ulps
     with pytest.raises(ckptq.CheckpointFormatError, match="per_tensor_scale"):
         adapters.adapter_for(target).insert(_zeros_like(_nv(x, False, pts=False)), qt, "w")
 
@@ -621,3 +603,184 @@ def test_torch_save_source_reads_any_adapter(tmp_path):
     for k, t in sd.items():
         assert view.entry(k).descriptor.producer["name"] == "transformer_engine"
         assert _same_components(view.read(k), _canonical(t, k)[0]), k
+
+
+# ------------------------------------------------------------------ torchao's safetensors form
+def _ao_unflatten(folder):
+    """torchao 0.18's own reader of its safetensors form: every file through
+    ``unflatten_tensor_state_dict``; returns its tensors by name."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            meta = h.metadata()
+        got, leftover = unflatten_tensor_state_dict(load_file(str(f)), meta)
+        assert leftover == {}, sorted(leftover)
+        out.update(got)
+    return out
+
+
+def _ao_folder(tmp_path, sd):
+    """A folder written by torchao 0.18's own flatten_tensor_state_dict (+ safetensors save_file)."""
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    data, meta = flatten_tensor_state_dict(sd)
+    folder = tmp_path / "ao-st"
+    folder.mkdir()
+    save_file(data, str(folder / "model.safetensors"), metadata=meta)
+    return folder
+
+
+def test_torchao_safetensors_read_inspect_convert(tmp_path):
+    """A folder torchao's flatten wrote: every quantized tensor read as the same canonical tensor as
+    the live object (bytes, recipe), inspect lists them with their producer, convert --to native
+    keeps them; torchao's own unflatten reads ckptq's export of it back to the same values."""
+    sd = _state()
+    folder = _ao_folder(tmp_path, sd)
+    view = open_checkpoint(folder)
+    assert view.source == "safetensors (torchao)"
+    rows = {r["fqn"]: r for r in inspect_checkpoint(folder)["tensors"]}
+    for fqn, t in sd.items():
+        got = view.read(fqn)
+        if fqn.endswith("bias"):
+            assert rows[fqn]["mode"] == "plain" and bit_exact(got, t)
+            continue
+        want, _ = _canonical(t, fqn)
+        assert _same_components(got, want) and got.recipe == want.recipe, fqn
+        assert (rows[fqn]["format"], rows[fqn]["producer"]) == (want.FORMAT, f"torchao {type(t).__name__}")
+    ckptq.reshard_checkpoint(folder, tmp_path / "native", to="native")
+    native = CheckpointView(tmp_path / "native")
+    for fqn, t in sd.items():
+        if not fqn.endswith("bias"):
+            assert _same_components(native.read(fqn), _canonical(t, fqn)[0]), fqn
+    # ckptq export --layout torchao of that folder, read by torchao's own unflatten
+    from typer.testing import CliRunner
+
+    from ckptq.cli import app
+
+    out = tmp_path / "back"
+    r = CliRunner().invoke(app, ["export", str(folder), str(out), "--layout", "torchao"])
+    assert r.exit_code == 0, r.output
+    theirs = _ao_unflatten(out)
+    assert set(theirs) == set(sd)
+    for fqn, t in sd.items():
+        if fqn.endswith("bias"):
+            assert bit_exact(theirs[fqn], t)
+            continue
+        assert type(theirs[fqn]) is type(t) and theirs[fqn].dtype == t.dtype, fqn
+        assert _same_components(_canonical(theirs[fqn], fqn)[0], _canonical(t, fqn)[0]), fqn
+        for dt in (torch.float32, torch.bfloat16):
+            assert bit_exact(theirs[fqn].dequantize(dt), t.dequantize(dt)), fqn
+        if not getattr(t, "is_swizzled_scales", False):  # compact scales: the same bytes as torchao wrote
+            for f in ("qdata", "scale", "per_tensor_scale"):
+                if getattr(t, f, None) is not None:
+                    assert bit_exact(getattr(theirs[fqn], f), getattr(t, f)), (fqn, f)
+
+
+def test_export_ckptq_tensors_as_torchao_safetensors(tmp_path):
+    """ckptq's own tensors (NVFP4 in ckptq's amax convention, 1x16 and 16x16; MXFP8; FP8 per-tensor,
+    per-row, 128x128 blocks) exported with --layout torchao: torchao's unflatten gives NVFP4Tensor /
+    MXTensor / Float8Tensor whose qdata and scale bytes are ckptq's, and whose dequantize equals
+    ckptq's (NVFP4: within the ulps export reports for the global scale's change of convention);
+    ckptq reads the folder back to the same canonical tensors (NVFP4 as global_scale_inv)."""
+    from ckptq.export import export_checkpoint
+
+    g = torch.Generator().manual_seed(9)
+    sd = {
+        "a.weight": ckptq.quantize(torch.randn(64, 128, generator=g), "nvfp4"),
+        "b.weight": ckptq.quantize(torch.randn(2, 32, 64, generator=g) * 7, "nvfp4", two_d=True),
+        "c.weight": ckptq.quantize(torch.randn(64, 96, generator=g), "mxfp8"),
+        "d.weight": ckptq.quantize(torch.randn(48, 64, generator=g).bfloat16(), "fp8_tensor"),
+        "e.weight": ckptq.quantize(torch.randn(32, 64, generator=g), "fp8_block", block=(1, 64)),
+        "f.weight": ckptq.quantize(torch.randn(256, 128, generator=g), "fp8_block"),
+        "norm.weight": torch.randn(64, generator=g),
+    }
+    src = tmp_path / "src"
+    dcp.save(sd, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    res = export_checkpoint(src, tmp_path / "ao", layout="torchao")
+    assert set(res["numerics"]) <= {"a.weight", "b.weight"} and all(0 <= u <= NV_ULP for u in res["numerics"].values())
+    theirs = _ao_unflatten(tmp_path / "ao")
+    kinds = {"nvfp4": NVFP4Tensor, "mxfp8": MXTensor, "fp8_tensor": Float8Tensor, "fp8_block": Float8Tensor}
+    back = open_checkpoint(tmp_path / "ao")
+    for fqn, qt in sd.items():
+        if not isinstance(qt, ckptq.QuantizedTensor):
+            assert bit_exact(theirs[fqn], qt)
+            continue
+        t = theirs[fqn]
+        assert type(t) is kinds[qt.FORMAT] and t.dtype == qt.dtype, fqn
+        c = qt.components()
+        assert bit_exact(t.qdata.view(torch.uint8), c["data"].view(torch.uint8)), fqn
+        if qt.FORMAT == "nvfp4":
+            conv, u = qt.with_per_tensor("global_scale_inv")
+            want_scale = c["scale"].repeat_interleave(16, -2)[..., : qt.shape[-2], :] if qt.recipe.two_d else c["scale"]
+            assert bit_exact(t.scale, want_scale)
+            assert bit_exact(
+                t.per_tensor_scale.reshape(-1),
+                conv.components()["global_scale_inv"].reshape(-1)[: t.per_tensor_scale.numel()],
+            )
+            assert bit_exact(t.dequantize(torch.float32), conv.dequantize(torch.float32))
+            assert _ulps(t.dequantize(torch.float32), qt.dequantize(torch.float32)) <= res["numerics"].get(fqn, 0)
+            got = back.read(fqn)
+            assert got.recipe.per_tensor == "global_scale_inv" and bit_exact(got.dequantize(), conv.dequantize())
+        else:
+            if qt.FORMAT == "mxfp8":
+                assert bit_exact(t.scale.view(torch.uint8), c["scale"])
+            else:
+                assert bit_exact(t.scale.reshape(-1), c["scale_inv"].reshape(-1))
+            assert bit_exact(t.dequantize(torch.float32), qt.dequantize(torch.float32)), fqn
+            assert _same_components(back.read(fqn), qt), fqn
+
+
+def test_torchao_safetensors_refusals(tmp_path):
+    """A torchao class ckptq does not hold is refused naming the tensor; another tool's
+    'tensor_names' metadata is not torchao's and the folder reads as plain tensors; an fp8_block
+    whose block does not divide the shape cannot be a torchao Float8Tensor (nothing written)."""
+    from safetensors.torch import save_file
+
+    from ckptq.export import export_checkpoint
+
+    int8 = tmp_path / "int8"
+    int8.mkdir()
+    record = {"_type": "Int8Tensor", "_data": {}, "_tensor_data_names": ["qdata", "scale"]}
+    meta = {"l.weight": json.dumps(record), "tensor_names": json.dumps(["l.weight"])}
+    save_file(
+        {"l._weight_qdata": torch.zeros(4, 4, dtype=torch.int8), "l._weight_scale": torch.ones(4)},
+        str(int8 / "model.safetensors"),
+        metadata=meta,
+    )
+    with pytest.raises(ckptq.UnsupportedFormatError, match=r"'l\.weight' is a torchao Int8Tensor"):
+        open_checkpoint(int8)
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"w": torch.ones(2, 2)}, str(other / "model.safetensors"), metadata={"tensor_names": "w,b"})
+    assert open_checkpoint(other).entry("w").kind == "tensor"
+    src = tmp_path / "ragged"
+    w = ckptq.quantize(torch.randn(200, 256), "fp8_block")  # 200 rows: a ragged 128-row block
+    dcp.save({"w": w}, checkpoint_id=str(src), planner=ckptq.QuantizedSavePlanner())
+    with pytest.raises(ckptq.UnsupportedFormatError, match=r"'w' \(fp8_block\).*must divide the shape"):
+        export_checkpoint(src, tmp_path / "out", layout="torchao")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dcp_load_of_ckptq_nvfp4_into_torchao_target_keeps_codes(tmp_path):
+    """A checkpoint of ckptq's own NVFP4 (amax convention) loaded by QuantizedLoadPlanner into a live
+    torchao NVFP4Tensor (torchao's convention): the codes and block scales are ckptq's bytes and the
+    per_tensor_scale is the closest one (with_per_tensor), not a requantization (whose
+    per_tensor_scale would be amax / 2688: for this tensor not the closest, so the check can fail)."""
+    x = _x(4) * 1.140625
+    qt = ckptq.quantize(x, "nvfp4")
+    assert not bit_exact(
+        qt.with_per_tensor("global_scale_inv")[0].components()["global_scale_inv"], qt.components()["amax"] / 2688.0
+    )
+    dcp.save({"w": qt}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    target = _zeros_like(_nv(x, True))
+    dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
+    conv, ulps = qt.with_per_tensor("global_scale_inv")
+    assert bit_exact(target.qdata, qt.components()["data"])
+    assert bit_exact(_compact_scales(target, 16), qt.components()["scale"])
+    assert bit_exact(target.per_tensor_scale, conv.components()["global_scale_inv"])
+    assert _ulps(target.dequantize(torch.float32), qt.dequantize(torch.float32)) <= ulps <= NV_ULP

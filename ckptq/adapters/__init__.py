@@ -20,7 +20,7 @@ import torch
 from ..formats.base import QuantizedTensor
 from . import te
 from . import torchao as ao  # torchao itself is never imported
-from .base import Adapter, check_fits, refuse
+from .base import Adapter, FlatTensor, check_fits, refuse
 
 __all__ = [
     "Adapter",
@@ -32,6 +32,9 @@ __all__ = [
     "check_fits",
     "refuse",
     "registered",
+    "FlatTensor",
+    "safetensors_groups",
+    "flattening",
 ]
 
 
@@ -104,6 +107,22 @@ def pickle_globals() -> dict[tuple[str, str], Any]:
     return out
 
 
+def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, tuple[Adapter, FlatTensor]]:
+    """The foreign quantized tensors a safetensors file stores flattened, by name, each with the
+    adapter that reads it (``adapter.safetensors_to_canonical``), from the file's ``__metadata__``
+    and the names stored in its folder. Raises what the adapters raise for what they cannot read."""
+    out: dict[str, tuple[Adapter, FlatTensor]] = {}
+    for a in _ADAPTERS:
+        if a.safetensors_groups is not None:
+            out.update({fqn: (a, flat) for fqn, flat in a.safetensors_groups(metadata, names, where).items()})
+    return out
+
+
+def flattening(producer: str) -> Adapter | None:
+    """The registered adapter of ``producer`` that writes its safetensors form, if any."""
+    return next((a for a in _ADAPTERS if a.producer == producer and a.safetensors_flatten is not None), None)
+
+
 def _register_builtin() -> None:
     register(
         Adapter(
@@ -132,6 +151,9 @@ def _register_builtin() -> None:
             dict(ao.PICKLE_GLOBALS),
             ao.PAYLOAD_TYPES,
             "torchao 0.18.0",
+            safetensors_groups=ao.safetensors_groups,
+            safetensors_to_canonical=ao.safetensors_to_canonical,
+            safetensors_flatten=ao.safetensors_flatten,
         )
     )
 

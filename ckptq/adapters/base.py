@@ -10,7 +10,23 @@ from typing import Any
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats.base import QuantizedTensor
 
-__all__ = ["Adapter", "check_fits", "refuse"]
+__all__ = ["Adapter", "FlatTensor", "check_fits", "refuse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatTensor:
+    """One foreign quantized tensor stored flattened in a safetensors file (e.g. torchao's
+    ``flatten_tensor_state_dict``): its name, the producer's class name, its decoded attributes,
+    ``{field: stored tensor name}``, the fields read when the file is opened (small values the
+    descriptor needs; the others are described from their header dtype and shape), and which field
+    holds each canonical component (``{component: field}``, for inspect's stored names)."""
+
+    fqn: str
+    kind: str
+    attributes: dict
+    members: dict
+    small: tuple = ()
+    components: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +53,14 @@ class Adapter:
         pickle_versions: which producer versions' pickles the stand-ins follow (for error messages).
         entry_suffixes: FQN suffix -> what such a non-tensor-format entry of the producer is
             (e.g. TE's ``._extra_state``), for inspect.
+        safetensors_groups: ``(file metadata, stored names, where) -> {fqn: FlatTensor}``: the
+            producer's tensors a safetensors file stores flattened (``{}``: none); None when the
+            producer has no such format.
+        safetensors_to_canonical: ``(FlatTensor, {stored name: tensor}) -> (QuantizedTensor,
+            producer dict)`` for one of them.
+        safetensors_flatten: ``(name, QuantizedTensor, producer dict or None) -> ({stored name:
+            tensor}, metadata JSON, numerics)``: the producer's flattened form of a canonical tensor
+            (what ``ckptq export --layout <producer>`` writes).
     """
 
     producer: str
@@ -48,6 +72,9 @@ class Adapter:
     payload_types: tuple[type, ...] = ()
     pickle_versions: str = ""
     entry_suffixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    safetensors_groups: Callable[[Mapping, Any, str], dict] | None = None
+    safetensors_to_canonical: Callable[[FlatTensor, Mapping], tuple[QuantizedTensor, dict]] | None = None
+    safetensors_flatten: Callable[[str, QuantizedTensor, Any], tuple[dict, str, dict]] | None = None
 
     @property
     def pickle_markers(self) -> tuple[bytes, ...]:

@@ -10,11 +10,11 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders" and "7. MXFP4")::
 
     layout              format      HF tensors of module m (dtype)                                  codec
     modelopt            nvfp4       m.weight (u8, M x K/2), m.weight_scale (e4m3, M x K/16),
-                                    m.weight_scale_2 (fp32, ())  = amax/2688 (decode)               ws2
+                                    m.weight_scale_2 (fp32, ()) -> global_scale_inv                 same
                         fp8_tensor  m.weight (e4m3), m.weight_scale (fp32, ())                       same
                         mxfp8       m.weight (e4m3), m.weight_scale (u8 E8M0, M x K/32)              same
     compressed-tensors  nvfp4       m.weight_packed (u8), m.weight_scale (e4m3),
-                                    m.weight_global_scale (fp32, (1,)) = 2688/amax (encode)          gs
+                                    m.weight_global_scale (fp32, (1,)) -> global_scale              vec1
                         mxfp8       m.weight (e4m3), m.weight_scale (u8 E8M0)                        same
                         fp8_block   m.weight (e4m3), m.weight_scale (fp32, ceil grid)                same
                         fp8_tensor  m.weight (e4m3), m.weight_scale (fp32, (1,))                     vec1
@@ -29,18 +29,18 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders" and "7. MXFP4")::
 safetensors 0.8 knows F8_E8M0 and F4, but every consumer reads E8M0 scales and packed FP4 as
 ``uint8`` (torch 2.13 has no ``copy_`` for ``float4_e2m1fn_x2``), so they are stored as U8.
 
-Exactness (see :func:`nvfp4_global_for_layout` for the NVFP4 global scale):
+Exactness: the codecs copy bytes (``vec1`` reshapes; ``rows16``: a 16x16-block NVFP4 scale grid is
+repeated over its 16 rows, because the layouts only have 1x16 blocks; same decoded values).
 
-* ``same``/``vec1``/``rows16`` codecs copy bytes (``rows16``: a 16x16-block NVFP4 scale grid is
-  repeated over its 16 rows, because the layouts only have 1x16 blocks; same decoded values).
-* NVFP4's global scale: ckptq stores ``amax`` and decodes ``e2m1 * ((s * amax) * (1/2688))``;
-  ModelOpt decodes ``e2m1 * (s * ws2)`` and compressed-tensors ``e2m1 * (s / gs)``. No fp32
-  ``ws2``/``gs`` reproduces ckptq's two roundings for every E4M3 ``s`` in general, so the exporter
-  searches the fp32 neighbours of ``amax/2688`` (``2688/amax``) for the one whose consumer decode is
-  closest to ckptq's over the block scales that *occur* in the tensor (often bit-exact; measured
-  at most 2 fp32 ulps otherwise, see tests/test_hf.py) and records ckptq's ``amax`` in the shard's
-  ``__metadata__`` (``ckptq.amax.<tensor>``) so that a re-import is bit-exact. An import without
-  that record searches the neighbours of ``ws2*2688`` (``2688/gs``) the same way.
+NVFP4's global scale keeps its producer's convention (the format map's ``recipe``, docs/formats.md
+"Global-scale conventions"): an import stores ``weight_scale_2`` as ``global_scale_inv`` and
+``weight_global_scale`` as ``global_scale``, byte for byte, and decodes as the producer does; an
+export of a tensor in the layout's convention writes those bytes back. A tensor in another
+convention (ckptq's ``amax``) is written with the layout value whose decode is closest to its own
+(:meth:`ckptq.formats.NVFP4Tensor.with_per_tensor`; the largest difference, in fp32 ulps, is
+reported), and an ``amax`` is recorded in the shard's ``__metadata__`` (``ckptq.amax.<tensor>``):
+a re-import that finds it imports ckptq's ``amax`` again, bit-exact, after checking that it still
+gives the stored value.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ __all__ = [
     "match_formats",
     "import_components",
     "export_tensors",
-    "nvfp4_global_for_layout",
     "amax_metadata_key",
+    "amax_record_names",
     "encode_amax",
     "decode_amax",
     "DEFAULT_IGNORE",
@@ -145,9 +145,8 @@ class HFTensor:
         component: the ckptq component it holds (``data``, ``scale``, ``scale_inv``, ``amax``).
         dtype: its on-disk dtype.
         codec: ``same`` (bytes), ``vec1`` (a () scalar stored as (..., 1)), ``rows16`` (a 16x16
-            NVFP4 scale grid repeated over rows), ``ws2`` (amax <-> amax/2688), ``gs`` (amax <-> 2688/amax),
-            ``view`` (the same bytes under another dtype label: DeepSeek-V4's I8 FP4 data, F8_E8M0
-            scales), ``blocks`` (packed FP4 data (..., N, K/2) stored as gpt-oss's (..., N, K/32, 16):
+            NVFP4 scale grid repeated over rows), ``view`` (the same bytes under another dtype label:
+            DeepSeek-V4's I8 FP4 data, F8_E8M0 scales), ``blocks`` (packed FP4 data (..., N, K/2) stored as gpt-oss's (..., N, K/32, 16):
             a reshape), ``e8m0`` (an fp32 power-of-two ``scale_inv`` stored as its E8M0 byte).
     """
 
@@ -175,9 +174,10 @@ class FormatMap:
     ndim: int | None = None
     #: whether the consumer decodes an E8M0 ``scale`` byte 255 as NaN as ckptq does (else it is refused)
     e8m0_nan: bool = True
-    #: recipe options of an imported tensor that follow from the producer (the MXFP4 scale rule it
-    #: quantizes with); they guide a later requantize only, never the decode
-    import_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: recipe options of an imported tensor that follow from the layout: fixed by what it stores (NVFP4:
+    #: the global scale's ``per_tensor`` convention) or by how its producer quantizes (the MXFP4 scale
+    #: rule, which guides a later requantize only, never the decode)
+    recipe: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def name(self, module: str, t: HFTensor) -> str:
         """The HF name of tensor ``t`` of the weight at ``module``."""
@@ -352,7 +352,7 @@ _register(
                 (
                     HFTensor("weight", "data", U8),
                     HFTensor("weight_scale", "scale", E4M3, "rows16"),
-                    HFTensor("weight_scale_2", "amax", _F32, "ws2"),
+                    HFTensor("weight_scale_2", "global_scale_inv", _F32),
                 ),
                 {
                     "quant_algo": "NVFP4",
@@ -360,6 +360,7 @@ _register(
                     "weights": {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16},
                 },
                 k_multiple=16,
+                recipe={"per_tensor": "global_scale_inv"},
             ),
             FormatMap(
                 "mxfp8",
@@ -394,7 +395,7 @@ _register(
                 (
                     HFTensor("weight_packed", "data", U8),
                     HFTensor("weight_scale", "scale", E4M3, "rows16"),
-                    HFTensor("weight_global_scale", "amax", _F32, "gs"),
+                    HFTensor("weight_global_scale", "global_scale", _F32, "vec1"),
                 ),
                 {
                     "format": "nvfp4-pack-quantized",
@@ -410,6 +411,7 @@ _register(
                     },
                 },
                 k_multiple=16,
+                recipe={"per_tensor": "global_scale"},
             ),
             FormatMap(
                 "mxfp4",
@@ -430,7 +432,7 @@ _register(
                 },
                 k_multiple=32,
                 e8m0_nan=False,  # decompress_mx_scale: 2^(255-127) = inf in bf16, not NaN
-                import_options={"scale_rule": "even"},  # generate_mx_scales: amax rounded at 1 mantissa bit
+                recipe={"scale_rule": "even"},  # generate_mx_scales: amax rounded at 1 mantissa bit
             ),
             FormatMap(
                 "mxfp8",
@@ -522,7 +524,7 @@ _register(
                 separator="_",
                 ndim=3,
                 e8m0_nan=False,  # transformers' ldexp decodes byte 255 as x * 2^128, not NaN
-                import_options={"scale_rule": "rceil"},  # triton_kernels ROUND_UP (transformers' quantize path)
+                recipe={"scale_rule": "rceil"},  # triton_kernels ROUND_UP (transformers' quantize path)
             ),
         ),
         ("mxfp4",),
@@ -665,10 +667,15 @@ def match_formats(
     )
 
 
-def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None) -> dict:
-    """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two; the
-    format map's ``import_options``)."""
-    rec: dict[str, Any] = dict(fm.import_options)
+def import_recipe(
+    fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None, amax_record: bool = False
+) -> dict:
+    """Recipe options of an imported tensor: the layout's fixed ones (NVFP4's global-scale
+    convention; ``per_tensor="amax"`` when ``amax_record``, the exporter's ``ckptq.amax`` record of
+    the tensor, is present), fp8 ``pow2`` when every scale is a power of two, fp8_block's block."""
+    rec: dict[str, Any] = dict(fm.recipe)
+    if amax_record and "per_tensor" in rec:
+        rec["per_tensor"] = "amax"
     if fm.format in ("fp8_block", "fp8_tensor"):
         t = next(t for t in fm.tensors if t.component == "scale_inv")
         s = e8m0_to_fp32(stored[t.suffix]) if t.codec == "e8m0" else stored[t.suffix].float()
@@ -744,13 +751,23 @@ def descriptor(
     }
 
 
+def component_keys(fm: FormatMap, group: Mapping[str, str], recipe: Mapping) -> dict[str, str]:
+    """``{component: HF name}`` of one imported weight (``group``: ``{suffix: HF name}``); an NVFP4
+    ``amax`` imported from the exporter's record stands for the layout's global-scale tensor."""
+    keys = {t.component: group[t.suffix] for t in fm.tensors}
+    held, wanted = fm.recipe.get("per_tensor"), recipe.get("per_tensor", "amax")
+    if held is not None and wanted != held:
+        keys[wanted] = keys.pop(held)
+    return keys
+
+
 def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Mapping) -> tuple[int, ...]:
     """The on-disk shape of HF tensor ``t`` for a weight of logical ``shape``."""
     cls = format_class(fm.format)
-    rec = cls._recipe_from_json(dict(recipe))
+    rec = cls._recipe_from_json({**recipe, **fm.recipe})
     spec = next(s for s in cls.component_specs(shape, rec) if s.name == t.component)
     cshape = spec.shape(shape)
-    if t.codec == "vec1" or t.codec == "gs":
+    if t.codec == "vec1":
         return tuple(cshape) + (1,)
     if t.codec == "rows16":
         return tuple(shape[:-1]) + (cshape[-1],)
@@ -800,94 +817,7 @@ def check_e8m0_finite(fm: FormatMap, x: torch.Tensor, what: str) -> None:
         )
 
 
-# ----------------------------------------------------------------------------- NVFP4 global scale
-_INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)
-_2688 = torch.tensor(2688.0, dtype=_F32)
-_E2M1 = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=_F32)
-_SEARCH = 4  # fp32 neighbours tried on each side
-
-
-def _neighbours(x: torch.Tensor) -> list[torch.Tensor]:
-    """``x`` and its fp32 neighbours, nearest first (x, +1, -1, +2, ...), positive finite only."""
-    bits = int(x.reshape(()).view(torch.int32))
-    out = []
-    for k in [0] + [s * i for i in range(1, _SEARCH + 1) for s in (1, -1)]:
-        b = bits + k
-        if 0 < b < 0x7F800000:
-            out.append(torch.tensor(b, dtype=torch.int32).view(_F32))
-    return out
-
-
-def _ckptq_mult(s: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    return _E2M1[:, None] * ((s * amax) * _INV_2688)[None, :]
-
-
-def _consumer_mult(codec: str, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    eff = s * g if codec == "ws2" else s / g  # ModelOpt: s * ws2; compressed-tensors: s / gs
-    return _E2M1[:, None] * eff[None, :]
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.numel() == 0:
-        return 0
-    return int((a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max())
-
-
-def _occurring_scales(scale: torch.Tensor) -> torch.Tensor:
-    import numpy as np
-
-    counts = np.bincount(scale.contiguous().reshape(-1).view(torch.uint8).numpy(), minlength=256)
-    counts = counts[:128] + counts[128:]  # the sign bit does not change |decode|
-    counts[0] = counts[0x7F] = 0  # zero blocks decode to 0 either way; NaN is NaN either way
-    return torch.from_numpy(np.nonzero(counts)[0].astype(np.uint8)).view(E4M3).float()
-
-
-def nvfp4_global_for_layout(codec: str, amax: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The fp32 global scale a layout stores for one NVFP4 matrix, and its worst decode difference.
-
-    ``codec`` ``"ws2"`` (ModelOpt ``weight_scale_2``, decode) or ``"gs"`` (compressed-tensors
-    ``weight_global_scale``, encode). Among ``amax/2688`` (``2688/amax``) and its fp32 neighbours,
-    the one whose consumer decode ``e2m1 * (s * ws2)`` (``e2m1 * (s / gs)``) differs least, in fp32
-    ulps, from ckptq's ``e2m1 * ((s * amax) * (1/2688))`` over the block scales ``s`` occurring in
-    ``scale`` (ties: the nearest). Returns ``(value, max_ulps)`` (0 = bit-exact). amax 0, inf or
-    NaN: the plain formula, and ulps -1 (not comparable).
-    """
-    amax = amax.reshape(()).to(_F32)
-    base = amax / _2688 if codec == "ws2" else _2688 / amax
-    if not torch.isfinite(amax) or amax <= 0 or not torch.isfinite(base) or base <= 0:
-        return (base if torch.isfinite(base) and base > 0 else torch.tensor(1.0)), -1
-    s = _occurring_scales(scale)
-    ref = _ckptq_mult(s, amax)
-    best, best_u = base, None
-    for cand in _neighbours(base):
-        u = _ulps(_consumer_mult(codec, s, cand), ref)
-        if best_u is None or u < best_u:
-            best, best_u = cand, u
-        if u == 0:
-            break
-    return best, int(best_u or 0)
-
-
-def amax_from_layout(codec: str, g: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """ckptq's ``amax`` for a stored global scale (the inverse search of :func:`nvfp4_global_for_layout`):
-    among ``ws2*2688`` (``2688/gs``) and its neighbours, the one whose ckptq decode is closest to the
-    consumer's. Returns ``(amax, max_ulps)``."""
-    g = g.reshape(()).to(_F32)
-    base = g * _2688 if codec == "ws2" else _2688 / g
-    if not torch.isfinite(g) or g <= 0 or not torch.isfinite(base) or base <= 0:
-        raise CheckpointFormatError(f"global scale {float(g)} is not finite and positive")
-    s = _occurring_scales(scale)
-    ref = _consumer_mult(codec, s, g)
-    best, best_u = base, None
-    for cand in _neighbours(base):
-        u = _ulps(_ckptq_mult(s, cand), ref)
-        if best_u is None or u < best_u:
-            best, best_u = cand, u
-        if u == 0:
-            break
-    return best, int(best_u or 0)
-
-
+# ----------------------------------------------------------------------------- NVFP4 amax record
 def amax_metadata_key(hf_name: str) -> str:
     """The safetensors ``__metadata__`` key where the exporter records ckptq's amax of a global scale."""
     return f"ckptq.amax.{hf_name}"
@@ -908,16 +838,23 @@ def decode_amax(text: str, shape: Sequence[int]) -> torch.Tensor | None:
 
 # ----------------------------------------------------------------------------- import / export
 def import_components(
-    fm: FormatMap, stored: Mapping[str, torch.Tensor], shape: Sequence[int], amax_hint: torch.Tensor | None = None
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """ckptq components of one weight from its HF tensors ``{suffix: tensor}``.
+    fm: FormatMap,
+    stored: Mapping[str, torch.Tensor],
+    shape: Sequence[int],
+    recipe: Mapping | None = None,
+    amax_record: torch.Tensor | None = None,
+    where: str = "",
+) -> dict[str, torch.Tensor]:
+    """ckptq components of one weight from its HF tensors ``{suffix: tensor}`` (bytes as stored).
 
-    ``amax_hint``: ckptq's amax recorded by the exporter; used when it maps back to the stored
-    global scale exactly (else the inverse search decides). Returns ``(components, numerics)``
-    with ``numerics`` ``{"max_ulps": int}`` for NVFP4 (0: the ckptq decode equals the consumer's).
+    ``recipe`` (from :func:`import_recipe`) with ``per_tensor="amax"`` where the layout stores
+    another NVFP4 convention: ``amax_record`` (the exporter's ``ckptq.amax`` record, batch shape)
+    replaces the stored global scale, after checking that it gives that value back.
+
+    Raises:
+        CheckpointFormatError: the record does not give the stored global scale (names ``where``).
     """
     comps: dict[str, torch.Tensor] = {}
-    info: dict = {}
     batch = tuple(shape[:-2])
     dtypes = {c.name: c.dtype for c in format_class(fm.format).component_specs(shape, format_class(fm.format).Recipe())}
     for t in fm.tensors:
@@ -934,40 +871,27 @@ def import_components(
             comps[t.component] = x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
         elif t.codec == "e8m0":
             comps[t.component] = e8m0_to_fp32(x)
-    for t in fm.tensors:
-        if t.codec not in ("ws2", "gs"):
-            continue
-        g = stored[t.suffix].to(_F32).reshape(batch)
-        scale = comps["scale"]
-        amax = torch.empty(batch, dtype=_F32)
-        worst = 0
-        for idx in _batch_indices(batch):
-            s_i = scale[idx]
-            a = None
-            if amax_hint is not None and tuple(amax_hint.shape) == batch:
-                cand = amax_hint[idx]
-                back, _ = nvfp4_global_for_layout(t.codec, cand, s_i)
-                if bool(torch.equal(back.reshape(()), g[idx].reshape(()))):
-                    a, u = (
-                        cand,
-                        _ulps(
-                            _ckptq_mult(_occurring_scales(s_i), cand),
-                            _consumer_mult(t.codec, _occurring_scales(s_i), g[idx]),
-                        ),
-                    )
-            if a is None:
-                a, u = amax_from_layout(t.codec, g[idx], s_i)
-            amax[idx] = a
-            worst = max(worst, u)
-        comps[t.component] = amax
-        info["max_ulps"] = worst
-    return comps, info
-
-
-def _batch_indices(batch: tuple) -> list[tuple]:
-    import itertools
-
-    return [tuple(i) for i in itertools.product(*[range(b) for b in batch])] if batch else [()]
+    layout_pt = fm.recipe.get("per_tensor")
+    wanted = layout_pt if recipe is None else recipe.get("per_tensor", "amax")  # JSON omits ckptq's own
+    if layout_pt is None or wanted == layout_pt:
+        return comps
+    cls = format_class(fm.format)
+    if amax_record is None or tuple(amax_record.shape) != batch:
+        raise CheckpointFormatError(f"{where}: no usable ckptq.amax record of shape {list(batch)} for '{where}'")
+    ours = cls.from_components(
+        {"data": comps["data"], "scale": comps["scale"], wanted: amax_record},
+        shape,
+        torch.float32,
+        cls._recipe_from_json({"per_tensor": wanted}),
+    )
+    back, _ = ours.with_per_tensor(layout_pt)
+    if not torch.equal(back.components()[layout_pt].view(torch.int32), comps[layout_pt].view(torch.int32)):
+        raise CheckpointFormatError(
+            f"{where}: the file's ckptq.amax record does not give the stored {layout_pt} of this tensor; the file "
+            f"was changed after ckptq exported it. Delete the 'ckptq.amax.*' entries of its __metadata__ to "
+            f"import the stored global scales as they are"
+        )
+    return ours.components()
 
 
 def check_exportable(
@@ -1010,26 +934,33 @@ def export_plan(
     return [(fm.name(module, t), t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
 
 
-def export_tensors(
-    fm: FormatMap, module: str, comps: Mapping[str, torch.Tensor], shape: Sequence[int], recipe: Mapping
-) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
-    """The HF tensors of one canonical weight: ``({hf name: tensor}, {metadata key: text}, numerics)``.
+def export_tensors(fm: FormatMap, module: str, qt: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
+    """The HF tensors of one canonical weight ``qt``: ``({hf name: tensor}, {metadata key: text}, numerics)``.
 
-    ``numerics``: ``{"max_ulps": n}`` for NVFP4 (fp32 ulps between the consumer's decode and ckptq's
-    over the scales that occur; 0 = bit-exact).
+    NVFP4 in another global-scale convention than the layout's is written with
+    :meth:`~ckptq.formats.NVFP4Tensor.with_per_tensor` (``numerics``: ``{"max_ulps": n}``, fp32 ulps
+    between the consumer's decode and ``qt``'s over the scales that occur; 0 = bit-exact), and an
+    ``amax`` is recorded in the metadata (:func:`amax_metadata_key`).
     """
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
     info: dict = {}
-    batch = tuple(shape[:-2])
+    shape = tuple(qt.shape)
+    batch = shape[:-2]
+    layout_pt = fm.recipe.get("per_tensor")
+    comps = qt.components()
+    if layout_pt is not None and qt.recipe.per_tensor != layout_pt:
+        converted, info["max_ulps"] = qt.with_per_tensor(layout_pt)
+        if qt.recipe.per_tensor == "amax":
+            name = fm.name(module, next(t for t in fm.tensors if t.component == layout_pt))
+            meta[amax_metadata_key(name)] = encode_amax(comps["amax"])
+        comps = converted.components()
     for t in fm.tensors:
         name = fm.name(module, t)
         x = comps[t.component]
         if t.component == "scale":
             check_e8m0_finite(fm, x, f"tensor '{name}'")
-        if t.codec == "same":
-            y = x
-        elif t.codec == "view":
+        if t.codec == "view":
             y = x.view(t.dtype)
         elif t.codec == "blocks":
             y = x.reshape(*x.shape[:-1], x.shape[-1] // _BLOCK_BYTES, _BLOCK_BYTES)
@@ -1037,26 +968,26 @@ def export_tensors(
             y = fp32_to_e8m0(x, f"tensor '{name}'").view(t.dtype)
         elif t.codec == "vec1":
             y = x.reshape(batch + (1,))
-        elif t.codec == "rows16":
-            y = x
-            if recipe.get("two_d"):
-                y = x.repeat_interleave(16, dim=-2)[..., : shape[-2], :]
+        elif t.codec == "rows16" and getattr(qt.recipe, "two_d", False):
+            y = x.repeat_interleave(16, dim=-2)[..., : shape[-2], :]
         else:
-            g = torch.empty(batch, dtype=_F32)
-            worst = 0
-            for idx in _batch_indices(batch):
-                v, u = nvfp4_global_for_layout(t.codec, x[idx], comps["scale"][idx])
-                g[idx] = v
-                worst = max(worst, u)
-            y = g.reshape(batch + (1,)) if t.codec == "gs" else g
-            meta[amax_metadata_key(name)] = encode_amax(x)
-            info["max_ulps"] = worst
+            y = x
         if y.dtype != t.dtype:
             raise CheckpointFormatError(
                 f"tensor '{module}': component '{t.component}' is {y.dtype}, layout wants {t.dtype}"
             )
         out[name] = y.contiguous()
     return out, meta, info
+
+
+def amax_record_names(fm: FormatMap, module: str, recipe: Mapping) -> list[str]:
+    """HF names whose ``ckptq.amax`` record :func:`export_tensors` writes for a weight of ``recipe``
+    (what the exporter reserves header room for): the layout's NVFP4 global scale when the
+    tensor's convention is ckptq's ``amax``."""
+    layout_pt = fm.recipe.get("per_tensor")
+    if layout_pt is None or recipe.get("per_tensor", "amax") != "amax":
+        return []
+    return [f"{module}.{t.suffix}" for t in fm.tensors if t.component == layout_pt]
 
 
 def glob_matches(name: str, globs: Sequence[str]) -> bool:

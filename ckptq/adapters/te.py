@@ -636,6 +636,7 @@ def _nvfp4_insert(obj, qt, d, fqn):
     m, k = d.shape
     _check_holdable(d, fqn)
     b = _held(obj, d, _nvfp4_specs(d), fqn)
+    qt, _ = qt.with_per_tensor("amax")  # TE stores amax; another producer's global scale: the closest amax
     c = qt.components()
     two_d = qt.recipe.two_d
     scale = _u8(c["scale"])

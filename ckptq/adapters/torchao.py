@@ -12,9 +12,10 @@ torchao class      fields -> ckptq components                                   
 NVFP4Tensor        ``qdata`` uint8 (..., M, K/2) -> data (view; same nibble order:   nvfp4 (1x16)
                    element 2i low); ``scale`` e4m3 (..., M, K/16), or swizzled
                    (ceil(M/128)*32, ceil(K/64)*16) -> scale (..., M, K/16);
-                   ``per_tensor_scale`` fp32 () or (E, 1, 1) or None -> amax (...)
-                   (see "NVFP4 global scale" below). ``prototype/mx_formats/
-                   nvfp4_tensor.py`` (``dequantize``, ``get_hp_scales``).
+                   ``per_tensor_scale`` fp32 () or (E, 1, 1) -> global_scale_inv
+                   (...) byte for byte (recipe ``per_tensor="global_scale_inv"``);
+                   None -> 1.0. ``prototype/mx_formats/nvfp4_tensor.py``
+                   (``dequantize``, ``get_hp_scales``).
 MXTensor           ``qdata`` e4m3 (..., M, K) -> data (view); ``scale`` e8m0fnu     mxfp8
                    (..., M, K/32) or swizzled (ceil(M/128)*32, ceil(K/128)*16) ->
                    scale uint8 (..., M, K/32) (``.view(uint8)``: the biased
@@ -45,25 +46,15 @@ Exactness (ckptq dequantize vs torchao ``dequantize()``, both computing in fp32)
 * MXTensor (E4M3 and FP4) and Float8Tensor: components equal byte for byte, values bit-exact in
   both directions (the same formulas: ``float(q) * 2^(e-127)``, ``e2m1(q) * 2^(e-127)`` and
   ``float(q) * scale``).
-* NVFP4Tensor, global scale. torchao decodes ``e2m1 * (per_tensor_scale * float(s))`` with
-  ``per_tensor_scale = amax / 2688`` (``per_tensor_amax_to_scale``, a division); ckptq decodes
-  ``e2m1 * ((float(s) * amax) * fl32(1/2688))``. Reading, ckptq stores the fp32 ``amax`` with
-  ``fl32(amax / 2688) == per_tensor_scale`` (so writing back divides and gives the same bytes: the
-  per_tensor_scale round trip is exact) that, among those, minimizes the largest difference of the two
-  scale products over every finite positive E4M3 scale. The two operation orders still differ: the
-  scale products differ by at most ``producer["scale_product_max_ulp"]`` ulp of fp32 for this tensor
-  (computed over every E4M3 scale when it is read, so the figure is exact, not an estimate).
-  Measured on 20000 random amaxes over 2^-60..2^60 (tests/test_torchao.py checks 2000): the scale
-  products differ by <= 2 ulp (0: 5%, 1: 91%, 2: 4% of tensors) and the dequantized fp32 values by
-  <= 2 ulp (the E2M1 multiply rounds once more); no bfloat16 value differed, and the tests allow 1
-  bf16 ulp. A per_tensor_scale that is
-  not ``amax / 2688`` of any fp32 amax (never produced by torchao itself) is refused.
-  Writing a ckptq tensor into a torchao target sets ``per_tensor_scale = fl32(amax / 2688)``, torchao's
-  own convention; for an arbitrary amax (a tensor ckptq quantized) the values then differ by <= 2 ulp
-  of fp32 too (20000 random amaxes: 0 ulp 4%, 1 ulp 52%, 2 ulp 44%); nothing is requantized.
-* NVFP4Tensor without a global scale (``per_tensor_scale=None``): stored with ``amax = 2688``, for which
-  ``(float(s) * 2688) * fl32(1/2688) == float(s)`` for every E4M3 value (checked at import): bit-exact.
-  A target without per_tensor_scale accepts only such tensors (else CheckpointFormatError).
+* NVFP4Tensor: torchao decodes ``e2m1 * fl32(per_tensor_scale * float(s))`` (``get_hp_scales``), which
+  is ckptq's ``global_scale_inv`` convention (docs/formats.md): ``per_tensor_scale`` is stored as it
+  is and the values are bit-exact in both directions. Without a global scale (``per_tensor_scale=None``,
+  decode ``e2m1 * float(s)``) the tensor is stored with ``global_scale_inv = 1``, which decodes to the
+  same values; a target without per_tensor_scale accepts only such tensors (else
+  CheckpointFormatError). A tensor in another convention (ckptq's own ``amax``) is written into a
+  torchao target with the ``per_tensor_scale`` whose decode is closest to its own
+  (:meth:`ckptq.formats.NVFP4Tensor.with_per_tensor`, <= 2 fp32 ulps in the tests); nothing is
+  requantized.
 
 Not in the canonical tensor: NVFP4's ``act_per_tensor_scale`` (a static activation calibration value,
 no part of the weight's values) and the attributes (``act_quant_kwargs``, ``mm_config``,
@@ -95,7 +86,7 @@ import torch
 from ..errors import CheckpointFormatError, UnsupportedFormatError
 from ..formats import Float8BlockTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor, QuantizedTensor, format_class
 from ._swizzle import swizzle, swizzled_numel, unswizzle
-from .base import check_fits, refuse
+from .base import FlatTensor, check_fits, refuse
 
 __all__ = [
     "AO_CLASSES",
@@ -103,10 +94,12 @@ __all__ = [
     "PAYLOAD_TYPES",
     "TorchAOPayload",
     "ao_class_of",
-    "nvfp4_amax_for_scale",
     "to_canonical",
     "empty_canonical",
     "insert",
+    "safetensors_groups",
+    "safetensors_to_canonical",
+    "safetensors_flatten",
 ]
 
 PRODUCER = "torchao"
@@ -124,17 +117,6 @@ AO_CLASSES: dict[tuple[str, str], str] = {
 }
 
 _E4M3, _E5M2, _U8, _F32 = torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float32
-_NVFP4_IDENTITY_AMAX = 2688.0  # amax giving ckptq's nvfp4 decode e2m1 * float(s) exactly
-_INV_2688 = torch.tensor(1.0 / 2688.0, dtype=_F32)  # ckptq's fp32 constant (numerics.INV_2688)
-
-
-def _positive_e4m3() -> torch.Tensor:
-    v = torch.arange(256, dtype=torch.uint8).view(_E4M3).to(_F32)
-    return v[(v > 0) & torch.isfinite(v)].unique()
-
-
-_E4M3_POS = _positive_e4m3()  # the 126 finite positive E4M3 values
-assert torch.equal((_E4M3_POS * _NVFP4_IDENTITY_AMAX) * _INV_2688, _E4M3_POS)
 
 
 # ============================================================================ pickle stand-ins
@@ -361,34 +343,6 @@ def _write_block_scales(obj: Any, compact: torch.Tensor, swizzled: bool) -> None
         target.copy_(src)
 
 
-# ============================================================================ NVFP4 global scale
-def nvfp4_amax_for_scale(per_tensor_scale: float) -> tuple[float, int]:
-    """The fp32 ``amax`` ckptq stores for torchao's fp32 ``per_tensor_scale`` p, and the largest
-    difference (ulp of fp32) between the scale products ``(float(s) * amax) * fl32(1/2688)`` (ckptq)
-    and ``p * float(s)`` (torchao) over every finite positive E4M3 ``s``.
-
-    The amax is the candidate within 4 ulp of ``fl32(p * 2688)`` with ``fl32(amax / 2688) == p``
-    (torchao's ``per_tensor_amax_to_scale``, so writing it back gives p exactly) and the smallest such
-    difference (ties: nearest to ``fl32(p * 2688)``). Returns ``(nan, -1)`` when no candidate divides
-    back to p. Zero maps to zero (exact).
-    """
-    p = torch.tensor(per_tensor_scale, dtype=_F32)
-    if p.item() == 0.0:
-        return 0.0, 0
-    a0 = (p * _NVFP4_IDENTITY_AMAX).view(torch.int32)
-    want = (p * _E4M3_POS).view(torch.int32)
-    best: tuple[int, float] | None = None
-    for k in sorted(range(-4, 5), key=abs):
-        a = (a0 + k).view(_F32)
-        if not torch.isfinite(a) or not torch.equal(a / _NVFP4_IDENTITY_AMAX, p):
-            continue
-        got = ((_E4M3_POS * a) * _INV_2688).view(torch.int32)
-        ulp = int((got.to(torch.int64) - want.to(torch.int64)).abs().max())
-        if best is None or ulp < best[0]:
-            best = (ulp, float(a.item()))
-    return (float("nan"), -1) if best is None else (best[1], best[0])
-
-
 # ============================================================================ per-class logic
 def _version() -> str | None:
     v = getattr(sys.modules.get("torchao"), "__version__", None)
@@ -409,16 +363,16 @@ def _nvfp4_describe(obj: Any, fqn: str) -> _AOContents:
     _check(q, (*d.shape[:-1], d.shape[-1] // 2), _U8, "qdata", d, fqn)
     if d.shape[-1] % 16:
         _refuse(fqn, d.ao_class, f"K={d.shape[-1]}", "is not a multiple of 16")
-    d.recipe = dict(two_d=False)
+    d.recipe = dict(two_d=False, per_tensor="global_scale_inv")
     return d
 
 
-def _nvfp4_amax(obj: Any, d: _AOContents, fqn: str) -> tuple[torch.Tensor, int]:
+def _nvfp4_global_scale_inv(obj: Any, d: _AOContents, fqn: str) -> torch.Tensor:
+    """``per_tensor_scale`` as the batch-shaped fp32 ``global_scale_inv`` (bytes kept; 1 where None)."""
     lead = d.shape[:-2]
     pts = _tensor(obj, "per_tensor_scale", d.ao_class, fqn, optional=True)
-    dev = obj.qdata.device
     if pts is None:
-        return torch.full(lead, _NVFP4_IDENTITY_AMAX, dtype=_F32, device=dev), 0
+        return torch.ones(lead, dtype=_F32, device=obj.qdata.device)
     if pts.dtype != _F32 or pts.numel() not in (1, math.prod(lead)):
         _refuse(
             fqn,
@@ -426,61 +380,45 @@ def _nvfp4_amax(obj: Any, d: _AOContents, fqn: str) -> tuple[torch.Tensor, int]:
             f"per_tensor_scale {pts.dtype} {tuple(pts.shape)}",
             f"is not fp32 with one value (or one per expert of {lead})",
         )
-    vals = pts.detach().to("cpu").reshape(-1).tolist()
-    amax, worst = [], 0
-    for v in vals:
-        a, ulp = nvfp4_amax_for_scale(v)
-        if ulp < 0:
-            _refuse(
-                fqn,
-                d.ao_class,
-                f"per_tensor_scale={v!r} ({float(v).hex()})",
-                "is not amax/2688 of any fp32 amax (ckptq's nvfp4 stores amax)",
-            )
-        amax.append(a)
-        worst = max(worst, ulp)
-    out = torch.tensor(amax, dtype=_F32, device=dev)
-    if len(amax) == 1:  # one global scale (also for a 3-D tensor): the same amax for every matrix
-        return out.reshape(()).expand(lead).contiguous(), worst
-    return out.reshape(lead), worst
+    if pts.numel() == 1:  # one global scale (also for a 3-D tensor): the same value for every matrix
+        return pts.detach().reshape(()).expand(lead).contiguous()
+    return pts.detach().reshape(lead)
 
 
 def _nvfp4_extract(obj: Any, d: _AOContents, fqn: str) -> tuple[dict, dict]:
     k = d.shape[-1]
     scale = _read_block_scales(obj, d, k // 16, _E4M3, fqn)
-    amax, ulp = _nvfp4_amax(obj, d, fqn)
     pts = getattr(obj, "per_tensor_scale", None)
     extra = {
         "per_tensor_scale": None if pts is None else ("per_expert" if pts.dim() == 3 else "scalar"),
-        "scale_product_max_ulp": ulp,
         "use_triton_kernel": bool(getattr(obj, "use_triton_kernel", False)),
         "act_per_tensor_scale": _plain(getattr(obj, "act_per_tensor_scale", None)),
         "act_quant_kwargs": _plain(getattr(obj, "act_quant_kwargs", None)),
     }
-    return {"data": obj.qdata, "scale": scale, "amax": amax}, extra
+    return {"data": obj.qdata, "scale": scale, "global_scale_inv": _nvfp4_global_scale_inv(obj, d, fqn)}, extra
 
 
 def _nvfp4_insert(obj: Any, qt: QuantizedTensor, d: _AOContents, fqn: str) -> None:
+    qt, _ = qt.with_per_tensor("global_scale_inv")  # no copy when it already is torchao's convention
     c = qt.components()
     scale = c["scale"]
     if qt.recipe.two_d:  # 16x16 tiles: each tile's scale on its 16 rows is the same 1x16 value
         scale = scale.repeat_interleave(16, dim=-2)[..., : d.shape[-2], :]
-    amax = c["amax"].to(_F32)
+    new = c["global_scale_inv"]
     pts = getattr(obj, "per_tensor_scale", None)
     if pts is None:
-        if not bool((amax == _NVFP4_IDENTITY_AMAX).all()):
+        if not bool((new == 1.0).all()):
             raise CheckpointFormatError(
-                f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's amax "
-                f"({amax.reshape(-1)[:4].tolist()}) is not 2688 (the single-level encoding); build the target "
+                f"{_where(fqn, d.ao_class)}: the target has no per_tensor_scale, but the loaded tensor's global "
+                f"scale ({new.reshape(-1)[:4].tolist()}) is not 1 (the single-level encoding); build the target "
                 f"with a per_tensor_scale (NVFP4Tensor.to_nvfp4(..., per_tensor_scale=...))"
             )
     else:
-        new = amax / _NVFP4_IDENTITY_AMAX  # per_tensor_amax_to_scale: amax.float() / (448 * 6)
         if pts.numel() == 1 and new.numel() > 1:
             if not bool((new == new.reshape(-1)[0]).all()):
                 raise CheckpointFormatError(
                     f"{_where(fqn, d.ao_class)}: the target holds one per_tensor_scale, "
-                    f"the loaded tensor one amax per expert"
+                    f"the loaded tensor one global scale per expert"
                 )
             new = new.reshape(-1)[:1]
         pts.copy_(new.reshape(pts.shape))
@@ -646,10 +584,11 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
     payload) and a ``producer`` record of builtins.
 
     Components are compact and unswizzled, of the object's logical shape; ``data`` (and unswizzled
-    scales, Float8 scales) are views of torchao's buffers, swizzled scales and NVFP4 ``amax`` copies.
+    scales, Float8 scales) are views of torchao's buffers, swizzled scales and NVFP4 ``global_scale_inv``
+    (``per_tensor_scale``'s bytes) copies.
     ``producer`` = ``{"name": "torchao", "version" (of the live library; None for a pickle payload),
     "class", "orig_dtype", "swizzled", ...}`` plus, for
-    NVFP4Tensor, ``per_tensor_scale`` (None / "scalar" / "per_expert"), ``scale_product_max_ulp``,
+    NVFP4Tensor, ``per_tensor_scale`` (None / "scalar" / "per_expert"),
     ``use_triton_kernel``, ``act_per_tensor_scale`` (float hex list), ``act_quant_kwargs``; MXTensor
     ``elem_dtype``, ``block_size``, ``kernel_preference``, ``act_quant_kwargs``; Float8Tensor
     ``granularity`` (per_tensor / per_row / per_block), ``block_size``, ``fp8_dtype``,
@@ -690,15 +629,231 @@ def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
 
 def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
     """Write canonical ``qt`` into the torchao tensor's buffers in place: ``qdata``, ``scale``
-    (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` =
-    ``fl32(amax / 2688)``. Nothing is requantized: returns None.
+    (swizzled, padding zeroed, when the target's are) and NVFP4 ``per_tensor_scale`` (``qt``'s
+    ``global_scale_inv``, or the closest one for another convention:
+    :meth:`ckptq.formats.NVFP4Tensor.with_per_tensor`). Nothing is requantized: returns None.
 
     Raises:
         CheckpointFormatError: ``qt``'s format, element dtype, block or shape does not fit the target
-            (including an NVFP4 target without per_tensor_scale for a tensor whose amax is not 2688).
+            (including an NVFP4 target without per_tensor_scale for a tensor whose global scale is not 1).
         UnsupportedFormatError: the target is of a kind ckptq refuses (see :func:`to_canonical`).
     """
     local, d, _, ins = _resolve(obj, fqn)
     check_fits(qt, d.fmt, d.shape, d.recipe, _where(fqn, d.ao_class))
     ins(local, qt, d, fqn)
     return None
+
+
+# ============================================================================ safetensors files
+# torchao 0.18 ``prototype/safetensors/safetensors_support.py`` (``flatten_tensor_state_dict`` /
+# ``unflatten_tensor_state_dict``, what transformers' torchao integration saves with
+# ``safe_serialization=True``): a tensor ``<module>.<name>`` of a torchao class is stored as the plain
+# tensors ``<module>._<name>_<field>`` (one per tensor-data field that is not None), and the file's
+# ``__metadata__`` maps ``<module>.<name>`` to the JSON ``{"_type": class, "_data": {attribute:
+# encoded value}, "_tensor_data_names": [fields]}`` and ``"tensor_names"`` to the JSON list of every
+# tensor name (plain ones have ``{"_type": "Tensor"}``). Encoded values (``safetensors_utils.py``,
+# ``TensorSubclassAttributeJSONEncoder``): ``{"_type": "torch.dtype", "_data": "bfloat16"}``, enums
+# ``{"_type": enum class, "_data": member name}``, dataclasses / NamedTuples ``{"_type", "_data": {field:
+# value}}``, lists as lists.
+_ST_PAYLOADS = {"NVFP4Tensor": NVFP4Payload, "MXTensor": MXPayload, "Float8Tensor": Float8Payload}
+#: canonical component -> torchao field, per class
+_ST_COMPONENTS = {
+    "NVFP4Tensor": {"data": "qdata", "scale": "scale", "global_scale_inv": "per_tensor_scale"},
+    "MXTensor": {"data": "qdata", "scale": "scale"},
+    "Float8Tensor": {"data": "qdata", "scale_inv": "scale"},
+}
+#: the logical dtype's attribute per class
+_ST_DTYPE_ATTR = {"NVFP4Tensor": "orig_dtype", "MXTensor": "orig_dtype", "Float8Tensor": "dtype"}
+#: torchao's str enums the metadata names by member (``KernelPreference``, ``ScaleCalculationMode``)
+_ST_ENUMS = ("KernelPreference", "ScaleCalculationMode")
+#: torchao's other safetensors classes (``ALLOWED_TENSORS_SUBCLASSES``), refused by name
+_ST_OTHER = ("Int4Tensor", "Int4TilePackedTo4dTensor", "IntxUnpackedToInt8Tensor", "Int8Tensor", "Int4PlainInt32Tensor")
+
+
+def _st_decode(v: Any, depth: int = 0) -> Any:
+    """An encoded attribute value as the pickle stand-ins hold it: dtypes -> torch.dtype, enums ->
+    the member name (torchao's str enums pickle as their value; both are upper-case names here),
+    dataclasses / NamedTuples -> records, lists kept."""
+    if depth > 8:
+        raise CheckpointFormatError("torchao safetensors metadata nests deeper than 8 levels")
+    if isinstance(v, list):
+        return [_st_decode(x, depth + 1) for x in v]
+    if not isinstance(v, dict):
+        return v
+    kind, data = v.get("_type"), v.get("_data")
+    if kind == "torch.dtype":
+        dt = getattr(torch, str(data), None)
+        if not isinstance(dt, torch.dtype):
+            raise CheckpointFormatError(f"torchao safetensors metadata: unknown dtype {data!r}")
+        return dt
+    if kind in _ST_ENUMS and isinstance(data, str):
+        return data.lower()  # torchao 0.18: each member's value is its name in lower case ("AUTO" -> "auto")
+    if isinstance(data, dict):
+        rec = _KWARG_RECORDS.get(kind) or (_MM_CONFIG if kind == "Float8MMConfig" else _record_type(str(kind)))
+        obj = object.__new__(rec)
+        obj.__dict__.update({k: _st_decode(x, depth + 1) for k, x in data.items()})
+        return obj
+    return data  # an enum member name
+
+
+def safetensors_groups(metadata: dict, names: Any, where: str) -> dict[str, FlatTensor]:
+    """The torchao tensors a safetensors file's ``__metadata__`` describes, by name; ``{}`` when the
+    metadata is not torchao's (no ``tensor_names``, or records of types torchao does not write).
+    ``names``: the tensor names stored (in any file of the folder).
+
+    Raises:
+        CheckpointFormatError: malformed torchao metadata, or a member tensor missing (names it).
+        UnsupportedFormatError: a torchao class ckptq does not hold (names the tensor and class).
+    """
+    import json
+
+    text = (metadata or {}).get("tensor_names")
+    if not isinstance(text, str):
+        return {}
+    try:
+        tensor_names = json.loads(text)
+        records = {n: json.loads(metadata[n]) for n in tensor_names}
+    except (ValueError, KeyError, TypeError):
+        return {}  # some other tool's "tensor_names" (torchao's is_metadata_torchao is as lenient)
+    known = ("Tensor", *_ST_PAYLOADS, *_ST_OTHER)
+    if not all(isinstance(r, dict) and r.get("_type") in known for r in records.values()):
+        return {}
+    out = {}
+    for name, rec in records.items():
+        kind = rec["_type"]
+        if kind == "Tensor":
+            continue
+        if kind in _ST_OTHER:
+            raise UnsupportedFormatError(
+                f"{where}: tensor '{name}' is a torchao {kind}, which ckptq does not hold (it holds "
+                f"{sorted(_ST_PAYLOADS)}); dequantize it with torchao first"
+            )
+        if not isinstance(rec.get("_data"), dict):
+            raise CheckpointFormatError(f"{where}: torchao {kind} '{name}' has no attribute record ('_data')")
+        module, _, leaf = name.rpartition(".")
+        members = {f: f"{module}._{leaf}_{f}" if module else f"_{leaf}_{f}" for f in rec.get("_tensor_data_names", [])}
+        missing = [m for m in members.values() if m not in names]
+        if missing:
+            raise CheckpointFormatError(
+                f"{where}: torchao {kind} '{name}' lists {sorted(members)}, but {missing} are not in the "
+                f"folder; a shard is missing or the file was changed"
+            )
+        attrs = {k: _st_decode(v) for k, v in rec["_data"].items()}
+        small = tuple(f for f in members if f not in ("qdata", "scale"))  # global scales: read when opened
+        out[name] = FlatTensor(name, kind, attrs, members, small, dict(_ST_COMPONENTS[kind]))
+    return out
+
+
+def safetensors_to_canonical(flat: FlatTensor, tensors: dict) -> tuple[QuantizedTensor, dict]:
+    """The canonical tensor and producer record of a flattened torchao tensor (``tensors``: stored
+    name -> tensor; meta tensors for ``qdata`` and ``scale`` give the descriptor without reading
+    them), through the same checks as a live or pickled one (:func:`to_canonical`)."""
+    fields = {f: tensors[n] for f, n in flat.members.items()}
+    q = fields.get("qdata")
+    if q is None:
+        raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no qdata")
+    shape = tuple(q.shape[:-1]) + ((q.shape[-1] * 2,) if flat.kind == "NVFP4Tensor" else (q.shape[-1],))
+    dtype = flat.attributes.get(_ST_DTYPE_ATTR[flat.kind])
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no logical dtype in its metadata")
+    payload = torch.Tensor._make_wrapper_subclass(_ST_PAYLOADS[flat.kind], shape, dtype=dtype, device=q.device)
+    payload.__setstate__({**{k: v for k, v in flat.attributes.items() if k != "dtype"}, **fields})
+    return to_canonical(payload, flat.fqn)
+
+
+def _st_dtype(dt: torch.dtype) -> dict:
+    return {"_type": "torch.dtype", "_data": str(dt).replace("torch.", "")}
+
+
+def _st_enum(kind: str, value: Any, default: str) -> dict:
+    v = value if isinstance(value, str) and value else default
+    return {"_type": kind, "_data": v.upper()}  # member name (see _st_decode)
+
+
+def safetensors_flatten(name: str, qt: QuantizedTensor, producer: dict | None) -> tuple[dict, str, dict]:
+    """torchao's flattened form of canonical ``qt`` stored as ``name`` (what torchao's
+    ``flatten_tensor_state_dict`` writes for the torchao tensor :func:`insert` would fill):
+    ``({stored name: tensor}, metadata JSON, numerics)``; ``numerics`` ``{"max_ulps": n}`` when an
+    NVFP4 global scale changed convention (:meth:`~ckptq.formats.NVFP4Tensor.with_per_tensor`).
+
+    Scales are written compact (``is_swizzled_scales`` false); attributes torchao keeps beside the
+    values (``kernel_preference``, ``use_triton_kernel``) come from a torchao ``producer`` record,
+    else torchao's defaults; ``act_quant_kwargs``, ``mm_config`` and ``act_per_tensor_scale`` are not
+    written (null / absent: the weight's values do not depend on them).
+
+    MXFP8 with a columnwise copy is written rowwise (torchao's MXTensor has none).
+
+    Raises:
+        UnsupportedFormatError: a tensor torchao's classes cannot hold (fp8_block blocks that do not
+            divide the shape; ranks other than 2 and 3), naming it.
+    """
+    import json
+
+    prod = producer if isinstance(producer, dict) and producer.get("name") == PRODUCER else {}
+    c, shape, info = qt.components(), tuple(qt.shape), {}
+    module, _, leaf = name.rpartition(".")
+    prefix = f"{module}._{leaf}_" if module else f"_{leaf}_"
+    where = f"tensor '{name}' ({qt.FORMAT})"
+    if qt.FORMAT == "nvfp4":
+        qt, u = qt.with_per_tensor("global_scale_inv")
+        if u:
+            info["max_ulps"] = u
+        c = qt.components()
+        scale = c["scale"].repeat_interleave(16, dim=-2)[..., : shape[-2], :] if qt.recipe.two_d else c["scale"]
+        g = c["global_scale_inv"].to(_F32)
+        fields = {"qdata": c["data"], "scale": scale}
+        uniform = bool((g == g.reshape(-1)[0]).all()) if g.numel() else True
+        if not (prod and prod.get("per_tensor_scale") is None and bool((g == 1.0).all())):
+            one = uniform and (len(shape) == 2 or prod.get("per_tensor_scale") != "per_expert")
+            fields = {"per_tensor_scale": g.reshape(-1)[:1].reshape(()) if one else g.reshape(-1, 1, 1), **fields}
+        kind = "NVFP4Tensor"
+        data = {
+            "is_swizzled_scales": False,
+            "use_triton_kernel": bool(prod.get("use_triton_kernel", False)),
+            "act_quant_kwargs": None,
+            "block_size": 16,
+            "orig_dtype": _st_dtype(qt.dtype),
+        }
+    elif qt.FORMAT == "mxfp8":
+        kind = "MXTensor"
+        fields = {"qdata": c["data"], "scale": c["scale"].view(torch.float8_e8m0fnu)}
+        data = {
+            "elem_dtype": _st_dtype(_E4M3),
+            "block_size": 32,
+            "orig_dtype": _st_dtype(qt.dtype),
+            "kernel_preference": _st_enum("KernelPreference", prod.get("kernel_preference"), "emulated"),
+            "act_quant_kwargs": None,
+            "is_swizzled_scales": False,
+        }
+    elif qt.FORMAT in ("fp8_tensor", "fp8_block"):
+        kind = "Float8Tensor"
+        nd = len(shape)
+        if qt.FORMAT == "fp8_tensor":  # one scale (torchao's PerTensor), else one per matrix: block (1, M, K)
+            si = c["scale_inv"].reshape(-1)
+            if bool((si == si[0]).all()):
+                scale, block = si[:1].reshape((1,) * nd), list(shape)
+            else:
+                scale, block = si.reshape(tuple(shape[:-2]) + (1, 1)), [1] * (nd - 2) + list(shape[-2:])
+        else:
+            bm, bk = qt.recipe.block
+            if shape[-2] % bm or shape[-1] % bk:
+                raise UnsupportedFormatError(
+                    f"{where}: torchao's Float8Tensor infers the block as shape // scale shape, so block "
+                    f"{(bm, bk)} must divide the shape {shape}; convert it with --to fp8_block --block of a "
+                    f"divisor first, or export another layout"
+                )
+            scale, block = c["scale_inv"], [1] * (nd - 2) + [bm, bk]
+        fields = {"qdata": c["data"], "scale": scale.to(_F32)}
+        data = {
+            "block_size": block,
+            "mm_config": None,
+            "act_quant_kwargs": None,
+            "kernel_preference": _st_enum("KernelPreference", prod.get("kernel_preference"), "auto"),
+            "dtype": _st_dtype(qt.dtype),
+        }
+    else:
+        raise UnsupportedFormatError(f"{where}: torchao has no tensor class for {qt.FORMAT}")
+    if len(shape) not in (2, 3):
+        refuse(where, name, f"logical shape {shape}", "is not 2-D or 3-D")
+    record = {"_type": kind, "_data": data, "_tensor_data_names": list(fields)}
+    return {prefix + f: t.contiguous() for f, t in fields.items()}, json.dumps(record), info

@@ -1,5 +1,5 @@
-"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8|deepseek-v4|gpt-oss``: a Hugging Face
-safetensors folder."""
+"""``ckptq export SRC DST --layout modelopt|compressed-tensors|deepseek-fp8|deepseek-v4|gpt-oss|torchao``: a
+Hugging Face safetensors folder (torchao: torchao's own flattened safetensors form)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,14 @@ def export(
         Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
     layout: Annotated[
-        str, typer.Option("--layout", help="modelopt, compressed-tensors, deepseek-fp8, deepseek-v4 or gpt-oss.")
+        str,
+        typer.Option(
+            "--layout",
+            help=(
+                "modelopt, compressed-tensors, deepseek-fp8, deepseek-v4, gpt-oss, or torchao"
+                " (torchao's own safetensors form)."
+            ),
+        ),
     ],
     format: Annotated[
         str | None,

@@ -71,7 +71,7 @@ class QuantizedTensor(torch.Tensor):
     ``_reference_quantize(x, recipe, amax=, scale=)`` / ``_reference_dequantize(comps, recipe,
     dtype)`` (:mod:`ckptq.numerics`), and the hooks through which :mod:`ckptq.ops` and
     :mod:`ckptq.inspect` handle the format without knowing it: :meth:`kernel_args` /
-    :meth:`recipe_from_kernel_args`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
+    :meth:`recipe_from_kernel_args` / :meth:`kernel_supports`, ``SOURCE_COMPONENTS``, ``PER_TENSOR_OVERRIDES`` /
     :meth:`check_overrides`, ``SCALE_COMPONENT`` / :meth:`decode_scale`. A subclass with a
     ``FORMAT`` registers itself in the format registry (:func:`ckptq.ops.register_format`, the
     dict :data:`FORMATS`).
@@ -137,6 +137,12 @@ class QuantizedTensor(torch.Tensor):
         raise NotImplementedError
 
     @classmethod
+    def kernel_supports(cls, recipe: Any) -> bool:
+        """Whether the ``ckptq::requantize`` kernels take this recipe as a source or target (else
+        :mod:`ckptq.ops` decodes and encodes it through the reference numerics). Default: True."""
+        return True
+
+    @classmethod
     def recipe_from_kernel_args(
         cls,
         block: Sequence[int],
@@ -164,6 +170,13 @@ class QuantizedTensor(torch.Tensor):
                 # reverse-sorted, as the message has always read ("nvfp4 and fp8_tensor")
                 takers = sorted((f for f, c in FORMATS.items() if name in c.PER_TENSOR_OVERRIDES), reverse=True)
                 raise UnsupportedFormatError(f"{cls.FORMAT}: {name}= applies only to {' and '.join(takers)}")
+
+    def with_recipe(self, recipe: Any) -> tuple[QuantizedTensor, int] | None:
+        """This tensor in ``recipe`` without re-encoding, where the two recipes differ only in how a
+        per-tensor value is represented (NVFP4's global-scale convention): ``(tensor, largest
+        difference of the two decodes in fp32 ulps)``; None where ``recipe`` needs a requantize.
+        Default: None (the formats that can override it)."""
+        return None
 
     @classmethod
     def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:

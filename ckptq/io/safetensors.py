@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .. import adapters
 from ..adapters import hf
 from ..checksums import check, checksum, read_safetensors_table
 from ..contract import Descriptor, Entry, EntryTable
@@ -133,8 +134,23 @@ class SafetensorsView(EntryTable):
                         f"{f}: tensor '{name}' is listed in {INDEX_NAME} but is not in that shard; the "
                         f"index and shards disagree: regenerate the index or re-export"
                     )
-        self.layout = hf.detect_layout(self.config, self.hf_quant_config, list(self._meta), str(self.path))
-        self.source = f"safetensors ({self.layout.name})" if self.layout else "safetensors"
+        # quantized tensors another library stored flattened (its adapter reads them; e.g. torchao's
+        # safetensors support): their member tensors are not HF layout tensors
+        self._flat: dict[str, tuple[adapters.Adapter, adapters.FlatTensor]] = {}
+        for f in files:
+            self._flat.update(adapters.safetensors_groups(self._file_meta[f], self._meta, str(f)))
+        flat_members = {n for _, fl in self._flat.values() for n in fl.members.values()}
+        layout_names = [n for n in self._meta if n not in flat_members]
+        method = ((self.config or {}).get("quantization_config") or {}).get("quant_method")
+        producers = {a.producer for a, _ in self._flat.values()}
+        if self._flat and (method is None or method in producers):
+            self.layout = None  # that library's own folder, not an HF serving layout
+        else:
+            self.layout = hf.detect_layout(self.config, self.hf_quant_config, layout_names, str(self.path))
+        if self.layout is not None:
+            self.source = f"safetensors ({self.layout.name})"
+        else:
+            self.source = f"safetensors ({', '.join(sorted(producers))})" if self._flat else "safetensors"
         self._build_entries()
 
     # ------------------------------------------------------------------ entries
@@ -151,8 +167,16 @@ class SafetensorsView(EntryTable):
         self._entries: dict[str, Entry] = {}
         self._plain: dict[str, str] = {}  # fqn -> HF name
         self._quant: dict[str, tuple[hf.FormatMap, dict[str, str]]] = {}
-        names = list(self._meta)
+        flat_members = {n for _, fl in self._flat.values() for n in fl.members.values()}
+        names = [n for n in self._meta if n not in flat_members]
         groups, rest = hf.group_modules(names, self.layout) if self.layout else ({}, names)
+        for name, (adapter, flat) in self._flat.items():
+            fqn = hf.rename(name, self._rules, inverse=True)
+            qt, producer = adapter.safetensors_to_canonical(flat, self._flat_tensors(flat, describe=True))
+            keys = {c: flat.members[f] for c, f in flat.components.items() if f in flat.members}
+            desc = {**qt.descriptor(), "mode": "native", "producer": producer}
+            desc["components"] = {c: {**v, "fqn": keys.get(c, fqn)} for c, v in desc["components"].items()}
+            self._entries[fqn] = Entry(fqn, "quantized", tuple(qt.shape), qt.dtype, Descriptor.from_dict(desc), keys)
         dtype = self._logical_dtype()
         producer = self.layout.producer if self.layout else None
         if self.layout is not None and self.layout.name == "modelopt" and isinstance(self.hf_quant_config, dict):
@@ -191,7 +215,7 @@ class SafetensorsView(EntryTable):
                     f"(e.g. block size) disagrees with the tensors: fix config.json or re-export"
                 )
             fqn = hf.rename(f"{module}{self.layout.weight_suffix}", self._rules, inverse=True)
-            keys = {t.component: group[t.suffix] for t in fm.tensors}
+            keys = hf.component_keys(fm, group, recipe)
             desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer))
             self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
             self._quant[fqn] = (fm, group)
@@ -226,10 +250,32 @@ class SafetensorsView(EntryTable):
                 )
 
     def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
+        record = self._amax_record_text(fm, group) is not None
         if fm.format not in ("fp8_block", "fp8_tensor"):
-            return dict(fm.import_options)
+            return hf.import_recipe(fm, {}, self.config, record)
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
-        return hf.import_recipe(fm, stored, self.config)
+        return hf.import_recipe(fm, stored, self.config, record)
+
+    def _amax_record_text(self, fm: hf.FormatMap, group: dict) -> str | None:
+        """The exporter's ``ckptq.amax`` record of this weight's global scale (file metadata), if any."""
+        for name in hf.amax_record_names(fm, "", {}):
+            hf_name = group[name.lstrip(".")]
+            text = self._file_meta.get(self._where[hf_name], {}).get(hf.amax_metadata_key(hf_name))
+            if text:
+                return text
+        return None
+
+    def _flat_tensors(self, flat: adapters.FlatTensor, describe: bool = False) -> dict[str, torch.Tensor]:
+        """The stored member tensors of a flattened foreign tensor; ``describe``: only its ``small``
+        fields are read, the others are meta tensors of their header dtype and shape."""
+        out = {}
+        for field, name in flat.members.items():
+            if describe and field not in flat.small:
+                dt, shape = self._meta[name]
+                out[name] = torch.empty(shape, dtype=dt, device="meta")
+            else:
+                out[name] = self._load(name)
+        return out
 
     def _load(self, name: str) -> torch.Tensor:
         """Tensor ``name`` from its file, checked against the file's checksum table when it has one
@@ -242,6 +288,8 @@ class SafetensorsView(EntryTable):
         """The HF tensor name of a plain entry (the module path + ``.weight`` of a quantized one)."""
         if fqn in self._plain:
             return self._plain[fqn]
+        if fqn not in self._quant:  # a flattened foreign tensor: its own name
+            return hf.rename(fqn, self._rules)
         fm, group = self._quant[fqn]
         return group[fm.data.suffix]
 
@@ -250,6 +298,10 @@ class SafetensorsView(EntryTable):
         e = self.entry(fqn)
         if e.kind == "tensor":
             return self._load(self._plain[fqn])
+        if fqn not in self._quant:  # flattened by another library: its adapter, the same checks
+            adapter, flat = self._flat[hf.rename(fqn, self._rules)]
+            qt, _ = adapter.safetensors_to_canonical(flat, self._flat_tensors(flat))
+            return from_components(e.descriptor, qt.components())
         fm, group = self._quant[fqn]
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors}
         for t in fm.tensors:
@@ -257,13 +309,10 @@ class SafetensorsView(EntryTable):
                 hf.check_e8m0_finite(
                     fm, stored[t.suffix], f"{self._where[group[t.suffix]]}: tensor '{group[t.suffix]}'"
                 )
-        hint = None
-        for t in fm.tensors:
-            if t.codec in ("ws2", "gs"):
-                text = self._file_meta.get(self._where[group[t.suffix]], {}).get(hf.amax_metadata_key(group[t.suffix]))
-                if text:
-                    hint = hf.decode_amax(text, e.shape[:-2])
-        comps, _ = hf.import_components(fm, stored, e.shape, hint)
+        text = self._amax_record_text(fm, group)
+        record = None if text is None else hf.decode_amax(text, e.shape[:-2])
+        where = f"{self._where[group[fm.data.suffix]]}: weight '{fqn}'"
+        comps = hf.import_components(fm, stored, e.shape, e.descriptor.recipe, record, where)
         return from_components(e.descriptor, comps)
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:

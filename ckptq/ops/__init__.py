@@ -174,7 +174,11 @@ def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dic
     (see :func:`ckptq.quantize`). Returns ``{component name: tensor}`` in canonical order."""
     backend = _backends.select(x.device)
     src = kernel_args(HP_FORMATS.get(x.dtype, ""))
-    if x.dtype not in HP_FORMATS or not _use_kernel(backend, src, cls.kernel_args(recipe), x.shape):
+    if (
+        x.dtype not in HP_FORMATS
+        or not cls.kernel_supports(recipe)
+        or not _use_kernel(backend, src, cls.kernel_args(recipe), x.shape)
+    ):
         return cls._reference_quantize(x, recipe, amax=amax, scale=scale)
     return _encode(cls, [x], src, recipe, x.shape, x.device, amax, scale)
 
@@ -183,6 +187,8 @@ def dequantize(qt, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """High-precision values of the QuantizedTensor ``qt`` (fp32 math, cast to ``dtype`` at the
     end), shape ``qt.shape``."""
     backend = _backends.select(qt.device)
+    if not type(qt).kernel_supports(qt.recipe):
+        return type(qt)._reference_dequantize(qt._components, qt.recipe, dtype)
     src, comps = _source(qt)
     dst = kernel_args(HP_FORMATS.get(dtype, "fp32"))
     if not _use_kernel(backend, src, dst, qt.shape):
@@ -201,6 +207,8 @@ def requantize(qt, cls, recipe: Any, *, amax=None, scale=None) -> dict[str, torc
     not validated here (see ``QuantizedTensor.check_overrides``).
     """
     backend = _backends.select(qt.device)
+    if not (type(qt).kernel_supports(qt.recipe) and cls.kernel_supports(recipe)):
+        return quantize(cls, dequantize(qt, torch.float32), recipe, amax=amax, scale=scale)
     src, comps = _source(qt)
     if not _use_kernel(backend, src, cls.kernel_args(recipe), qt.shape):
         return quantize(cls, dequantize(qt, torch.float32), recipe, amax=amax, scale=scale)
@@ -216,6 +224,8 @@ def amax(src) -> torch.Tensor:
     """
     backend = _backends.select(src.device)
     quantized = _is_quantized(src)
+    if quantized and not type(src).kernel_supports(src.recipe):
+        return numerics._matrix_amax(dequantize(src, torch.float32))
     if quantized:
         s, comps = _source(src)
     else:

@@ -191,7 +191,9 @@ class _ToPlain(_Decode):
 
 class _Requantize(_Decode):
     """A quantized target of another format or recipe (or a high-precision source): the source
-    re-encoded with the target's recipe through :func:`ckptq.requantize`, then cut to the box."""
+    re-encoded with the target's recipe through :func:`ckptq.requantize`, then cut to the box; or,
+    where the recipes differ only in a per-tensor value's representation (NVFP4 global-scale
+    conventions), the source with that value converted (``QuantizedTensor.with_recipe``)."""
 
     def target_alignment(self) -> list[int]:
         t = self.t
@@ -201,14 +203,25 @@ class _Requantize(_Decode):
 
     def apply(self, src: Any, rel: chunks.Box) -> None:
         target = self.t.qt
-        new = requantize(src, target.FORMAT, **dataclasses.asdict(target.recipe))
-        logger.info(
-            "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
-            self.t.fqn,
-            self.entry.format if self.native else "high-precision",
-            target.FORMAT,
-            target.recipe,
-        )
+        kept = src.with_recipe(target.recipe) if type(src) is type(target) else None
+        if kept is not None:  # only a per-tensor value's representation differs: codes and scales kept
+            new, ulps = kept
+            logger.info(
+                "ckptq: tensor '%s': codes and block scales kept, per-tensor value converted to %s "
+                "(decode within %d fp32 ulps)",
+                self.t.fqn,
+                target.recipe,
+                ulps,
+            )
+        else:
+            new = requantize(src, target.FORMAT, **dataclasses.asdict(target.recipe))
+            logger.info(
+                "ckptq: tensor '%s': %s checkpoint entry re-encoded as %s %s for the target",
+                self.t.fqn,
+                self.entry.format if self.native else "high-precision",
+                target.FORMAT,
+                target.recipe,
+            )
         part = slice_box(new, rel, fqn=self.t.fqn)
         for name, t in target._components.items():
             t.copy_(part._components[name])
