@@ -146,8 +146,9 @@ class HFTensor:
         dtype: its on-disk dtype.
         codec: ``same`` (bytes), ``vec1`` (a () scalar stored as (..., 1)), ``rows16`` (a 16x16
             NVFP4 scale grid repeated over rows), ``view`` (the same bytes under another dtype label:
-            DeepSeek-V4's I8 FP4 data, F8_E8M0 scales), ``blocks`` (packed FP4 data (..., N, K/2) stored as gpt-oss's (..., N, K/32, 16):
-            a reshape), ``e8m0`` (an fp32 power-of-two ``scale_inv`` stored as its E8M0 byte).
+            DeepSeek-V4's I8 FP4 data, F8_E8M0 scales), ``blocks`` (packed FP4 data (..., N, K/2)
+            stored as gpt-oss's (..., N, K/32, 16): a reshape), ``e8m0`` (an fp32 power-of-two
+            ``scale_inv`` stored as its E8M0 byte).
     """
 
     suffix: str
