@@ -752,7 +752,8 @@ def safetensors_to_canonical(flat: FlatTensor, tensors: dict) -> tuple[Quantized
     q = fields.get("qdata")
     if q is None:
         raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no qdata")
-    shape = tuple(q.shape[:-1]) + ((q.shape[-1] * 2,) if flat.kind == "NVFP4Tensor" else (q.shape[-1],))
+    packed = flat.kind == "NVFP4Tensor" or flat.attributes.get("elem_dtype") == _FP4X2  # two codes per byte
+    shape = tuple(q.shape[:-1]) + ((q.shape[-1] * 2,) if packed else (q.shape[-1],))
     dtype = flat.attributes.get(_ST_DTYPE_ATTR[flat.kind])
     if not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError(f"tensor '{flat.fqn}' (torchao {flat.kind}): no logical dtype in its metadata")
@@ -814,11 +815,11 @@ def safetensors_flatten(name: str, qt: QuantizedTensor, producer: dict | None) -
             "block_size": 16,
             "orig_dtype": _st_dtype(qt.dtype),
         }
-    elif qt.FORMAT == "mxfp8":
+    elif qt.FORMAT in ("mxfp8", "mxfp4"):
         kind = "MXTensor"
         fields = {"qdata": c["data"], "scale": c["scale"].view(torch.float8_e8m0fnu)}
         data = {
-            "elem_dtype": _st_dtype(_E4M3),
+            "elem_dtype": _st_dtype(_FP4X2 if qt.FORMAT == "mxfp4" else _E4M3),
             "block_size": 32,
             "orig_dtype": _st_dtype(qt.dtype),
             "kernel_preference": _st_enum("KernelPreference", prod.get("kernel_preference"), "emulated"),
