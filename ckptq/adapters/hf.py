@@ -70,6 +70,10 @@ __all__ = [
     "encode_amax",
     "decode_amax",
     "DEFAULT_IGNORE",
+    "shape_fits",
+    "stored_layout",
+    "ConsumerDecode",
+    "consumer_decode",
     "AUX_SUFFIXES",
     "ST_DTYPES",
 ]
@@ -140,12 +144,22 @@ class HFTensor:
         dtype: its on-disk dtype.
         codec: ``same`` (bytes), ``vec1`` (a () scalar stored as (..., 1)), ``rows16`` (a 16x16
             NVFP4 scale grid repeated over rows), ``ws2`` (amax <-> amax/2688), ``gs`` (amax <-> 2688/amax).
+        accepts: further on-disk dtypes read exactly (widened to the component's dtype: a bf16 or
+            fp16 scale is an exact fp32 value). compressed-tensors 0.20 writes FP8 scales in the
+            model's dtype (``quantization/lifecycle/initialize.py``: the scale parameter takes the
+            observed weight's dtype), so FP8 folders of bf16 / fp16 models carry bf16 / fp16 scales.
     """
 
     suffix: str
     component: str
     dtype: torch.dtype
     codec: str = "same"
+    accepts: tuple[torch.dtype, ...] = ()
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """Every on-disk dtype this tensor is read from (the written one first)."""
+        return (self.dtype, *self.accepts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +291,8 @@ def json_key(obj: Any) -> str:
 
 # ----------------------------------------------------------------------------- the tables
 _FP8_E4M3 = ((torch.float8_e4m3fn,), "the layout stores E4M3 weights only")
+#: FP8 scale dtypes read besides fp32 (written back as they were: the descriptor's producer record)
+_HALF = (torch.bfloat16, torch.float16)
 
 LAYOUTS: dict[str, HFLayout] = {}
 
@@ -317,7 +333,7 @@ _register(
             ),
             FormatMap(
                 "fp8_tensor",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
                 {"quant_algo": "FP8", "weights": {"dynamic": False, "num_bits": 8, "type": "float"}},
                 {"fp8_dtype": _FP8_E4M3},
             ),
@@ -375,7 +391,7 @@ _register(
             ),
             FormatMap(
                 "fp8_block",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
                 {
                     "format": "float-quantized",
                     "weights": {
@@ -392,7 +408,7 @@ _register(
             ),
             FormatMap(
                 "fp8_tensor",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1")),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1", _HALF)),
                 {
                     "format": "float-quantized",
                     "weights": {
@@ -420,7 +436,7 @@ _register(
         (
             FormatMap(
                 "fp8_block",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32, accepts=_HALF)),
                 {"quant_method": "fp8", "weight_block_size": [128, 128]},
                 {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "DeepSeek-V3 / HF 'fp8' weights use 128x128 blocks")},
             ),
@@ -499,27 +515,37 @@ def group_modules(names: Sequence[str], lay: HFLayout) -> tuple[dict[str, dict[s
 def match_formats(
     lay: HFLayout, module: str, group: Mapping[str, str], dtypes: Mapping[str, torch.dtype], where: str
 ) -> list[FormatMap]:
-    """The format maps of ``lay`` whose tensors are exactly ``group`` with the right dtypes, in table
-    order (the caller picks the first whose shapes fit: compressed-tensors' FP8 per-tensor and
-    block formats differ only in the scale's shape).
+    """The format maps of ``lay`` whose tensors are exactly ``group`` with dtypes it reads
+    (:attr:`HFTensor.dtypes`), in table order (the caller picks the first whose shapes fit:
+    compressed-tensors' FP8 per-tensor and block formats differ only in the scale's shape).
 
     Raises:
-        CheckpointFormatError: no format of the layout has this set of tensors and dtypes.
+        UnsupportedFormatError: the tensors are those of a format of the layout, but one has a dtype
+            ckptq does not read there (names the tensor, the dtype found and the supported ones).
+        CheckpointFormatError: no format of the layout has this set of tensors (one is missing or extra).
     """
-    found = [
-        fm
-        for fm in lay.formats
-        if set(fm.suffixes()) == set(group) and all(dtypes[group[t.suffix]] == t.dtype for t in fm.tensors)
-    ]
+    same_names = [fm for fm in lay.formats if set(fm.suffixes()) == set(group)]
+    found = [fm for fm in same_names if all(dtypes[group[t.suffix]] in t.dtypes for t in fm.tensors)]
     if found:
         return found
+    if same_names:
+        fm = same_names[0]
+        t = next(t for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes)
+        others = [f.format for f in same_names[1:]]
+        raise UnsupportedFormatError(
+            f"{where}: tensor '{group[t.suffix]}' is {dtype_to_str(dtypes[group[t.suffix]])}; {lay.name} "
+            f"{fm.format}{' / ' + ' / '.join(others) if others else ''} is read with {t.suffix} in "
+            f"{', '.join(dtype_to_str(d) for d in t.dtypes)} only; convert that tensor with its producer's "
+            f"tools, or open an issue with the producer and version that wrote it"
+        )
     got = {s: dtype_to_str(dtypes[n]) for s, n in sorted(group.items())}
     want = "; ".join(
-        f"{fm.format}: " + ", ".join(f"{t.suffix} {dtype_to_str(t.dtype)}" for t in fm.tensors) for fm in lay.formats
+        f"{fm.format}: " + ", ".join(f"{t.suffix} {'/'.join(dtype_to_str(d) for d in t.dtypes)}" for t in fm.tensors)
+        for fm in lay.formats
     )
     raise CheckpointFormatError(
-        f"{where}: module '{module}' has tensors {got}, which match no {lay.name} format ({want}); the "
-        f"folder's config and tensors disagree or a tensor is missing; re-export it or fix the config"
+        f"{where}: module '{module}' has tensors {got}, which are not the tensor set of any {lay.name} "
+        f"format ({want}); a tensor is missing or extra: copy the missing tensor or re-export the folder"
     )
 
 
@@ -562,8 +588,13 @@ def descriptor(
     recipe: Mapping,
     keys: Mapping[str, str],
     producer_name: str,
+    stored: Mapping[str, tuple[torch.dtype, Sequence[int]]] | None = None,
 ) -> dict:
-    """The ckptq (native) descriptor of an imported weight; components' ``fqn`` = their HF names."""
+    """The ckptq (native) descriptor of an imported weight; components' ``fqn`` = their HF names.
+
+    ``stored``: ``{suffix: (dtype, shape)}`` of the HF tensors as found, recorded in the producer
+    record (``"stored": {suffix: {"dtype", "shape"}}``) so that an export back to the same layout
+    writes them as they were (:func:`stored_plan`)."""
     cls = format_class(fm.format)
     rec = cls._recipe_from_json(dict(recipe))
     comps = {
@@ -578,7 +609,19 @@ def descriptor(
         "recipe": cls._recipe_to_json(rec),
         "components": comps,
         "mode": "native",
-        "producer": {"name": producer_name, "layout": lay.name},
+        "producer": {
+            "name": producer_name,
+            "layout": lay.name,
+            **(
+                {
+                    "stored": {
+                        k: {"dtype": dtype_to_str(d), "shape": [int(x) for x in sh]} for k, (d, sh) in stored.items()
+                    }
+                }
+                if stored
+                else {}
+            ),
+        },
     }
 
 
@@ -593,6 +636,47 @@ def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Map
     if t.codec == "rows16":
         return tuple(shape[:-1]) + (cshape[-1],)
     return tuple(cshape)
+
+
+def _per_matrix(t: HFTensor, fm: FormatMap) -> bool:
+    """A one-value-per-matrix scale copied as is (fp8_tensor's ``scale_inv``): stored as ``(...)`` or ``(..., 1)``."""
+    return fm.format == "fp8_tensor" and t.component == "scale_inv" and t.codec in ("same", "vec1")
+
+
+def shape_fits(t: HFTensor, fm: FormatMap, got: Sequence[int], shape: Sequence[int], recipe: Mapping) -> bool:
+    """Whether HF tensor ``t`` of on-disk shape ``got`` fits a weight of logical ``shape``: its
+    :func:`expected_shape`, or for a per-matrix FP8 scale either convention producers write
+    (ModelOpt ``()``, compressed-tensors ``(1,)``: ``quantization/lifecycle/initialize.py`` of 0.20)."""
+    got = tuple(int(g) for g in got)
+    if got == expected_shape(t, fm, shape, recipe):
+        return True
+    batch = tuple(shape[:-2])
+    return _per_matrix(t, fm) and got in (batch, batch + (1,))
+
+
+def stored_layout(
+    fm: FormatMap, producer: Mapping | None, lay: HFLayout
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{suffix: (dtype, shape)}`` an imported tensor's producer record says its HF tensors had,
+    for the byte-copied tensors (codecs ``same`` / ``vec1``) of a dtype the layout reads there;
+    empty when the record is of another layout (then the layout's own dtypes and shapes apply)."""
+    from ..formats.base import str_to_dtype
+
+    if not isinstance(producer, Mapping) or producer.get("layout") != lay.name:
+        return {}
+    rec = producer.get("stored") or {}
+    out = {}
+    for t in fm.tensors:
+        r = rec.get(t.suffix)
+        if t.codec in ("same", "vec1") and isinstance(r, Mapping):
+            try:
+                dt = str_to_dtype(str(r["dtype"]))
+                sh = tuple(int(x) for x in r["shape"])
+            except Exception:
+                continue
+            if dt in t.dtypes:
+                out[t.suffix] = (dt, sh)
+    return out
 
 
 # ----------------------------------------------------------------------------- NVFP4 global scale
@@ -716,10 +800,12 @@ def import_components(
     batch = tuple(shape[:-2])
     for t in fm.tensors:
         x = stored[t.suffix]
-        if t.codec == "same":
-            comps[t.component] = x
-        elif t.codec == "vec1":
+        if x.dtype in t.accepts:
+            x = x.to(t.dtype)  # bf16 / fp16 -> fp32: every value is exact
+        if t.codec == "vec1" or _per_matrix(t, fm):
             comps[t.component] = x.reshape(batch)
+        elif t.codec == "same":
+            comps[t.component] = x
         elif t.codec == "rows16":
             comps[t.component] = x  # the layouts' 1x16 grid is ckptq's 1-D recipe
     for t in fm.tensors:
@@ -787,20 +873,34 @@ def check_exportable(
 
 
 def export_plan(
-    fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping
+    fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping, stored: Mapping | None = None
 ) -> list[tuple[str, torch.dtype, tuple]]:
-    """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read)."""
-    return [(f"{module}.{t.suffix}", t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
+    """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read);
+    ``stored`` (:func:`stored_layout`) overrides the dtype / shape of the tensors it names."""
+    stored = stored or {}
+    return [
+        (f"{module}.{t.suffix}", *stored.get(t.suffix, (t.dtype, expected_shape(t, fm, shape, recipe))))
+        for t in fm.tensors
+    ]
 
 
 def export_tensors(
-    fm: FormatMap, module: str, comps: Mapping[str, torch.Tensor], shape: Sequence[int], recipe: Mapping
+    fm: FormatMap,
+    module: str,
+    comps: Mapping[str, torch.Tensor],
+    shape: Sequence[int],
+    recipe: Mapping,
+    stored: Mapping | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
     """The HF tensors of one canonical weight: ``({hf name: tensor}, {metadata key: text}, numerics)``.
 
+    ``stored`` (:func:`stored_layout`): tensors written in the dtype / shape the source had (a bf16
+    scale imported from compressed-tensors goes back as the same bf16 bytes); the narrowing must be
+    exact, else CheckpointFormatError (the values are no longer the imported ones).
     ``numerics``: ``{"max_ulps": n}`` for NVFP4 (fp32 ulps between the consumer's decode and ckptq's
     over the scales that occur; 0 = bit-exact).
     """
+    stored = stored or {}
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
     info: dict = {}
@@ -808,6 +908,16 @@ def export_tensors(
     for t in fm.tensors:
         name = f"{module}.{t.suffix}"
         x = comps[t.component]
+        if t.suffix in stored:
+            dt, sh = stored[t.suffix]
+            y = x.to(dt).reshape(sh)
+            if not torch.equal(y.to(x.dtype).reshape(x.shape).view(_int_view(x)), x.view(_int_view(x))):
+                raise CheckpointFormatError(
+                    f"tensor '{name}': its values are not {dtype_to_str(dt)} values any more, as its producer "
+                    f"record says they were; export with --format {fm.format} to requantize it"
+                )
+            out[name] = y.contiguous()
+            continue
         if t.codec == "same":
             y = x
         elif t.codec == "vec1":
@@ -832,6 +942,10 @@ def export_tensors(
             )
         out[name] = y.contiguous()
     return out, meta, info
+
+
+def _int_view(x: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize]
 
 
 def glob_matches(name: str, globs: Sequence[str]) -> bool:
@@ -899,3 +1013,87 @@ def rename(name: str, rules: Sequence[tuple[str, str]], *, inverse: bool = False
                 out += m.group(i + 1) + p
             return out
     return name
+
+
+# ----------------------------------------------------------------------------- the consumer's default decode
+@dataclasses.dataclass(frozen=True)
+class ConsumerDecode:
+    """How the default loader of a layout decodes one exported weight, compared with ckptq's
+    dequantization in the model's dtype (``status``: ``equal``, ``differs``, ``unloadable`` or
+    ``unchecked``: no loader modelled, ModelOpt). ``elements`` / ``max_abs_diff``: how many decoded
+    values differ and by how much (``differs``); ``reason``: why it differs or cannot load."""
+
+    status: str
+    elements: int = 0
+    max_abs_diff: float = 0.0
+    reason: str = ""
+
+
+def consumer_decode(
+    lay: HFLayout,
+    fm: FormatMap,
+    module: str,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    ckptq_decode: Callable[[torch.dtype], torch.Tensor],
+) -> ConsumerDecode:
+    """Predict what transformers' ``from_pretrained(folder)`` (no arguments: the model is built in
+    the config's ``dtype``) decodes for one exported weight, and compare it with ``ckptq_decode(dtype)``.
+
+    The rules (docs/producers.md, "Which consumer loads which layout"; checked against the real
+    loaders by scripts/border_matrix.py):
+
+    * compressed-tensors FP8 (``fp8_tensor``, ``fp8_block``): transformers 5.24 builds the module
+      with compressed-tensors 0.20's ``initialize_qparams``, whose ``weight_scale`` parameter takes the
+      model's dtype; the stored scale is cast into it, and the decode is ``data * scale`` in that dtype
+      (one rounding of the exact product). Equal to ckptq's ``(data * scale_fp32).to(dtype)`` whenever
+      every scale is a ``dtype`` value; else computed and compared.
+    * compressed-tensors MXFP8: 0.20 turns the E8M0 scale into bf16 (``compressors/mx_utils.py``)
+      and decodes in bf16 whatever the model's dtype: equal to ckptq's bf16 decode; in a float16 /
+      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch).
+    * DeepSeek FP8: transformers 5.24 ``integrations/finegrained_fp8.py`` ``Fp8Dequantize``
+      (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
+      it derives the block size as dims // grid, so both dims must be multiples of 128.
+    """
+    data = tensors[f"{module}.{fm.data.suffix}"]
+    if lay.name == "compressed-tensors" and fm.format in ("fp8_tensor", "fp8_block"):
+        scale = tensors[f"{module}.weight_scale"]
+        if torch.equal(scale.to(dtype).to(_F32), scale.to(_F32)):
+            return ConsumerDecode("equal")
+        s = scale.to(dtype).to(_F32)
+        if fm.format == "fp8_tensor":
+            s = s.reshape(s.shape[: data.dim() - 2] + (1, 1))
+        else:
+            bm, bk = -(-data.shape[-2] // s.shape[-2]), -(-data.shape[-1] // s.shape[-1])
+            s = s.repeat_interleave(bm, -2).repeat_interleave(bk, -1)[..., : data.shape[-2], : data.shape[-1]]
+        theirs = (data.to(_F32) * s).to(dtype)
+        ours = ckptq_decode(dtype)
+        bad = theirs.view(_int_view(theirs)) != ours.view(_int_view(ours))
+        n = int(bad.sum())
+        if n == 0:
+            return ConsumerDecode("equal")
+        diff = float((theirs.float() - ours.float()).abs()[bad].max())
+        return ConsumerDecode(
+            "differs",
+            n,
+            diff,
+            f"its fp32 scale is not a {dtype_to_str(dtype)} value; compressed-tensors casts it to the model dtype",
+        )
+    if lay.name == "compressed-tensors" and fm.format == "mxfp8":
+        if dtype != torch.bfloat16:
+            return ConsumerDecode(
+                "unloadable",
+                reason=f"compressed-tensors 0.20 decodes MXFP8 to bfloat16 whatever the model dtype; the "
+                f"{dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
+            )
+        return ConsumerDecode("equal")
+    if lay.name == "deepseek-fp8":
+        m, k = data.shape[-2:]
+        if m % 128 or k % 128:
+            return ConsumerDecode(
+                "unloadable",
+                reason=f"transformers 5.24 Fp8Dequantize takes the block as the weight's dims over the scale "
+                f"grid, which is not 128 x 128 for a {m} x {k} weight (it fails or decodes wrong blocks)",
+            )
+        return ConsumerDecode("equal")
+    return ConsumerDecode("unchecked")
