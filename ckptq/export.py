@@ -74,7 +74,7 @@ def _parse_format(lay: hf.HFLayout, fmt: str | None) -> str | None:
     if fmt is None:
         return None
     fmt = fmt.replace("-", "_")
-    allowed = [f.format for f in lay.formats]
+    allowed = lay.format_names()
     if fmt not in allowed:
         raise UsageError(f"--format: layout '{lay.name}' holds {allowed}, not '{fmt}'")
     return fmt
@@ -130,8 +130,8 @@ def _plan(view, lay, fmt, ignore, rules, plain_dtype: torch.dtype) -> tuple[list
         if (e.kind == "quantized" and not ignored) or quantize_plain:
             module = name[: -len(".weight")] if name.endswith(".weight") else name
             target = fmt or e.format
-            fm = lay.format_map(target)
             src_recipe = dict(e.descriptor.recipe) if e.kind == "quantized" else {}
+            fm = lay.format_map(target, src_recipe, e.shape)
             if fmt is None:
                 hf.check_exportable(fm, lay, e.fqn, target, src_recipe, e.shape)
                 recipe, requant = src_recipe, False

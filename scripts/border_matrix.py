@@ -1,6 +1,6 @@
 """The border table: producer -> ckptq -> consumer, per format and model dtype, every cell computed.
 
-``python scripts/border_matrix.py [--dtypes bfloat16,float16,float32] [--formats fp8_tensor,fp8_block,mxfp8]
+``python scripts/border_matrix.py [--dtypes bfloat16,float16,float32] [--formats fp8_tensor,fp8_block,fp8_row,mxfp8]
 [--producers compressed-tensors,deepseek-style,ckptq] [--workdir DIR] [--json]``
 
 Each row builds a tiny random Llama (transformers' own ``LlamaForCausalLM`` from a config, no download)
@@ -105,7 +105,9 @@ def _ct_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"strategy {args.strategy}")
 
 
-_CT_PRESET = {"fp8_tensor": "FP8", "fp8_block": "FP8_BLOCK", "mxfp8": "MXFP8", "fp8_channel": "FP8_DYNAMIC"}
+#: the compressed-tensors preset scheme of each row's format (``fp8_row``: ckptq's fp8_block with a
+#: (1, K) block, compressed-tensors' per-channel FP8, as its FP8_DYNAMIC preset writes the weights)
+_CT_PRESET = {"fp8_tensor": "FP8", "fp8_block": "FP8_BLOCK", "mxfp8": "MXFP8", "fp8_row": "FP8_DYNAMIC"}
 
 
 def build_compressed_tensors(folder: Path, fmt: str, dtype: torch.dtype) -> None:
@@ -175,7 +177,10 @@ def build_ckptq(folder: Path, fmt: str, dtype: torch.dtype) -> None:
 
 PRODUCERS: list[Producer] = [
     Producer(
-        "compressed-tensors", ("fp8_tensor", "fp8_block", "mxfp8"), ("compressed-tensors",), build_compressed_tensors
+        "compressed-tensors",
+        ("fp8_tensor", "fp8_block", "fp8_row", "mxfp8"),
+        ("compressed-tensors",),
+        build_compressed_tensors,
     ),
     Producer("deepseek-style", ("fp8_block",), ("deepseek-fp8",), build_deepseek_style),
     Producer(
@@ -345,7 +350,7 @@ def markdown(rows: list[dict], vers: dict[str, str]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
-    ap.add_argument("--formats", default="fp8_tensor,fp8_block,mxfp8")
+    ap.add_argument("--formats", default="fp8_tensor,fp8_block,fp8_row,mxfp8")
     ap.add_argument("--producers", default=",".join(p.name for p in PRODUCERS))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")

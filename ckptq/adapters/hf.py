@@ -197,8 +197,29 @@ class HFLayout:
     #: ``(formats used {module: FormatMap}, ignored modules) -> {file name: json}``
     write_config: Callable[[Mapping[str, FormatMap], Sequence[str]], dict] = None  # type: ignore[assignment]
 
-    def format_map(self, fmt: str) -> FormatMap | None:
-        return next((f for f in self.formats if f.format == fmt), None)
+    def format_map(self, fmt: str, recipe: Mapping | None = None, shape: Sequence[int] = ()) -> FormatMap | None:
+        """The first map of ``fmt`` whose recipe requirements ``recipe`` (of a weight of ``shape``)
+        meets, else the first map of ``fmt`` (its :func:`check_exportable` then names what is wrong)."""
+        maps = [f for f in self.formats if f.format == fmt]
+        if recipe is not None:
+            met = [f for f in maps if all(_meets(recipe.get(k), a, shape) for k, (a, _) in f.requires.items())]
+            maps = met or maps
+        return maps[0] if maps else None
+
+    def format_names(self) -> list[str]:
+        """The ckptq formats the layout holds (each once)."""
+        return list(dict.fromkeys(f.format for f in self.formats))
+
+
+#: a ``requires`` value meaning "one scale per row": ``block == (1, K)`` (compressed-tensors' channel strategy)
+PER_ROW = "per-row"
+
+
+def _meets(v: Any, allowed: tuple, shape: Sequence[int]) -> bool:
+    v = tuple(v) if isinstance(v, list) else v
+    if PER_ROW in allowed:
+        return len(shape) >= 2 and v == (1, int(shape[-1]))
+    return v in [dtype_to_str(a) if isinstance(a, torch.dtype) else a for a in allowed]
 
 
 # ----------------------------------------------------------------------------- config writers
@@ -406,6 +427,22 @@ _register(
                 },
                 {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "the scheme written is block [128, 128]")},
             ),
+            FormatMap(  # one scale per row (M, 1): the channel strategy (compressed-tensors' FP8_DYNAMIC preset)
+                "fp8_block",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
+                {
+                    "format": "float-quantized",
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "channel",
+                        "dynamic": False,
+                        "observer": None,
+                    },
+                },
+                {"fp8_dtype": _FP8_E4M3, "block": ((PER_ROW,), "the channel scheme has one scale per row")},
+            ),
             FormatMap(
                 "fp8_tensor",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1", _HALF)),
@@ -549,15 +586,19 @@ def match_formats(
     )
 
 
-def import_recipe(fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None) -> dict:
-    """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two)."""
+def import_recipe(
+    fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None, shape: Sequence[int] = ()
+) -> dict:
+    """Recipe options of an imported tensor (fp8 ``pow2`` when every scale is a power of two; the
+    block from the config, or ``(1, K)`` for a per-row map, :data:`PER_ROW`)."""
     rec: dict[str, Any] = {}
     if fm.format in ("fp8_block", "fp8_tensor"):
         s = next(stored[t.suffix] for t in fm.tensors if t.component == "scale_inv").float()
         bits = s.reshape(-1).view(torch.int32)
         rec["pow2"] = bool(((bits & 0x7FFFFF) == 0).all() and (s > 0).all())
     if fm.format == "fp8_block":
-        rec["block"] = tuple(_block_of(config))
+        per_row = PER_ROW in fm.requires.get("block", ((),))[0]
+        rec["block"] = (1, int(shape[-1])) if per_row and shape else tuple(_block_of(config))
     return rec
 
 
@@ -851,14 +892,13 @@ def check_exportable(
     if fm is None:
         raise UnsupportedFormatError(
             f"tensor '{fqn}' is {fmt}, which layout '{lay.name}' cannot hold (it holds "
-            f"{[f.format for f in lay.formats]}); pass --format one of those to requantize, or --ignore "
+            f"{lay.format_names()}); pass --format one of those to requantize, or --ignore "
             f"'{fqn}' to keep it in bf16"
         )
     for field, (allowed, why) in fm.requires.items():
         v = recipe.get(field)
         v = tuple(v) if isinstance(v, list) else v
-        ok = [dtype_to_str(a) if isinstance(a, torch.dtype) else a for a in allowed]
-        if v not in ok:
+        if not _meets(v, allowed, shape):
             raise UnsupportedFormatError(
                 f"tensor '{fqn}' ({fmt}, {field}={v}) cannot be written in layout '{lay.name}': {why}; "
                 f"pass --format {fmt} to requantize it with the layout's recipe, or --ignore it"

@@ -169,7 +169,7 @@ class SafetensorsView(EntryTable):
             for fm in candidates:
                 data_name = group[fm.data.suffix]
                 shape = hf.logical_shape(fm, self._meta[data_name][1])
-                recipe = self._recipe_for(fm, group)
+                recipe = self._recipe_for(fm, group, shape)
                 problem = next(
                     (
                         (t, hf.expected_shape(t, fm, shape, recipe))
@@ -208,11 +208,11 @@ class SafetensorsView(EntryTable):
             self._entries[fqn] = Entry(fqn, "tensor", shape, dt, None, {fqn: fqn})
             self._plain[fqn] = name
 
-    def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
+    def _recipe_for(self, fm: hf.FormatMap, group: dict, shape: tuple[int, ...]) -> dict:
         if fm.format not in ("fp8_block", "fp8_tensor"):
             return {}
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
-        return hf.import_recipe(fm, stored, self.config)
+        return hf.import_recipe(fm, stored, self.config, shape)
 
     def _load(self, name: str) -> torch.Tensor:
         """Tensor ``name`` from its file, checked against the file's checksum table when it has one
