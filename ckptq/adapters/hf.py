@@ -101,7 +101,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64,
 }
 
-#: default ``ignore`` globs of :func:`ckptq.export.export_checkpoint` (kept in bf16 as ModelOpt /
+#: default ``ignore`` globs of :func:`ckptq.export.export_checkpoint` (kept in high precision as ModelOpt /
 #: llm-compressor do): output heads, embeddings, norms, routers/gates.
 DEFAULT_IGNORE = ("*lm_head*", "*embed*", "*norm*", "*.gate.weight", "*router*")
 
@@ -566,14 +566,18 @@ def match_formats(
     if found:
         return found
     if same_names:
-        fm = same_names[0]
-        t = next(t for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes)
-        others = [f.format for f in same_names[1:]]
+        # the tensor whose dtype no map reads (else the first map's misfit), and what each map reads it as
+        bad = [next(t.suffix for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes) for fm in same_names]
+        suffix = next((x for x in bad if all(x == y for y in bad)), bad[0])
+        reads = {}
+        for fm in same_names:
+            t = next(t for t in fm.tensors if t.suffix == suffix)
+            reads.setdefault(", ".join(dtype_to_str(d) for d in t.dtypes), []).append(fm.format)
+        supported = "; ".join(f"{' / '.join(dict.fromkeys(f))}: {d}" for d, f in reads.items())
         raise UnsupportedFormatError(
-            f"{where}: tensor '{group[t.suffix]}' is {dtype_to_str(dtypes[group[t.suffix]])}; {lay.name} "
-            f"{fm.format}{' / ' + ' / '.join(others) if others else ''} is read with {t.suffix} in "
-            f"{', '.join(dtype_to_str(d) for d in t.dtypes)} only; convert that tensor with its producer's "
-            f"tools, or open an issue with the producer and version that wrote it"
+            f"{where}: tensor '{group[suffix]}' is {dtype_to_str(dtypes[group[suffix]])}, a dtype ckptq does not "
+            f"read as {lay.name} '{suffix}' (supported: {supported}); convert that tensor with its producer's "
+            f"tools, or report the producer and version that wrote it"
         )
     got = {s: dtype_to_str(dtypes[n]) for s, n in sorted(group.items())}
     want = "; ".join(
@@ -893,7 +897,7 @@ def check_exportable(
         raise UnsupportedFormatError(
             f"tensor '{fqn}' is {fmt}, which layout '{lay.name}' cannot hold (it holds "
             f"{lay.format_names()}); pass --format one of those to requantize, or --ignore "
-            f"'{fqn}' to keep it in bf16"
+            f"'{fqn}' to keep it in high precision"
         )
     for field, (allowed, why) in fm.requires.items():
         v = recipe.get(field)
@@ -908,7 +912,7 @@ def check_exportable(
             f"tensor '{fqn}' of shape {list(shape)}: {lay.name} {fmt} needs the last dim (K = {shape[-1]}) to be "
             f"a multiple of {fm.k_multiple} (its consumers' group size"
             f"{'; FP4 packs two values per byte' if fmt == 'nvfp4' else ''}); "
-            f"--ignore '{fqn}' to keep it in bf16, pad K, or choose another --format"
+            f"--ignore '{fqn}' to keep it in high precision, pad K, or choose another --format"
         )
 
 
