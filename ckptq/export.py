@@ -272,6 +272,7 @@ class _Consumer:
 
     def report(self) -> dict:
         return {
+            "loaders": hf.CONSUMERS.get(self.layout.name, ""),
             "dtype": dtype_to_str(self.dtype),
             "on_inexact": self.on_inexact,
             "differs": {
@@ -415,7 +416,10 @@ def export_checkpoint(
     Returns:
         ``{"path", "layout", "files", "bytes", "tensors", "quantized": {fqn: format}, "requantized":
         [fqn], "high_precision": [fqn], "skipped": [fqn], "numerics": {fqn: max fp32 ulps between the
-        layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...]}``.
+        layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...], "config_from":
+        where the model config came from, "consumer": {"loaders", "dtype", "on_inexact", "differs": {fqn:
+        {"elements", "max_abs_diff", "requantize_sqnr_db"}}, "unloadable": {fqn: why}, "requantized_sqnr_db":
+        {fqn: dB}}}``.
 
     Raises:
         UsageError: an unknown layout or format, a size or rename rule that does not parse.

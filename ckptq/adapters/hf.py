@@ -17,9 +17,15 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders")::
                                     m.weight_global_scale (fp32, (1,)) = 2688/amax (encode)          gs
                         mxfp8       m.weight (e4m3), m.weight_scale (u8 E8M0)                        same
                         fp8_block   m.weight (e4m3), m.weight_scale (fp32, ceil grid)                same
+                        fp8_block   m.weight (e4m3), m.weight_scale (fp32, (M, 1)): block (1, K)     same
                         fp8_tensor  m.weight (e4m3), m.weight_scale (fp32, (1,))                     vec1
     deepseek-fp8        fp8_block   m.weight (e4m3), m.weight_scale_inv (fp32, ceil(M/128) x
                                     ceil(K/128)), a decode multiplier despite the name               same
+
+FP8 scales are read in fp32, bf16 or fp16 (:attr:`HFTensor.accepts`; widened exactly), a per-tensor
+scale as ``()`` or ``(1,)``; the descriptor's producer record keeps what was stored, and an export back
+to the layout writes it again (:func:`stored_layout`). :func:`consumer_decode` predicts what the
+layout's default loader decodes (``ckptq.export``'s ``on_inexact``).
 
 safetensors 0.8 knows F8_E8M0 and F4, but every consumer reads E8M0 scales and packed FP4 as
 ``uint8`` (torch 2.13 has no ``copy_`` for ``float4_e2m1fn_x2``), so they are stored as U8.
@@ -74,6 +80,7 @@ __all__ = [
     "stored_layout",
     "ConsumerDecode",
     "consumer_decode",
+    "CONSUMERS",
     "AUX_SUFFIXES",
     "ST_DTYPES",
 ]
@@ -1060,6 +1067,17 @@ def rename(name: str, rules: Sequence[tuple[str, str]], *, inverse: bool = False
 
 
 # ----------------------------------------------------------------------------- the consumer's default decode
+#: which loaders read each layout (docs/producers.md, "4.6 Which consumer loads which layout")
+CONSUMERS = {
+    "compressed-tensors": "transformers (from_pretrained, through compressed-tensors), vLLM",
+    "deepseek-fp8": "transformers (from_pretrained, FineGrainedFP8), vLLM, DeepSeek-V3's inference code",
+    "modelopt": (
+        "vLLM and TensorRT-LLM; not transformers (5.24 has no ModelOpt loader: it loads the E4M3 codes "
+        "unscaled, with only an 'unexpected keys' note; export --layout compressed-tensors for transformers)"
+    ),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ConsumerDecode:
     """How the default loader of a layout decodes one exported weight, compared with ckptq's

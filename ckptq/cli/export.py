@@ -128,6 +128,7 @@ def export(
     ]
     out.echo_table(rows, ["FQN", "FORMAT", "", "DECODE VS CKPTQ"], empty="No quantized tensors.")
     consumer = result["consumer"]
+    out.log(f"read by: {consumer['loaders']}")
     for fqn, d in consumer["differs"].items():
         out.log(
             f"{fqn}: loads differently in a {consumer['dtype']} model ({d['elements']} values, max abs diff "
