@@ -26,7 +26,10 @@ shape and bytes), ``decode equal`` (every loaded weight equals ckptq's dequantiz
 or ``DIFFERS (...)`` / ``consumer fails (...)`` -- which a correct ckptq never shows silently.
 
 ModelOpt: no ModelOpt library runs here (nvidia-modelopt is not installed and its quantizers need CUDA),
-and transformers 5.x has no ModelOpt loader (vLLM / TensorRT-LLM read it), so there is no ModelOpt row.
+so there is no ModelOpt producer row; transformers 5.x has no ModelOpt loader (vLLM / TensorRT-LLM read
+it, neither runs here), and the ``ckptq -> modelopt`` rows show what transformers' default load does with
+such a folder anyway (it loads the E4M3 codes unscaled), which ``ckptq export`` states when it writes one.
+DeepSeek FP8 through transformers needs ``accelerate`` (else its cells read ``consumer fails (ImportError``).
 
 Adding rows (NVFP4, torchao, ...): register a :class:`Producer` in ``PRODUCERS`` whose ``build`` writes
 a folder for ``(fmt, dtype)`` and names the ckptq layout(s) to export to; the pipeline and the judge are
@@ -107,7 +110,15 @@ def _ct_minmax(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: the compressed-tensors preset scheme of each row's format (``fp8_row``: ckptq's fp8_block with a
 #: (1, K) block, compressed-tensors' per-channel FP8, as its FP8_DYNAMIC preset writes the weights)
-_CT_PRESET = {"fp8_tensor": "FP8", "fp8_block": "FP8_BLOCK", "mxfp8": "MXFP8", "fp8_row": "FP8_DYNAMIC"}
+_CT_PRESET = {
+    "fp8_tensor": "FP8",
+    "fp8_block": "FP8_BLOCK",
+    "mxfp8": "MXFP8",
+    "fp8_row": "FP8_DYNAMIC",
+    "nvfp4": "NVFP4A16",
+}
+#: the ckptq format (and recipe) of a row's format name
+CKPTQ_FORMAT = {"fp8_row": "fp8_block"}
 
 
 def build_compressed_tensors(folder: Path, fmt: str, dtype: torch.dtype) -> None:
@@ -116,7 +127,7 @@ def build_compressed_tensors(folder: Path, fmt: str, dtype: torch.dtype) -> None
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
     model = tiny_llama(dtype)
     scheme = preset_name_to_scheme(_CT_PRESET[fmt], ["Linear"])
@@ -126,7 +137,11 @@ def build_compressed_tensors(folder: Path, fmt: str, dtype: torch.dtype) -> None
         if hasattr(module, "weight_scale"):
             args = module.quantization_scheme.weights
             mn, mx = _ct_minmax(module.weight.data, args)
-            scale, _ = calculate_qparams(mn, mx, args)
+            gs = None
+            if hasattr(module, "weight_global_scale"):  # NVFP4: the tensor's global scale first
+                gs = generate_gparam(*torch.aminmax(module.weight.data))
+                module.weight_global_scale.data.copy_(gs)
+            scale, _ = calculate_qparams(mn, mx, args, global_scale=gs)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
@@ -170,7 +185,13 @@ def build_ckptq(folder: Path, fmt: str, dtype: torch.dtype) -> None:
     import ckptq
 
     model = tiny_llama(dtype)
-    sd = {k: ckptq.quantize(v, fmt) if k.endswith("proj.weight") else v for k, v in model.state_dict().items()}
+
+    def q(v):
+        if fmt == "fp8_row":
+            return ckptq.quantize(v, "fp8_block", block=(1, v.shape[-1]))
+        return ckptq.quantize(v, fmt)
+
+    sd = {k: q(v) if k.endswith("proj.weight") else v for k, v in model.state_dict().items()}
     dcp.save(sd, storage_writer=ckptq.io.AtomicFileSystemWriter(str(folder)), planner=ckptq.QuantizedSavePlanner())
     model.config.save_pretrained(folder)
 
@@ -178,15 +199,15 @@ def build_ckptq(folder: Path, fmt: str, dtype: torch.dtype) -> None:
 PRODUCERS: list[Producer] = [
     Producer(
         "compressed-tensors",
-        ("fp8_tensor", "fp8_block", "fp8_row", "mxfp8"),
+        ("fp8_tensor", "fp8_block", "fp8_row", "mxfp8", "nvfp4"),
         ("compressed-tensors",),
         build_compressed_tensors,
     ),
     Producer("deepseek-style", ("fp8_block",), ("deepseek-fp8",), build_deepseek_style),
     Producer(
         "ckptq",
-        ("fp8_tensor", "fp8_block", "mxfp8"),
-        ("compressed-tensors", "deepseek-fp8"),
+        ("fp8_tensor", "fp8_block", "fp8_row", "mxfp8"),
+        ("compressed-tensors", "deepseek-fp8", "modelopt"),
         build_ckptq,
         foreign=False,
     ),
@@ -288,6 +309,8 @@ def run_row(prod: Producer, fmt: str, dtype_name: str, layout: str, work: Path) 
         sq = res["consumer"]["requantized_sqnr_db"]
         # requantized: the reference is ckptq's dequantization of what was written (the new values)
         verdict = consumer_verdict(dst, dst if sq else native)
+        if layout == "modelopt":  # transformers has no ModelOpt loader: what it does anyway, for the record
+            return f"not a transformers layout (its default load: {verdict}); vLLM / TensorRT-LLM read it, not run here"
         if sq:
             verdict += f" (of the requantized values, {min(sq.values()):.1f} dB vs the source)"
         if prod.foreign and verdict == "decode equal" and not kw:
@@ -320,6 +343,8 @@ def versions() -> dict[str, str]:
 
 
 def run_matrix(producers, formats, dtypes, work: Path) -> list[dict]:
+    from ckptq.adapters.hf import LAYOUTS
+
     rows = []
     for prod in PRODUCERS:
         if prod.name not in producers:
@@ -328,7 +353,9 @@ def run_matrix(producers, formats, dtypes, work: Path) -> list[dict]:
             if fmt not in formats:
                 continue
             for layout in prod.layouts:
-                if layout == "deepseek-fp8" and fmt != "fp8_block":
+                if LAYOUTS[layout].format_map(CKPTQ_FORMAT.get(fmt, fmt)) is None:
+                    continue
+                if fmt == "fp8_row" and layout != "compressed-tensors":  # (1, K) blocks: compressed-tensors only
                     continue
                 for dt in dtypes:
                     cell = run_row(prod, fmt, dt, layout, work)
@@ -367,7 +394,7 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     vers = versions()
     print(json.dumps({"versions": vers, "rows": rows}, indent=2) if args.json else markdown(rows, vers))
-    return 0 if not any(r["cell"].startswith(("DIFFERS", "consumer fails")) for r in rows) else 1
+    return 0 if not any(r["cell"].startswith(("DIFFERS", "consumer fails")) for r in rows) else 1  # silent ones
 
 
 if __name__ == "__main__":

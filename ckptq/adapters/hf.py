@@ -1112,7 +1112,8 @@ def consumer_decode(
       every scale is a ``dtype`` value; else computed and compared.
     * compressed-tensors MXFP8: 0.20 turns the E8M0 scale into bf16 (``compressors/mx_utils.py``)
       and decodes in bf16 whatever the model's dtype: equal to ckptq's bf16 decode; in a float16 /
-      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch).
+      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch). NVFP4
+      decodes in bf16 too (the same failure; its values: ``numerics`` of the export, the global scale).
     * DeepSeek FP8: transformers 5.24 ``integrations/finegrained_fp8.py`` ``Fp8Dequantize``
       (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
       it derives the block size as dims // grid, so both dims must be multiples of 128.
@@ -1141,14 +1142,14 @@ def consumer_decode(
             diff,
             f"its fp32 scale is not a {dtype_to_str(dtype)} value; compressed-tensors casts it to the model dtype",
         )
-    if lay.name == "compressed-tensors" and fm.format == "mxfp8":
+    if lay.name == "compressed-tensors" and fm.format in ("mxfp8", "nvfp4"):
         if dtype != torch.bfloat16:
             return ConsumerDecode(
                 "unloadable",
-                reason=f"compressed-tensors 0.20 decodes MXFP8 to bfloat16 whatever the model dtype; the "
-                f"{dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
+                reason=f"compressed-tensors 0.20 decodes {fm.format.upper()} to bfloat16 whatever the model dtype; "
+                f"the {dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
             )
-        return ConsumerDecode("equal")
+        return ConsumerDecode("equal" if fm.format == "mxfp8" else "unchecked")
     if lay.name == "deepseek-fp8":
         m, k = data.shape[-2:]
         if m % 128 or k % 128:
