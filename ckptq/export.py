@@ -236,7 +236,7 @@ def _values(view, it: _ExportEntry, consumer: _Consumer):
         sqnr = sqnr_db(x.dequantize(torch.float32), exact.dequantize(torch.float32))
         if consumer.on_inexact == "requantize":
             recipe = {**_default_recipe(it.fmt), **exact._recipe_to_json(exact.recipe)}
-            out = hf.export_tensors(it.fm, it.module, exact.components(), tuple(x.shape), recipe)
+            out = hf.export_tensors(it.fm, it.module, exact.components(), tuple(x.shape), recipe, stored)
             after = hf.consumer_decode(consumer.layout, it.fm, it.module, out[0], consumer.dtype, exact.dequantize)
             consumer.requantized[it.fqn] = sqnr
             if after.status != "equal":
@@ -251,8 +251,6 @@ def _values(view, it: _ExportEntry, consumer: _Consumer):
 def _recipe_options(recipe: dict) -> dict:
     opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in recipe.items()}
     if isinstance(opts.get("fp8_dtype"), str):
-        from .formats.base import str_to_dtype
-
         opts["fp8_dtype"] = str_to_dtype(opts["fp8_dtype"])
     return opts
 
@@ -293,7 +291,7 @@ class _Consumer:
                 f"choose another --layout (docs/producers.md: which consumer reads which layout), a config whose "
                 f"dtype the consumer decodes, or --on-inexact keep to write it anyway"
             )
-        if self.inexact and self.on_inexact == "refuse":
+        if self.inexact and self.on_inexact in ("refuse", "requantize"):  # requantize: what it could not fix
             worst = max(c.max_abs_diff for c, _ in self.inexact.values())
             n = sum(c.elements for c, _ in self.inexact.values())
             low = min(q for _, q in self.inexact.values())

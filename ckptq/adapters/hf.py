@@ -573,10 +573,10 @@ def match_formats(
     if found:
         return found
     if same_names:
-        # the tensor whose dtype no map reads (else the first map's misfit), and what each map reads it as
-        bad = [next(t.suffix for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes) for fm in same_names]
-        suffix = next((x for x in bad if all(x == y for y in bad)), bad[0])
-        reads = {}
+        # the first map's misfit tensor, and what each map reads it as
+        fm = same_names[0]
+        suffix = next(t.suffix for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes)
+        reads: dict[str, list[str]] = {}
         for fm in same_names:
             t = next(t for t in fm.tensors if t.suffix == suffix)
             reads.setdefault(", ".join(dtype_to_str(d) for d in t.dtypes), []).append(fm.format)
