@@ -10,7 +10,9 @@ DCP checkpoint, a safetensors folder, ...) one tensor at a time and writes, for 
 * ``config.json`` with the layout's ``quantization_config`` (merged into the base config: ``config=``,
   else the source folder's ``config.json``), and ``hf_quant_config.json`` for ModelOpt;
 * quantized weights in the layout's tensor names and dtypes; tensors matching ``ignore`` and every
-  other floating tensor in bf16 (activation / KV scales another producer stored stay as they are).
+  other floating tensor in the model config's dtype (bf16 without one: the dtype transformers builds
+  the model in, so nothing the consumer keeps is lost; activation / KV scales another producer stored
+  stay as they are).
 
 Each shard's header is written from the plan (names, dtypes, shapes are known before any data is
 read), then the tensors stream in one at a time. Output goes to a temporary sibling folder renamed
@@ -40,8 +42,9 @@ from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
-from .formats.base import QuantizedTensor
+from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 from .io.writer import check_destination, commit_dir, staging_dir
+from .metrics import sqnr_db
 
 __all__ = ["export_checkpoint", "parse_size", "LAYOUT_NAMES"]
 
@@ -74,7 +77,7 @@ def _parse_format(lay: hf.HFLayout, fmt: str | None) -> str | None:
     if fmt is None:
         return None
     fmt = fmt.replace("-", "_")
-    allowed = [f.format for f in lay.formats]
+    allowed = lay.format_names()
     if fmt not in allowed:
         raise UsageError(f"--format: layout '{lay.name}' holds {allowed}, not '{fmt}'")
     return fmt
@@ -84,9 +87,10 @@ def _parse_format(lay: hf.HFLayout, fmt: str | None) -> str | None:
 class _ExportEntry:
     """One source entry and what it becomes."""
 
-    def __init__(self, fqn, kind, out_names, fm=None, module=None, recipe=None, fmt=None, requant=False):
+    def __init__(self, fqn, kind, out_names, fm=None, module=None, recipe=None, fmt=None, requant=False, stored=None):
         self.fqn, self.kind, self.out_names = fqn, kind, out_names  # out_names: [(name, dtype, shape)]
         self.fm, self.module, self.recipe, self.fmt, self.requant = fm, module, recipe, fmt, requant
+        self.stored = stored or {}  # {suffix: (dtype, shape)} the source's producer record keeps
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +109,7 @@ def _layout_recipe(fm: hf.FormatMap) -> dict:
     return out
 
 
-def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]:
+def _plan(view, lay, fmt, ignore, rules, plain_dtype: torch.dtype) -> tuple[list[_ExportEntry], list[str]]:
     items: list[_ExportEntry] = []
     skipped: list[str] = []
     seen: dict[str, str] = {}
@@ -129,8 +133,8 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]
         if (e.kind == "quantized" and not ignored) or quantize_plain:
             module = lay.module_of(name)
             target = fmt or e.format
-            fm = lay.format_map(target)
             src_recipe = dict(e.descriptor.recipe) if e.kind == "quantized" else {}
+            fm = lay.format_map(target, src_recipe, e.shape)
             if fmt is None:
                 hf.check_exportable(fm, lay, e.fqn, target, src_recipe, e.shape)
                 recipe, requant = src_recipe, False
@@ -144,8 +148,9 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]
                 recipe = src_recipe if keep else _layout_recipe(fm)
                 hf.check_exportable(fm, lay, e.fqn, target, {**_default_recipe(target), **recipe}, e.shape)
                 requant = not keep
-            out = hf.export_plan(fm, module, e.shape, {**_default_recipe(target), **recipe})
-            items.append(_ExportEntry(e.fqn, "quantized", out, fm, module, recipe, target, requant))
+            stored = {} if requant else hf.stored_layout(fm, e.descriptor.producer, lay)
+            out = hf.export_plan(fm, module, e.shape, {**_default_recipe(target), **recipe}, stored)
+            items.append(_ExportEntry(e.fqn, "quantized", out, fm, module, recipe, target, requant, stored))
         elif hf.convert_act_scale(name, lay.name) is not None and e.kind == "tensor":
             new, fn = hf.convert_act_scale(name, lay.name)
             if fn is None:
@@ -155,15 +160,13 @@ def _plan(view, lay, fmt, ignore, rules) -> tuple[list[_ExportEntry], list[str]]
             items.append(_ExportEntry(e.fqn, "tensor", [(new, torch.float32, shape)], fm=fn))
         else:
             dtype = e.dtype
-            if e.kind == "quantized":
-                dtype = torch.bfloat16
-            elif (
+            if e.kind == "quantized" or (
                 dtype is not None
                 and dtype.is_floating_point
                 and name.rsplit(".", 1)[-1] not in hf.AUX_SUFFIXES
-                and lay.plain_dtype is not None
+                and not lay.keeps_plain_dtype
             ):
-                dtype = lay.plain_dtype
+                dtype = plain_dtype
             items.append(_ExportEntry(e.fqn, "tensor", [(name, dtype, tuple(e.shape))]))
         for n, _, _ in items[-1].out_names:
             if n in seen:
@@ -218,7 +221,7 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
-def _values(view, it: _ExportEntry):
+def _values(view, it: _ExportEntry, consumer: _Consumer):
     x = view.read(it.fqn)
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
         return {it.out_names[0][0]: it.fm(x)}, {}, {}
@@ -228,31 +231,143 @@ def _values(view, it: _ExportEntry):
             return {it.out_names[0][0]: x.dequantize(dtype)}, {}, {}
         return {it.out_names[0][0]: x if x.dtype == dtype else x.to(dtype)}, {}, {}
     if it.requant:
-        opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in it.recipe.items()}
-        if "fp8_dtype" in opts and isinstance(opts["fp8_dtype"], str):
-            from .formats.base import str_to_dtype
+        x = requantize(x, it.fmt, **_recipe_options(it.recipe))
+    recipe = {**_default_recipe(it.fmt), **x._recipe_to_json(x.recipe)}
+    stored = {} if it.requant else it.stored
+    out = hf.export_tensors(it.fm, it.module, x, stored)
+    check = hf.consumer_decode(consumer.layout, it.fm, it.module, out[0], consumer.dtype, x.dequantize)
+    if check.status == "differs":
+        exact = requantize(x, it.fmt, **{**_recipe_options(recipe), "pow2": True})
+        sqnr = sqnr_db(x.dequantize(torch.float32), exact.dequantize(torch.float32))
+        if consumer.on_inexact == "requantize":
+            out = hf.export_tensors(it.fm, it.module, exact, stored)
+            after = hf.consumer_decode(consumer.layout, it.fm, it.module, out[0], consumer.dtype, exact.dequantize)
+            consumer.requantized[it.fqn] = sqnr
+            if after.status != "equal":
+                consumer.inexact[it.fqn] = (after, sqnr)
+        else:
+            consumer.inexact[it.fqn] = (check, sqnr)
+    elif check.status == "unloadable":
+        consumer.unloadable[it.fqn] = check.reason
+    return out
 
-            opts["fp8_dtype"] = str_to_dtype(opts["fp8_dtype"])
-        src = x if isinstance(x, QuantizedTensor) else x
-        x = requantize(src, it.fmt, **opts)
-    return hf.export_tensors(it.fm, it.module, x)
+
+def _recipe_options(recipe: dict) -> dict:
+    opts = {k: (tuple(v) if isinstance(v, list) else v) for k, v in recipe.items()}
+    if isinstance(opts.get("fp8_dtype"), str):
+        opts["fp8_dtype"] = str_to_dtype(opts["fp8_dtype"])
+    return opts
 
 
-def _base_config(src: Path, config: Any) -> dict:
+#: what ``export`` does when the consumer's default loader would decode a weight differently from ckptq
+ON_INEXACT = ("refuse", "float32", "requantize", "keep")
+
+
+class _Consumer:
+    """The consumer's model dtype and policy, and what the check found while writing."""
+
+    def __init__(self, layout: hf.HFLayout, dtype: torch.dtype, on_inexact: str):
+        self.layout, self.dtype, self.on_inexact = layout, dtype, on_inexact
+        self.inexact: dict[str, tuple[hf.ConsumerDecode, float]] = {}
+        self.unloadable: dict[str, str] = {}
+        self.requantized: dict[str, float] = {}
+
+    def report(self) -> dict:
+        return {
+            "loaders": hf.CONSUMERS.get(self.layout.name, ""),
+            "dtype": dtype_to_str(self.dtype),
+            "on_inexact": self.on_inexact,
+            "differs": {
+                f: {"elements": c.elements, "max_abs_diff": c.max_abs_diff, "requantize_sqnr_db": q}
+                for f, (c, q) in self.inexact.items()
+            },
+            "unloadable": dict(self.unloadable),
+            "requantized_sqnr_db": dict(self.requantized),
+        }
+
+    def problem(self) -> str | None:
+        """The refusal message (None: nothing the policy does not allow)."""
+        lines = []
+        if self.unloadable and self.on_inexact != "keep":
+            f, why = next(iter(self.unloadable.items()))
+            lines.append(
+                f"{len(self.unloadable)} tensor(s) cannot load in the consumer's default path, e.g. '{f}': {why}; "
+                f"choose another --layout (docs/producers.md: which consumer reads which layout), a config whose "
+                f"dtype the consumer decodes, or --on-inexact keep to write it anyway"
+            )
+        if self.inexact and self.on_inexact in ("refuse", "requantize"):  # requantize: what it could not fix
+            worst = max(c.max_abs_diff for c, _ in self.inexact.values())
+            n = sum(c.elements for c, _ in self.inexact.values())
+            low = min(q for _, q in self.inexact.values())
+            f, (c, _) = next(iter(self.inexact.items()))
+            lines.append(
+                f"{len(self.inexact)} tensor(s) would load differently from ckptq's {dtype_to_str(self.dtype)} "
+                f"dequantization in the consumer's default path ({n} values, max abs diff {worst:.3g}; e.g. '{f}': "
+                f"{c.reason}). Exact choices: --on-inexact float32 (config dtype float32: the scales load as they "
+                f"are), --on-inexact requantize (power-of-two scales, which a {dtype_to_str(self.dtype)} model "
+                f"holds exactly; SQNR vs the current values >= {low:.1f} dB), or --on-inexact keep to write "
+                f"it with the difference"
+            )
+        return "; ".join(lines) or None
+
+
+def _base_config(src: Path, config: Any) -> tuple[dict, str]:
+    """The model config the export adds ``quantization_config`` to, and where it came from.
+
+    ``config`` a dict or a path: that one; ``False``: none (an explicit choice: the folder's
+    ``config.json`` then holds only the quantization config, which no model loader can build from);
+    None: the first ``config.json`` with a ``model_type`` in the source folder (a Hugging Face folder,
+    or a DCP checkpoint folder the model's config was saved into) or the folder beside it (its parent).
+
+    Raises:
+        UsageError: none found, or the one given / found has no ``model_type`` (transformers'
+            ``from_pretrained`` refuses such a config); names ``--config``.
+    """
+    if config is False:
+        return {}, "none (--no-model-config)"
     if isinstance(config, dict):
-        return dict(config)
-    if config is not None:
-        p = Path(config)
+        cfg, where = dict(config), "config="
+    elif config is not None:
+        cfg, where = _read_config(Path(config)), str(config)
     else:
         folder = src if src.is_dir() else src.parent
-        p = folder / "config.json"
-        if not p.is_file():
-            return {}
+        found = [p for p in (folder / "config.json", folder.parent / "config.json") if p.is_file()]
+        usable = [(p, c) for p, c in ((p, _read_config(p)) for p in found) if "model_type" in c]
+        if not usable:
+            seen = f" ({', '.join(str(p) for p in found)} has no model_type)" if found else ""
+            raise UsageError(
+                f"no model config.json in {folder} or beside it{seen}; pass --config PATH (the config.json of "
+                f"the Hugging Face model these weights belong to), or --no-model-config for a folder only "
+                f"ckptq reads back (transformers and vLLM cannot load a config.json without a model)"
+            )
+        cfg, where = usable[0][1], str(usable[0][0])
+    if "model_type" not in cfg:
+        raise UsageError(
+            f"--config {where}: it has no 'model_type', so transformers' from_pretrained cannot build a model "
+            f"from it; pass the model's own config.json (or --no-model-config)"
+        )
+    return cfg, where
+
+
+def _read_config(p: Path) -> dict:
     try:
         with open(p) as f:
-            return json.load(f)
+            cfg = json.load(f)
     except (OSError, ValueError) as e:
-        raise CkptqError(f"{p}: cannot read the base config ({e}); pass config= / --config a valid config.json") from e
+        raise UsageError(f"{p}: cannot read the model config ({e}); pass --config a valid config.json") from e
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{p}: not a JSON object; pass --config a model's config.json")
+    return cfg
+
+
+def _model_dtype(cfg: dict) -> torch.dtype:
+    """The dtype transformers builds the model in from ``cfg`` (``dtype``, older ``torch_dtype``; bf16 default)."""
+    name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
+    try:
+        dt = str_to_dtype(str(name).replace("torch.", ""))
+    except Exception:
+        return torch.bfloat16
+    return dt if dt in (torch.float32, torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def export_checkpoint(
@@ -265,6 +380,7 @@ def export_checkpoint(
     max_shard_size: str | int = "5GB",
     names: Any = None,
     config: Any = None,
+    on_inexact: str = "refuse",
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
 ) -> dict:
@@ -281,26 +397,40 @@ def export_checkpoint(
         format: requantize every quantized tensor (and every plain floating ``*.weight`` of rank >= 2
             not ignored) to this ckptq format with :func:`ckptq.requantize` first (tensors already in
             it with a recipe the layout holds are kept bit-exact); None: each quantized tensor in its
-            own format (an error if the layout cannot hold it), plain tensors in bf16.
-        ignore: fnmatch globs of FQNs / HF names (or their module paths) kept in bf16.
+            own format (an error if the layout cannot hold it), plain tensors in the model dtype.
+        ignore: fnmatch globs of FQNs / HF names (or their module paths) kept in high precision (the
+            model config's dtype, bf16 without one, as every plain floating tensor).
             Activation scales a source carries (ModelOpt ``input_scale`` = amax/2688,
             compressed-tensors ``input_global_scale`` = 2688/amax) are renamed and inverted for the
             layout (fp32 ``1/x``), dropped (listed in ``skipped``) for DeepSeek; KV-cache scales stay.
         max_shard_size: bytes per shard (``"5GB"``, ``"500MB"``, an int); a weight's tensors share a shard.
         names: rename rules training FQN -> HF name (``["SRC=DST"]`` or ``{SRC: DST}``); default identity.
-        config: base ``config.json`` (a path or a dict) to add ``quantization_config`` to; default the
-            source folder's ``config.json`` if any.
+        config: base ``config.json`` (a path or a dict, with a ``model_type``) to add
+            ``quantization_config`` to; None: the ``config.json`` in the source folder or beside it
+            (its parent), else UsageError naming ``--config``; False: none (only ckptq reads the folder).
+        on_inexact: what to do when the consumer's default loader (transformers ``from_pretrained(dst)``
+            with no arguments, which builds the model in the config's ``dtype``) would decode a weight
+            differently from ckptq's dequantization in that dtype, or cannot load it
+            (:func:`ckptq.adapters.hf.consumer_decode`): ``"refuse"`` (default: an error that gives the
+            count, max abs diff and the exact choices; nothing is written), ``"float32"`` (write
+            ``dtype: float32``, in which the fp32 scales load as they are), ``"requantize"``
+            (power-of-two scales, which the model dtype holds exactly; the SQNR is reported) or
+            ``"keep"`` (write it; the difference is reported). See docs/producers.md.
         overwrite: replace an existing ``dst``.
         progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
 
     Returns:
         ``{"path", "layout", "files", "bytes", "tensors", "quantized": {fqn: format}, "requantized":
         [fqn], "high_precision": [fqn], "skipped": [fqn], "numerics": {fqn: max fp32 ulps between the
-        layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...]}``.
+        layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...], "config_from":
+        where the model config came from, "consumer": {"loaders", "dtype", "on_inexact", "differs": {fqn:
+        {"elements", "max_abs_diff", "requantize_sqnr_db"}}, "unloadable": {fqn: why}, "requantized_sqnr_db":
+        {fqn: dB}}}``.
 
     Raises:
         UsageError: an unknown layout or format, a size or rename rule that does not parse.
-        UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix).
+        UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix), or the
+            consumer's default loader would decode differently and ``on_inexact`` is ``"refuse"``.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
     """
     flat = adapters.flattening(layout)
@@ -310,6 +440,8 @@ def export_checkpoint(
         return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
     lay = _parse_layout(layout)
     fmt = _parse_format(lay, format)
+    if on_inexact not in ON_INEXACT:
+        raise UsageError(f"--on-inexact: '{on_inexact}' is not one of {list(ON_INEXACT)}")
     max_bytes = parse_size(max_shard_size)
     try:
         rules = hf.parse_rename_rules(names)
@@ -320,8 +452,11 @@ def export_checkpoint(
     dst = Path(dst).absolute()
     srcp = Path(view.path).absolute()
     check_destination(srcp, dst, overwrite)
-    items, skipped = _plan(view, lay, fmt, ignore, rules)
-    base = _base_config(srcp, config)
+    base, config_from = _base_config(srcp, config)
+    items, skipped = _plan(view, lay, fmt, ignore, rules, _model_dtype(base))
+    if on_inexact == "float32":
+        base = {**base, "dtype": "float32", "torch_dtype": "float32"}
+    consumer = _Consumer(lay, _model_dtype(base), on_inexact)
     shards = _shards(items, max_bytes)
     n = len(shards)
     total = sum(it.nbytes for it in items)
@@ -329,11 +464,13 @@ def export_checkpoint(
         from tqdm import tqdm
 
         with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False) as bar:
-            return _run(view, lay, dst, shards, n, base, items, skipped, overwrite, bar.update)
-    return _run(view, lay, dst, shards, n, base, items, skipped, overwrite, progress or None)
+            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update)
+    else:
+        result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None)
+    return {**result, "config_from": config_from, "consumer": consumer.report()}
 
 
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progress) -> dict:
+def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress) -> dict:
     tmp = staging_dir(dst)
     weight_map: dict[str, str] = {}
     numerics: dict[str, int] = {}
@@ -360,7 +497,7 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
             with open(tmp / fname, "wb", buffering=0) as f:
                 f.write(header)
                 for it in shard:
-                    tensors, meta, info = _values(view, it)
+                    tensors, meta, info = _values(view, it, consumer)
                     for name, dtype, shape in it.out_names:
                         t = tensors[name]
                         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
@@ -382,6 +519,9 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
                     raise CkptqError("internal: shard header changed size")
                 f.seek(0)
                 f.write(final)
+        problem = consumer.problem()
+        if problem:
+            raise UnsupportedFormatError(f"export to {lay.name}: {problem}; nothing was written")
         with open(tmp / "model.safetensors.index.json", "w") as f:
             json.dump(
                 {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
@@ -398,7 +538,9 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, overwrite, progr
         )
         cfg_files = lay.write_config(used, ignored_modules)
         out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
-        out_cfg.setdefault("torch_dtype", "bfloat16")
+        if "dtype" not in out_cfg and "torch_dtype" not in out_cfg:
+            out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
+            out_cfg["torch_dtype"] = "bfloat16"
         out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
         for name, content in {**cfg_files, "config.json": out_cfg}.items():
             with open(tmp / name, "w") as f:

@@ -212,7 +212,7 @@ def test_example_reference_decode_without_compressed_tensors(tmp_path, monkeypat
     g = torch.Generator().manual_seed(0)
     q = ckptq.quantize(torch.randn(160, 256, generator=g), fmt)
     dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
-    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout=layout, ignore=())
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout=layout, ignore=(), config=False, on_inexact="keep")
     t = minilm.load_hf_folder(tmp_path / "hf")
     got = minilm.formula_weights(t, ["layer.weight"])
     want = q.dequantize(torch.float32)
@@ -237,7 +237,7 @@ def test_library_decode_column(tmp_path):
 
     q = ckptq.quantize(torch.randn(160, 256, generator=torch.Generator().manual_seed(1)) * 0.05, "nvfp4")
     dcp.save({"layer.weight": q}, checkpoint_id=str(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
-    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout="compressed-tensors", ignore=())
+    export_checkpoint(tmp_path / "ck", tmp_path / "hf", layout="compressed-tensors", ignore=(), config=False)
     t = minilm.load_hf_folder(tmp_path / "hf")
     lib, how = minilm.library_weights(tmp_path / "hf", t, "compressed-tensors", ["layer.weight"])
     assert how == "compressed-tensors CompressedTensorsDequantizer" and "layer.weight_packed" in t  # t untouched

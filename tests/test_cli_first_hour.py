@@ -223,7 +223,7 @@ def test_doctor_names_a_bogus_backend_plainly():
 
 
 def test_inspect_hf_folder_producer_and_ratio_definition(ckpt, tmp_path):
-    assert _run(["export", ckpt, tmp_path / "hf", "--layout", "modelopt"]).exit_code == 0
+    assert _run(["export", ckpt, tmp_path / "hf", "--layout", "modelopt", "--no-model-config"]).exit_code == 0
     r = _run(["inspect", tmp_path / "hf"])
     assert r.exit_code == 0, r.output
     assert "modelopt modelopt" not in r.stdout

@@ -17,6 +17,7 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders" and "7. MXFP4")::
                                     m.weight_global_scale (fp32, (1,)) -> global_scale              vec1
                         mxfp8       m.weight (e4m3), m.weight_scale (u8 E8M0)                        same
                         fp8_block   m.weight (e4m3), m.weight_scale (fp32, ceil grid)                same
+                        fp8_block   m.weight (e4m3), m.weight_scale (fp32, (M, 1)): block (1, K)     same
                         fp8_tensor  m.weight (e4m3), m.weight_scale (fp32, (1,))                     vec1
     deepseek-fp8        fp8_block   m.weight (e4m3), m.weight_scale_inv (fp32, ceil(M/128) x
                                     ceil(K/128)), a decode multiplier despite the name               same
@@ -25,6 +26,11 @@ Layouts (facts: docs/producers.md, "4. Hugging Face folders" and "7. MXFP4")::
                         fp8_block   m.weight (e4m3), m.scale (f8_e8m0, ceil(M/128) x ceil(K/128))    e8m0
     gpt-oss             mxfp4       p_blocks (u8, E x N x K/32 x 16), p_scales (u8 E8M0, E x N x K/32)  blocks
                                     for the 3-D expert parameter p (..experts.gate_up_proj, (E, out, in))
+
+FP8 scales are read in fp32, bf16 or fp16 (:attr:`HFTensor.accepts`; widened exactly), a per-tensor
+scale as ``()`` or ``(1,)``; the descriptor's producer record keeps what was stored, and an export back
+to the layout writes it again (:func:`stored_layout`). :func:`consumer_decode` predicts what the
+layout's default loader decodes (``ckptq.export``'s ``on_inexact``).
 
 safetensors 0.8 knows F8_E8M0 and F4, but every consumer reads E8M0 scales and packed FP4 as
 ``uint8`` (torch 2.13 has no ``copy_`` for ``float4_e2m1fn_x2``), so they are stored as U8.
@@ -76,6 +82,11 @@ __all__ = [
     "encode_amax",
     "decode_amax",
     "DEFAULT_IGNORE",
+    "shape_fits",
+    "stored_layout",
+    "ConsumerDecode",
+    "consumer_decode",
+    "CONSUMERS",
     "AUX_SUFFIXES",
     "ST_DTYPES",
 ]
@@ -103,7 +114,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64,
 }
 
-#: default ``ignore`` globs of :func:`ckptq.export.export_checkpoint` (kept in bf16 as ModelOpt /
+#: default ``ignore`` globs of :func:`ckptq.export.export_checkpoint` (kept in high precision as ModelOpt /
 #: llm-compressor do): output heads, embeddings, norms, routers/gates.
 DEFAULT_IGNORE = ("*lm_head*", "*embed*", "*norm*", "*.gate.weight", "*router*")
 
@@ -149,12 +160,22 @@ class HFTensor:
             DeepSeek-V4's I8 FP4 data, F8_E8M0 scales), ``blocks`` (packed FP4 data (..., N, K/2)
             stored as gpt-oss's (..., N, K/32, 16): a reshape), ``e8m0`` (an fp32 power-of-two
             ``scale_inv`` stored as its E8M0 byte).
+        accepts: further on-disk dtypes read exactly (widened to the component's dtype: a bf16 or
+            fp16 scale is an exact fp32 value). compressed-tensors 0.20 writes FP8 scales in the
+            model's dtype (``quantization/lifecycle/initialize.py``: the scale parameter takes the
+            observed weight's dtype), so FP8 folders of bf16 / fp16 models carry bf16 / fp16 scales.
     """
 
     suffix: str
     component: str
     dtype: torch.dtype
     codec: str = "same"
+    accepts: tuple[torch.dtype, ...] = ()
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """Every on-disk dtype this tensor is read from (the written one first)."""
+        return (self.dtype, *self.accepts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,17 +228,38 @@ class HFLayout:
     write_config: Callable[[Mapping[str, FormatMap], Sequence[str]], dict] = None  # type: ignore[assignment]
     #: the training FQN of a weight is ``<module><weight_suffix>`` (gpt-oss: the parameter name itself)
     weight_suffix: str = ".weight"
-    #: the dtype the exporter writes plain floating tensors in; None keeps each one's own (DeepSeek-V4
-    #: keeps fp32 tensors such as its compressors' weights and attention sinks in fp32)
-    plain_dtype: torch.dtype | None = torch.bfloat16
+    #: True: the exporter writes plain floating tensors in their own dtype (DeepSeek-V4 keeps fp32
+    #: tensors such as its compressors' weights and attention sinks in fp32); False: in the model's dtype
+    keeps_plain_dtype: bool = False
 
     def module_of(self, name: str) -> str:
         """The module path of a weight's HF name (the inverse of ``weight_suffix``)."""
         ws = self.weight_suffix
         return name[: -len(ws)] if ws and name.endswith(ws) else name
 
-    def format_map(self, fmt: str) -> FormatMap | None:
-        return next((f for f in self.formats if f.format == fmt), None)
+    def format_map(self, fmt: str, recipe: Mapping | None = None, shape: Sequence[int] = ()) -> FormatMap | None:
+        """The first map of ``fmt`` whose recipe requirements ``recipe`` (of a weight of ``shape``)
+        meets, else the first map of ``fmt`` (its :func:`check_exportable` then names what is wrong)."""
+        maps = [f for f in self.formats if f.format == fmt]
+        if recipe is not None:
+            met = [f for f in maps if all(_meets(recipe.get(k), a, shape) for k, (a, _) in f.requires.items())]
+            maps = met or maps
+        return maps[0] if maps else None
+
+    def format_names(self) -> list[str]:
+        """The ckptq formats the layout holds (each once)."""
+        return list(dict.fromkeys(f.format for f in self.formats))
+
+
+#: a ``requires`` value meaning "one scale per row": ``block == (1, K)`` (compressed-tensors' channel strategy)
+PER_ROW = "per-row"
+
+
+def _meets(v: Any, allowed: tuple, shape: Sequence[int]) -> bool:
+    v = tuple(v) if isinstance(v, list) else v
+    if PER_ROW in allowed:
+        return len(shape) >= 2 and v == (1, int(shape[-1]))
+    return v in [dtype_to_str(a) if isinstance(a, torch.dtype) else a for a in allowed]
 
 
 # ----------------------------------------------------------------------------- config writers
@@ -334,6 +376,8 @@ def json_key(obj: Any) -> str:
 
 # ----------------------------------------------------------------------------- the tables
 _FP8_E4M3 = ((torch.float8_e4m3fn,), "the layout stores E4M3 weights only")
+#: FP8 scale dtypes read besides fp32 (written back as they were: the descriptor's producer record)
+_HALF = (torch.bfloat16, torch.float16)
 
 LAYOUTS: dict[str, HFLayout] = {}
 
@@ -375,7 +419,7 @@ _register(
             ),
             FormatMap(
                 "fp8_tensor",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
                 {"quant_algo": "FP8", "weights": {"dynamic": False, "num_bits": 8, "type": "float"}},
                 {"fp8_dtype": _FP8_E4M3},
             ),
@@ -455,7 +499,7 @@ _register(
             ),
             FormatMap(
                 "fp8_block",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
                 {
                     "format": "float-quantized",
                     "weights": {
@@ -470,9 +514,25 @@ _register(
                 },
                 {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "the scheme written is block [128, 128]")},
             ),
+            FormatMap(  # one scale per row (M, 1): the channel strategy (compressed-tensors' FP8_DYNAMIC preset)
+                "fp8_block",
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
+                {
+                    "format": "float-quantized",
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "channel",
+                        "dynamic": False,
+                        "observer": None,
+                    },
+                },
+                {"fp8_dtype": _FP8_E4M3, "block": ((PER_ROW,), "the channel scheme has one scale per row")},
+            ),
             FormatMap(
                 "fp8_tensor",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1")),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1", _HALF)),
                 {
                     "format": "float-quantized",
                     "weights": {
@@ -500,7 +560,7 @@ _register(
         (
             FormatMap(
                 "fp8_block",
-                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32)),
+                (HFTensor("weight", "data", E4M3), HFTensor("weight_scale_inv", "scale_inv", _F32, accepts=_HALF)),
                 {"quant_method": "fp8", "weight_block_size": [128, 128]},
                 {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "DeepSeek-V3 / HF 'fp8' weights use 128x128 blocks")},
             ),
@@ -563,7 +623,7 @@ _register(
         ("fp8",),
         ("scale",),
         _deepseek_v4_config,
-        plain_dtype=None,
+        keeps_plain_dtype=True,
     )
 )
 
@@ -644,36 +704,55 @@ def group_modules(names: Sequence[str], lay: HFLayout) -> tuple[dict[str, dict[s
 def match_formats(
     lay: HFLayout, module: str, group: Mapping[str, str], dtypes: Mapping[str, torch.dtype], where: str
 ) -> list[FormatMap]:
-    """The format maps of ``lay`` whose tensors are exactly ``group`` with the right dtypes, in table
-    order (the caller picks the first whose shapes fit: compressed-tensors' FP8 per-tensor and
-    block formats differ only in the scale's shape).
+    """The format maps of ``lay`` whose tensors are exactly ``group`` with dtypes it reads
+    (:attr:`HFTensor.dtypes`), in table order (the caller picks the first whose shapes fit:
+    compressed-tensors' FP8 per-tensor and block formats differ only in the scale's shape).
 
     Raises:
-        CheckpointFormatError: no format of the layout has this set of tensors and dtypes.
+        UnsupportedFormatError: the tensors are those of a format of the layout, but one has a dtype
+            ckptq does not read there (names the tensor, the dtype found and the supported ones).
+        CheckpointFormatError: no format of the layout has this set of tensors (one is missing or extra).
     """
-    found = [
-        fm
-        for fm in lay.formats
-        if set(fm.suffixes()) == set(group) and all(dtypes[group[t.suffix]] == t.dtype for t in fm.tensors)
-    ]
+    same_names = [fm for fm in lay.formats if set(fm.suffixes()) == set(group)]
+    found = [fm for fm in same_names if all(dtypes[group[t.suffix]] in t.dtypes for t in fm.tensors)]
     if found:
         return found
+    if same_names:
+        # the first map's misfit tensor, and what each map reads it as
+        fm = same_names[0]
+        suffix = next(t.suffix for t in fm.tensors if dtypes[group[t.suffix]] not in t.dtypes)
+        reads: dict[str, list[str]] = {}
+        for fm in same_names:
+            t = next(t for t in fm.tensors if t.suffix == suffix)
+            reads.setdefault(", ".join(dtype_to_str(d) for d in t.dtypes), []).append(fm.format)
+        supported = "; ".join(f"{' / '.join(dict.fromkeys(f))}: {d}" for d, f in reads.items())
+        raise UnsupportedFormatError(
+            f"{where}: tensor '{group[suffix]}' is {dtype_to_str(dtypes[group[suffix]])}, a dtype ckptq does not "
+            f"read as {lay.name} '{suffix}' (supported: {supported}); convert that tensor with its producer's "
+            f"tools, or report the producer and version that wrote it"
+        )
     got = {s: dtype_to_str(dtypes[n]) for s, n in sorted(group.items())}
     want = "; ".join(
-        f"{fm.format}: " + ", ".join(f"{t.suffix} {dtype_to_str(t.dtype)}" for t in fm.tensors) for fm in lay.formats
+        f"{fm.format}: " + ", ".join(f"{t.suffix} {'/'.join(dtype_to_str(d) for d in t.dtypes)}" for t in fm.tensors)
+        for fm in lay.formats
     )
     raise CheckpointFormatError(
-        f"{where}: module '{module}' has tensors {got}, which match no {lay.name} format ({want}); the "
-        f"folder's config and tensors disagree or a tensor is missing; re-export it or fix the config"
+        f"{where}: module '{module}' has tensors {got}, which are not the tensor set of any {lay.name} "
+        f"format ({want}); a tensor is missing or extra: copy the missing tensor or re-export the folder"
     )
 
 
 def import_recipe(
-    fm: FormatMap, stored: Mapping[str, torch.Tensor], config: Mapping | None, amax_record: bool = False
+    fm: FormatMap,
+    stored: Mapping[str, torch.Tensor],
+    config: Mapping | None,
+    shape: Sequence[int] = (),
+    amax_record: bool = False,
 ) -> dict:
-    """Recipe options of an imported tensor: the layout's fixed ones (NVFP4's global-scale
-    convention; ``per_tensor="amax"`` when ``amax_record``, the exporter's ``ckptq.amax`` record of
-    the tensor, is present), fp8 ``pow2`` when every scale is a power of two, fp8_block's block."""
+    """Recipe options of an imported tensor: the layout's own (:attr:`FormatMap.recipe`: NVFP4's
+    global-scale convention, ``per_tensor="amax"`` when ``amax_record``, the exporter's ``ckptq.amax``
+    record of the tensor, is present; the MXFP4 scale rule), fp8 ``pow2`` when every scale is a power
+    of two, fp8_block's block from the config, or ``(1, K)`` for a per-row map (:data:`PER_ROW`)."""
     rec: dict[str, Any] = dict(fm.recipe)
     if amax_record and "per_tensor" in rec:
         rec["per_tensor"] = "amax"
@@ -683,7 +762,8 @@ def import_recipe(
         bits = s.reshape(-1).view(torch.int32)
         rec["pow2"] = bool(((bits & 0x7FFFFF) == 0).all() and (s > 0).all())
     if fm.format == "fp8_block":
-        rec["block"] = tuple(_block_of(config))
+        per_row = PER_ROW in fm.requires.get("block", ((),))[0]
+        rec["block"] = (1, int(shape[-1])) if per_row and shape else tuple(_block_of(config))
     return rec
 
 
@@ -732,8 +812,13 @@ def descriptor(
     recipe: Mapping,
     keys: Mapping[str, str],
     producer_name: str,
+    stored: Mapping[str, tuple[torch.dtype, Sequence[int]]] | None = None,
 ) -> dict:
-    """The ckptq (native) descriptor of an imported weight; components' ``fqn`` = their HF names."""
+    """The ckptq (native) descriptor of an imported weight; components' ``fqn`` = their HF names.
+
+    ``stored``: ``{suffix: (dtype, shape)}`` of the HF tensors as found, recorded in the producer
+    record (``"stored": {suffix: {"dtype", "shape"}}``) so that an export back to the same layout
+    writes them as they were (:func:`stored_plan`)."""
     cls = format_class(fm.format)
     rec = cls._recipe_from_json(dict(recipe))
     comps = {
@@ -748,7 +833,19 @@ def descriptor(
         "recipe": cls._recipe_to_json(rec),
         "components": comps,
         "mode": "native",
-        "producer": {"name": producer_name, "layout": lay.name},
+        "producer": {
+            "name": producer_name,
+            "layout": lay.name,
+            **(
+                {
+                    "stored": {
+                        k: {"dtype": dtype_to_str(d), "shape": [int(x) for x in sh]} for k, (d, sh) in stored.items()
+                    }
+                }
+                if stored
+                else {}
+            ),
+        },
     }
 
 
@@ -775,6 +872,47 @@ def expected_shape(t: HFTensor, fm: FormatMap, shape: Sequence[int], recipe: Map
     if t.codec == "blocks":
         return tuple(cshape[:-1]) + (cshape[-1] // _BLOCK_BYTES, _BLOCK_BYTES)
     return tuple(cshape)
+
+
+def _per_matrix(t: HFTensor, fm: FormatMap) -> bool:
+    """A one-value-per-matrix scale copied as is (fp8_tensor's ``scale_inv``): stored as ``(...)`` or ``(..., 1)``."""
+    return fm.format == "fp8_tensor" and t.component == "scale_inv" and t.codec in ("same", "vec1")
+
+
+def shape_fits(t: HFTensor, fm: FormatMap, got: Sequence[int], shape: Sequence[int], recipe: Mapping) -> bool:
+    """Whether HF tensor ``t`` of on-disk shape ``got`` fits a weight of logical ``shape``: its
+    :func:`expected_shape`, or for a per-matrix FP8 scale either convention producers write
+    (ModelOpt ``()``, compressed-tensors ``(1,)``: ``quantization/lifecycle/initialize.py`` of 0.20)."""
+    got = tuple(int(g) for g in got)
+    if got == expected_shape(t, fm, shape, recipe):
+        return True
+    batch = tuple(shape[:-2])
+    return _per_matrix(t, fm) and got in (batch, batch + (1,))
+
+
+def stored_layout(
+    fm: FormatMap, producer: Mapping | None, lay: HFLayout
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{suffix: (dtype, shape)}`` an imported tensor's producer record says its HF tensors had,
+    for the byte-copied tensors (codecs ``same`` / ``vec1``) of a dtype the layout reads there;
+    empty when the record is of another layout (then the layout's own dtypes and shapes apply)."""
+    from ..formats.base import str_to_dtype
+
+    if not isinstance(producer, Mapping) or producer.get("layout") != lay.name:
+        return {}
+    rec = producer.get("stored") or {}
+    out = {}
+    for t in fm.tensors:
+        r = rec.get(t.suffix)
+        if t.codec in ("same", "vec1") and isinstance(r, Mapping):
+            try:
+                dt = str_to_dtype(str(r["dtype"]))
+                sh = tuple(int(x) for x in r["shape"])
+            except Exception:
+                continue
+            if dt in t.dtypes:
+                out[t.suffix] = (dt, sh)
+    return out
 
 
 # ----------------------------------------------------------------------------- E8M0 bytes
@@ -860,10 +998,12 @@ def import_components(
     dtypes = {c.name: c.dtype for c in format_class(fm.format).component_specs(shape, format_class(fm.format).Recipe())}
     for t in fm.tensors:
         x = stored[t.suffix]
-        if t.codec == "same":
-            comps[t.component] = x
-        elif t.codec == "vec1":
+        if x.dtype in t.accepts:
+            x = x.to(t.dtype)  # bf16 / fp16 -> fp32: every value is exact
+        if t.codec == "vec1" or _per_matrix(t, fm):
             comps[t.component] = x.reshape(batch)
+        elif t.codec == "same":
+            comps[t.component] = x
         elif t.codec == "rows16":
             comps[t.component] = x  # the layouts' 1x16 grid is ckptq's 1-D recipe
         elif t.codec == "view":
@@ -902,14 +1042,13 @@ def check_exportable(
     if fm is None:
         raise UnsupportedFormatError(
             f"tensor '{fqn}' is {fmt}, which layout '{lay.name}' cannot hold (it holds "
-            f"{[f.format for f in lay.formats]}); pass --format one of those to requantize, or --ignore "
-            f"'{fqn}' to keep it in bf16"
+            f"{lay.format_names()}); pass --format one of those to requantize, or --ignore "
+            f"'{fqn}' to keep it in high precision"
         )
     for field, (allowed, why) in fm.requires.items():
         v = recipe.get(field)
         v = tuple(v) if isinstance(v, list) else v
-        ok = [dtype_to_str(a) if isinstance(a, torch.dtype) else a for a in allowed]
-        if v not in ok:
+        if not _meets(v, allowed, shape):
             raise UnsupportedFormatError(
                 f"tensor '{fqn}' ({fmt}, {field}={v}) cannot be written in layout '{lay.name}': {why}; "
                 f"pass --format {fmt} to requantize it with the layout's recipe, or --ignore it"
@@ -919,7 +1058,7 @@ def check_exportable(
             f"tensor '{fqn}' of shape {list(shape)}: {lay.name} {fmt} needs the last dim (K = {shape[-1]}) to be "
             f"a multiple of {fm.k_multiple} (its consumers' group size"
             f"{'; FP4 packs two values per byte' if fmt in PACKED_FP4 else ''}); "
-            f"--ignore '{fqn}' to keep it in bf16, pad K, or choose another --format"
+            f"--ignore '{fqn}' to keep it in high precision, pad K, or choose another --format"
         )
     if fm.ndim is not None and len(shape) != fm.ndim:
         raise UnsupportedFormatError(
@@ -929,20 +1068,32 @@ def check_exportable(
 
 
 def export_plan(
-    fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping
+    fm: FormatMap, module: str, shape: Sequence[int], recipe: Mapping, stored: Mapping | None = None
 ) -> list[tuple[str, torch.dtype, tuple]]:
-    """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read)."""
-    return [(fm.name(module, t), t.dtype, expected_shape(t, fm, shape, recipe)) for t in fm.tensors]
+    """``[(hf name, dtype, shape)]`` of one weight in layout format ``fm`` (before any data is read);
+    ``stored`` (:func:`stored_layout`) overrides the dtype / shape of the tensors it names."""
+    stored = stored or {}
+    return [
+        (fm.name(module, t), *stored.get(t.suffix, (t.dtype, expected_shape(t, fm, shape, recipe))))
+        for t in fm.tensors
+    ]
 
 
-def export_tensors(fm: FormatMap, module: str, qt: Any) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
+def export_tensors(
+    fm: FormatMap, module: str, qt: Any, stored: Mapping | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict]:
     """The HF tensors of one canonical weight ``qt``: ``({hf name: tensor}, {metadata key: text}, numerics)``.
+
+    ``stored`` (:func:`stored_layout`): tensors written in the dtype / shape the source had (a bf16
+    scale imported from compressed-tensors goes back as the same bf16 bytes); the narrowing must be
+    exact, else CheckpointFormatError (the values are no longer the imported ones).
 
     NVFP4 in another global-scale convention than the layout's is written with
     :meth:`~ckptq.formats.NVFP4Tensor.with_per_tensor` (``numerics``: ``{"max_ulps": n}``, fp32 ulps
     between the consumer's decode and ``qt``'s over the scales that occur; 0 = bit-exact), and an
     ``amax`` is recorded in the metadata (:func:`amax_metadata_key`).
     """
+    stored = stored or {}
     out: dict[str, torch.Tensor] = {}
     meta: dict[str, str] = {}
     info: dict = {}
@@ -961,6 +1112,16 @@ def export_tensors(fm: FormatMap, module: str, qt: Any) -> tuple[dict[str, torch
         x = comps[t.component]
         if t.component == "scale":
             check_e8m0_finite(fm, x, f"tensor '{name}'")
+        if t.suffix in stored:
+            dt, sh = stored[t.suffix]
+            y = x.to(dt).reshape(sh)
+            if not torch.equal(y.to(x.dtype).reshape(x.shape).view(_int_view(x)), x.view(_int_view(x))):
+                raise CheckpointFormatError(
+                    f"tensor '{name}': its values are not {dtype_to_str(dt)} values any more, as its producer "
+                    f"record says they were; export with --format {fm.format} to requantize it"
+                )
+            out[name] = y.contiguous()
+            continue
         if t.codec == "view":
             y = x.view(t.dtype)
         elif t.codec == "blocks":
@@ -989,6 +1150,10 @@ def amax_record_names(fm: FormatMap, module: str, recipe: Mapping) -> list[str]:
     if layout_pt is None or recipe.get("per_tensor", "amax") != "amax":
         return []
     return [f"{module}.{t.suffix}" for t in fm.tensors if t.component == layout_pt]
+
+
+def _int_view(x: torch.Tensor) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.dtype.itemsize]
 
 
 def glob_matches(name: str, globs: Sequence[str]) -> bool:
@@ -1056,3 +1221,99 @@ def rename(name: str, rules: Sequence[tuple[str, str]], *, inverse: bool = False
                 out += m.group(i + 1) + p
             return out
     return name
+
+
+# ----------------------------------------------------------------------------- the consumer's default decode
+#: which loaders read each layout (docs/producers.md, "4.6 Which consumer loads which layout")
+CONSUMERS = {
+    "compressed-tensors": "transformers (from_pretrained, through compressed-tensors), vLLM",
+    "deepseek-fp8": "transformers (from_pretrained, FineGrainedFP8), vLLM, DeepSeek-V3's inference code",
+    "modelopt": (
+        "vLLM and TensorRT-LLM; not transformers (5.24 has no ModelOpt loader: it loads the E4M3 codes "
+        "unscaled, with only an 'unexpected keys' note; export --layout compressed-tensors for transformers)"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerDecode:
+    """How the default loader of a layout decodes one exported weight, compared with ckptq's
+    dequantization in the model's dtype (``status``: ``equal``, ``differs``, ``unloadable`` or
+    ``unchecked``: no loader modelled, ModelOpt). ``elements`` / ``max_abs_diff``: how many decoded
+    values differ and by how much (``differs``); ``reason``: why it differs or cannot load."""
+
+    status: str
+    elements: int = 0
+    max_abs_diff: float = 0.0
+    reason: str = ""
+
+
+def consumer_decode(
+    lay: HFLayout,
+    fm: FormatMap,
+    module: str,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    ckptq_decode: Callable[[torch.dtype], torch.Tensor],
+) -> ConsumerDecode:
+    """Predict what transformers' ``from_pretrained(folder)`` (no arguments: the model is built in
+    the config's ``dtype``) decodes for one exported weight, and compare it with ``ckptq_decode(dtype)``.
+
+    The rules (docs/producers.md, "Which consumer loads which layout"; checked against the real
+    loaders by scripts/border_matrix.py):
+
+    * compressed-tensors FP8 (``fp8_tensor``, ``fp8_block``): transformers 5.24 builds the module
+      with compressed-tensors 0.20's ``initialize_qparams``, whose ``weight_scale`` parameter takes the
+      model's dtype; the stored scale is cast into it, and the decode is ``data * scale`` in that dtype
+      (one rounding of the exact product). Equal to ckptq's ``(data * scale_fp32).to(dtype)`` whenever
+      every scale is a ``dtype`` value; else computed and compared.
+    * compressed-tensors MXFP8: 0.20 turns the E8M0 scale into bf16 (``compressors/mx_utils.py``)
+      and decodes in bf16 whatever the model's dtype: equal to ckptq's bf16 decode; in a float16 /
+      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch). NVFP4
+      decodes in bf16 too (the same failure; its values: ``numerics`` of the export, the global scale).
+    * DeepSeek FP8: transformers 5.24 ``integrations/finegrained_fp8.py`` ``Fp8Dequantize``
+      (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
+      it derives the block size as dims // grid, so both dims must be multiples of 128.
+    """
+    data = tensors[f"{module}.{fm.data.suffix}"]
+    if lay.name == "compressed-tensors" and fm.format in ("fp8_tensor", "fp8_block"):
+        scale = tensors[f"{module}.weight_scale"]
+        if torch.equal(scale.to(dtype).to(_F32), scale.to(_F32)):
+            return ConsumerDecode("equal")
+        s = scale.to(dtype).to(_F32)
+        if fm.format == "fp8_tensor":
+            s = s.reshape(s.shape[: data.dim() - 2] + (1, 1))
+        else:
+            bm, bk = -(-data.shape[-2] // s.shape[-2]), -(-data.shape[-1] // s.shape[-1])
+            s = s.repeat_interleave(bm, -2).repeat_interleave(bk, -1)[..., : data.shape[-2], : data.shape[-1]]
+        theirs = (data.to(_F32) * s).to(dtype)
+        ours = ckptq_decode(dtype)
+        bad = theirs.view(_int_view(theirs)) != ours.view(_int_view(ours))
+        n = int(bad.sum())
+        if n == 0:
+            return ConsumerDecode("equal")
+        diff = float((theirs.float() - ours.float()).abs()[bad].max())
+        return ConsumerDecode(
+            "differs",
+            n,
+            diff,
+            f"its fp32 scale is not a {dtype_to_str(dtype)} value; compressed-tensors casts it to the model dtype",
+        )
+    if lay.name == "compressed-tensors" and fm.format in ("mxfp8", "nvfp4"):
+        if dtype != torch.bfloat16:
+            return ConsumerDecode(
+                "unloadable",
+                reason=f"compressed-tensors 0.20 decodes {fm.format.upper()} to bfloat16 whatever the model dtype; "
+                f"the {dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
+            )
+        return ConsumerDecode("equal" if fm.format == "mxfp8" else "unchecked")
+    if lay.name == "deepseek-fp8":
+        m, k = data.shape[-2:]
+        if m % 128 or k % 128:
+            return ConsumerDecode(
+                "unloadable",
+                reason=f"transformers 5.24 Fp8Dequantize takes the block as the weight's dims over the scale "
+                f"grid, which is not 128 x 128 for a {m} x {k} weight (it fails or decodes wrong blocks)",
+            )
+        return ConsumerDecode("equal")
+    return ConsumerDecode("unchecked")

@@ -19,7 +19,7 @@ __all__ = ["export"]
     "export",
     short_help="Write a checkpoint as a Hugging Face safetensors folder in a serving layout.",
     examples=[
-        "ckptq export ckpt hf-modelopt --layout modelopt",
+        "ckptq export ckpt hf-modelopt --layout modelopt --config config.json",
         "ckptq export ckpt hf-ct --layout compressed-tensors --max-shard-size 2GB",
         "ckptq export ckpt hf-fp8 --layout deepseek-fp8 --format fp8_block --rename '*=model.*'",
         "ckptq export moe-ckpt hf-gpt-oss --layout gpt-oss --config gpt-oss-config.json",
@@ -62,7 +62,8 @@ def export(
         typer.Option(
             "--ignore",
             help=(
-                "FQN / module glob kept in bf16 (repeatable; replaces the default lm_head, embeddings, norms, routers)."
+                "FQN / module glob kept in high precision, the model dtype (repeatable; replaces the default "
+                "lm_head, embeddings, norms, routers)."
             ),
         ),
     ] = None,
@@ -76,8 +77,32 @@ def export(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option("--config", help="Base config.json to add quantization_config to (default: the source folder's)."),
+        typer.Option(
+            "--config",
+            help=(
+                "The model's config.json to add quantization_config to (default: the one in the source "
+                "folder or beside it; without one, export refuses)."
+            ),
+        ),
     ] = None,
+    no_model_config: Annotated[
+        bool,
+        typer.Option(
+            "--no-model-config",
+            help="Write config.json with only quantization_config (a folder transformers / vLLM cannot load).",
+        ),
+    ] = False,
+    on_inexact: Annotated[
+        str,
+        typer.Option(
+            "--on-inexact",
+            help=(
+                "When transformers' default load would decode a weight differently from ckptq (a fp32 scale "
+                "a bf16 model cannot hold): refuse (default), float32 (config dtype float32), requantize "
+                "(power-of-two scales) or keep."
+            ),
+        ),
+    ] = "refuse",
     overwrite: OverwriteOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
@@ -93,7 +118,8 @@ def export(
         ignore=DEFAULT_IGNORE if ignore is None else tuple(ignore),
         max_shard_size=max_shard_size,
         names=rename or None,
-        config=config,
+        config=False if no_model_config else config,
+        on_inexact=on_inexact,
         overwrite=overwrite,
         progress=out.progress_enabled(),
     )
@@ -112,8 +138,19 @@ def export(
         for fqn, fmt in result["quantized"].items()
     ]
     out.echo_table(rows, ["FQN", "FORMAT", "", "DECODE VS CKPTQ"], empty="No quantized tensors.")
+    consumer = result["consumer"]
+    out.log(f"read by: {consumer['loaders']}")
+    for fqn, d in consumer["differs"].items():
+        out.log(
+            f"{fqn}: loads differently in a {consumer['dtype']} model ({d['elements']} values, max abs diff "
+            f"{d['max_abs_diff']:.3g}; kept: --on-inexact keep)"
+        )
+    for fqn, db in consumer["requantized_sqnr_db"].items():
+        out.log(f"{fqn}: requantized to power-of-two scales ({db:.1f} dB vs the source)")
+    for fqn, why in consumer["unloadable"].items():
+        out.log(f"{fqn}: {why} (kept: --on-inexact keep)")
     out.log(
         f"wrote {result['path']} ({result['layout']}): {len(result['files'])} shard(s), "
         f"{out.format_bytes(result['bytes'])}, {result['tensors']} tensors, "
-        f"{len(result['high_precision'])} kept in high precision"
+        f"{len(result['high_precision'])} kept in high precision; model config: {result['config_from']}"
     )

@@ -7,7 +7,10 @@ and the tensor names; each quantized weight becomes a ckptq ``"quantized"`` entr
 ``<module>.weight`` whose ``keys`` map each ckptq component to the HF tensor holding it, with
 producer ``{"name": ..., "layout": ...}`` in its descriptor. Everything else is a plain tensor entry.
 
-Data, block scales and per-tensor FP8 scales are the stored bytes (bit-exact); the NVFP4 global scale
+Data, block scales and per-tensor FP8 scales are the stored values (bit-exact; a bf16 / fp16 FP8 scale,
+as compressed-tensors writes for bf16 / fp16 models, widens exactly to ckptq's fp32 ``scale_inv``, and
+the descriptor's producer record keeps each HF tensor's dtype and shape, ``"stored"``, so that an export
+back to the layout writes the same bytes); the NVFP4 global scale
 becomes ckptq's ``amax`` (exact when the exporter recorded it, else the closest value, see
 :mod:`ckptq.adapters.hf`). HF names are the training FQNs unless ``names=`` rename rules say otherwise
 (:func:`ckptq.adapters.hf.parse_rename_rules`, written training FQN -> HF name as for the export,
@@ -192,12 +195,12 @@ class SafetensorsView(EntryTable):
                 shape = hf.logical_shape(
                     fm, self._meta[data_name][1], f"{self._where[data_name]}: tensor '{data_name}'"
                 )
-                recipe = self._recipe_for(fm, group)
+                recipe = self._recipe_for(fm, group, shape)
                 problem = next(
                     (
                         (t, hf.expected_shape(t, fm, shape, recipe))
                         for t in fm.tensors
-                        if tuple(self._meta[group[t.suffix]][1]) != hf.expected_shape(t, fm, shape, recipe)
+                        if not hf.shape_fits(t, fm, self._meta[group[t.suffix]][1], shape, recipe)
                     ),
                     None,
                 )
@@ -216,7 +219,8 @@ class SafetensorsView(EntryTable):
                 )
             fqn = hf.rename(f"{module}{self.layout.weight_suffix}", self._rules, inverse=True)
             keys = hf.component_keys(fm, group, recipe)
-            desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer))
+            stored = {t.suffix: self._meta[group[t.suffix]] for t in fm.tensors}
+            desc = Descriptor.from_dict(hf.descriptor(fm, self.layout, shape, dtype, recipe, keys, producer, stored))
             self._entries[fqn] = Entry(fqn, "quantized", tuple(shape), dtype, desc, keys)
             self._quant[fqn] = (fm, group)
         for name in rest:
@@ -249,12 +253,12 @@ class SafetensorsView(EntryTable):
                     f"complete checkpoint (all shards and model.safetensors.index.json)"
                 )
 
-    def _recipe_for(self, fm: hf.FormatMap, group: dict) -> dict:
+    def _recipe_for(self, fm: hf.FormatMap, group: dict, shape: tuple[int, ...]) -> dict:
         record = self._amax_record_text(fm, group) is not None
         if fm.format not in ("fp8_block", "fp8_tensor"):
-            return hf.import_recipe(fm, {}, self.config, record)
+            return hf.import_recipe(fm, {}, self.config, shape, record)
         stored = {t.suffix: self._load(group[t.suffix]) for t in fm.tensors if t.component == "scale_inv"}
-        return hf.import_recipe(fm, stored, self.config, record)
+        return hf.import_recipe(fm, stored, self.config, shape, record)
 
     def _amax_record_text(self, fm: hf.FormatMap, group: dict) -> str | None:
         """The exporter's ``ckptq.amax`` record of this weight's global scale (file metadata), if any."""
