@@ -1074,8 +1074,7 @@ def export_plan(
     ``stored`` (:func:`stored_layout`) overrides the dtype / shape of the tensors it names."""
     stored = stored or {}
     return [
-        (fm.name(module, t), *stored.get(t.suffix, (t.dtype, expected_shape(t, fm, shape, recipe))))
-        for t in fm.tensors
+        (fm.name(module, t), *stored.get(t.suffix, (t.dtype, expected_shape(t, fm, shape, recipe)))) for t in fm.tensors
     ]
 
 
@@ -1228,6 +1227,8 @@ def rename(name: str, rules: Sequence[tuple[str, str]], *, inverse: bool = False
 CONSUMERS = {
     "compressed-tensors": "transformers (from_pretrained, through compressed-tensors), vLLM",
     "deepseek-fp8": "transformers (from_pretrained, FineGrainedFP8), vLLM, DeepSeek-V3's inference code",
+    "gpt-oss": "transformers (from_pretrained with Mxfp4Config; dequantize=True on CPU), vLLM",
+    "torchao": "torchao's unflatten_tensor_state_dict (transformers' torchao integration)",
     "modelopt": (
         "vLLM and TensorRT-LLM; not transformers (5.24 has no ModelOpt loader: it loads the E4M3 codes "
         "unscaled, with only an 'unexpected keys' note; export --layout compressed-tensors for transformers)"
@@ -1269,7 +1270,8 @@ def consumer_decode(
       every scale is a ``dtype`` value; else computed and compared.
     * compressed-tensors MXFP8: 0.20 turns the E8M0 scale into bf16 (``compressors/mx_utils.py``)
       and decodes in bf16 whatever the model's dtype: equal to ckptq's bf16 decode; in a float16 /
-      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch). NVFP4
+      float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch). MXFP4
+      (``mxfp4-pack-quantized``) likewise (an E2M1 value times a power of two is a bf16 value). NVFP4
       decodes in bf16 too (the same failure; its values: ``numerics`` of the export, the global scale).
     * DeepSeek FP8: transformers 5.24 ``integrations/finegrained_fp8.py`` ``Fp8Dequantize``
       (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
@@ -1299,14 +1301,14 @@ def consumer_decode(
             diff,
             f"its fp32 scale is not a {dtype_to_str(dtype)} value; compressed-tensors casts it to the model dtype",
         )
-    if lay.name == "compressed-tensors" and fm.format in ("mxfp8", "nvfp4"):
+    if lay.name == "compressed-tensors" and fm.format in ("mxfp8", "mxfp4", "nvfp4"):
         if dtype != torch.bfloat16:
             return ConsumerDecode(
                 "unloadable",
                 reason=f"compressed-tensors 0.20 decodes {fm.format.upper()} to bfloat16 whatever the model dtype; "
                 f"the {dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
             )
-        return ConsumerDecode("equal" if fm.format == "mxfp8" else "unchecked")
+        return ConsumerDecode("equal" if fm.format in ("mxfp8", "mxfp4") else "unchecked")
     if lay.name == "deepseek-fp8":
         m, k = data.shape[-2:]
         if m % 128 or k % 128:
