@@ -662,4 +662,13 @@ def export_flattened(
         "skipped": skipped,
         "numerics": numerics,
         "config_files": [],
+        "config_from": "none (torchao's safetensors form has no config.json)",
+        "consumer": {
+            "loaders": hf.CONSUMERS.get(adapter.producer, adapter.producer),
+            "dtype": None,
+            "on_inexact": None,
+            "differs": {},
+            "unloadable": {},
+            "requantized_sqnr_db": {},
+        },
     }

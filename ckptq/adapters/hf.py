@@ -1277,7 +1277,7 @@ def consumer_decode(
       (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
       it derives the block size as dims // grid, so both dims must be multiples of 128.
     """
-    data = tensors[f"{module}.{fm.data.suffix}"]
+    data = tensors[fm.name(module, fm.data)]
     if lay.name == "compressed-tensors" and fm.format in ("fp8_tensor", "fp8_block"):
         scale = tensors[f"{module}.weight_scale"]
         if torch.equal(scale.to(dtype).to(_F32), scale.to(_F32)):
