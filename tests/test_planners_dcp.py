@@ -223,6 +223,23 @@ def test_missing_key_and_size_mismatch_keep_dcps_phrases(tmp_path):
         dcp.load({"w": torch.ones(5)}, checkpoint_id=str(tmp_path), no_dist=True)
 
 
+def test_checkpoint_flattened_by_torch_2_3_loads(tmp_path):
+    """torch <= 2.3 stored a dict holding a list of non-tensors as one entry; DCP's default load
+    planner recognises such checkpoints, and so does ckptq's."""
+    from torch.distributed.checkpoint import _version
+
+    _version._derived_version = "2_3"  # how torch's own tests write the old layout
+    try:
+        dcp.save({"w": torch.ones(3), "c": {"d": [1, 2]}}, checkpoint_id=str(tmp_path), no_dist=True)
+    finally:
+        _version._derived_version = None
+    assert "c" in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+    for planner in (DefaultLoadPlanner(), ckptq.QuantizedLoadPlanner()):
+        out = {"w": torch.zeros(3), "c": {"d": [0, 0]}}
+        dcp.load(out, checkpoint_id=str(tmp_path), planner=planner, no_dist=True)
+        assert out["c"] == {"d": [1, 2]} and torch.equal(out["w"], torch.ones(3)), type(planner).__name__
+
+
 # ------------------------------------------------------------------ legacy ShardedTensor
 def _sharded(rank, ws, pieces, fill):
     """A 1-d ShardedTensor of 200 elements cut into ``pieces`` equal shards, dealt round-robin."""

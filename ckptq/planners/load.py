@@ -435,6 +435,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     # ---------------------------------------------------------------- planning
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
+        self._match_pre_2_4_keys()
         rest, mine = {}, {}
         for fqn, obj in self.state_dict.items():
             native = fqn in self._entries and self._entries[fqn].kind == "quantized"
@@ -453,6 +454,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 continue
             items += self._plan_tensor(fqn, obj)
         return dataclasses.replace(plan, items=items)
+
+    def _match_pre_2_4_keys(self) -> None:
+        """As ``DefaultLoadPlanner.create_local_plan`` (torch 2.11/2.13): checkpoints saved by torch
+        <= 2.3 flattened nested containers differently (a dict holding a list of non-tensors was one
+        entry, not one per list); when checkpoint keys are missing from the flattened targets and
+        the old flattening has some of them, the targets are flattened the old way."""
+        if not self.flatten_state_dict:
+            return
+        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        if not missing:
+            return
+        from torch.distributed.checkpoint import _version
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        _version._derived_version = "2_3"
+        try:
+            old, old_mappings = flatten_state_dict(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if old.keys() & missing:
+            self.state_dict, self.mappings = old, old_mappings
 
     def _check_keys_and_sizes(self, targets: dict) -> None:
         """What DCP's default local plan raises as bare RuntimeError / ValueError, as ckptq errors
@@ -521,7 +543,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             raise _missing_keys([t.fqn])
         if entry.kind == "quantized":
             if tuple(entry.shape) != t.global_shape:
-                raise _size_mismatch(t.fqn, entry.shape, t.global_shape, "logical shape of a quantized tensor")
+                raise _size_mismatch(t.fqn, entry.shape, t.global_shape, "the logical shape of a quantized tensor")
             src_cls = format_class(entry.format)
             if (
                 t.qt is not None
@@ -627,12 +649,12 @@ def _missing_keys(missing: list[str]) -> MissingKeyError:
     )
 
 
-def _size_mismatch(fqn: str, saved, current, what: str = "size") -> CheckpointFormatError:
+def _size_mismatch(fqn: str, saved, current, what: str = "") -> CheckpointFormatError:
     """DCP's "Size mismatch between saved S and current: C for FQN" (torch 2.11/2.13
     ``default_planner.py``; a ``ValueError`` there too), and what to do."""
     return CheckpointFormatError(
-        f"Size mismatch between saved {torch.Size(saved)} and current: {torch.Size(current)} for {fqn} "
-        f"(the {what}); load into a tensor of the saved size"
+        f"Size mismatch between saved {torch.Size(saved)} and current: {torch.Size(current)} for {fqn}"
+        f"{f' ({what})' if what else ''}; load into a tensor of the saved size"
     )
 
 

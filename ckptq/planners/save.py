@@ -103,7 +103,9 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     the bytes of every per-tensor value -- where DCP's own comparison looks at FQNs, offsets and
     sizes only. A cached plan therefore never carries a stale descriptor or skips the
     per-tensor-value check; a rank whose FP8 ``scale_inv`` / NVFP4 ``amax`` changed since the last
-    save sends its plan again (a few hundred bytes per tensor).
+    save sends its whole local plan again, as any rank whose plan changed does. The local plan is
+    cached in :meth:`finish_plan`, once the global plan succeeded (torch 2.13's order; torch 2.11
+    caches it earlier). See ``docs/design.md``, "A drop-in for DCP's default planners".
 
     Descriptors of every quantized entry go to ``metadata.planner_data[ckptq.contract.CKPTQ_KEY]`` as builtins
     (see :mod:`ckptq.contract`); no pickled ckptq class is written.
