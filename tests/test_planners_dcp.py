@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 import ckptq
 from ckptq.contract import CKPTQ_KEY
 from ckptq.io import SafeFileSystemReader, dcp_failure
+from ckptq.metrics import bit_exact
 
 
 @pytest.fixture(autouse=True)
@@ -282,3 +283,31 @@ def test_sharded_tensor_loads_with_another_shard_plan(tmp_path):
             for offset, t in shards:
                 assert t == values[offset : offset + 50].tolist(), f"{name}: rank {rank}, shard at {offset}"
             assert plain == values.tolist(), f"{name}: rank {rank}, plain target"
+
+
+def _cached_saves_worker(rank, ws, root):
+    """Three cached saves of one replicated NVFP4 tensor: the same on both ranks, then different
+    amax on rank 1 only (rank 0's plan is unchanged, so it sends none), then the same again."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(0))
+    same, other = ckptq.quantize(x, "nvfp4"), ckptq.quantize(2 * x, "nvfp4")
+    outcomes = []
+    for i, q in enumerate((same, other if rank == 1 else same, other)):
+        try:
+            dcp.save({"q": q}, checkpoint_id=os.path.join(root, str(i)), planner=_Spy(enable_plan_caching=True))
+            outcomes.append(("saved", _Spy.local_plans[-1].usable))
+        except CheckpointException as e:
+            err = dcp_failure(e, root)
+            outcomes.append((type(err).__name__, _Spy.local_plans[-1].usable))
+    out = {"q": torch.empty_like(other)}
+    dcp.load(out, checkpoint_id=os.path.join(root, "2"), planner=ckptq.QuantizedLoadPlanner())
+    return outcomes, all(bit_exact(out["q"].components()[k], v) for k, v in other.components().items())
+
+
+@pytest.mark.slow
+def test_plan_caching_still_checks_per_tensor_values_across_ranks(tmp_path):
+    """DCP's plan comparison would call rank 1's second plan unchanged (same sizes) and skip the
+    check that the shards of one tensor carry one amax; ckptq's sends it and the check fails."""
+    (r0, ok0), (r1, ok1) = run_distributed(2, _cached_saves_worker, str(tmp_path))
+    assert r0 == [("saved", True), ("InconsistentScaleError", False), ("saved", True)], r0
+    assert r1 == [("saved", True), ("InconsistentScaleError", True), ("saved", True)], r1
+    assert ok0 and ok1
