@@ -311,3 +311,38 @@ def test_plan_caching_still_checks_per_tensor_values_across_ranks(tmp_path):
     assert r0 == [("saved", True), ("InconsistentScaleError", False), ("saved", True)], r0
     assert r1 == [("saved", True), ("InconsistentScaleError", True), ("saved", True)], r1
     assert ok0 and ok1
+
+
+def test_upstream_runner_substitutes_every_default_planner(tmp_path):
+    """scripts/run_dcp_upstream_tests.py: the substitution reaches the names dcp.save / dcp.load and
+    test modules use, and a passing-then-failing test is reported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    check = (
+        "import run_dcp_upstream_tests as r; r.install()\n"
+        "import ckptq, torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint import default_planner, state_dict_saver, state_dict_loader\n"
+        "from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, DefaultLoadPlanner\n"
+        "assert DefaultSavePlanner is ckptq.QuantizedSavePlanner is state_dict_saver.DefaultSavePlanner\n"
+        "assert DefaultLoadPlanner is ckptq.QuantizedLoadPlanner is state_dict_loader.DefaultLoadPlanner\n"
+        "assert dcp.DefaultSavePlanner is ckptq.QuantizedSavePlanner\n"
+    )
+    env = dict(os.environ, CKPTQ_DCP_SUBSTITUTE_PLANNERS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "scripts"), str(root), env.get("PYTHONPATH", "")])
+    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=120)
+
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import run_dcp_upstream_tests as runner
+    finally:
+        sys.path.remove(str(root / "scripts"))
+    junit = tmp_path / "r.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="test_x.T" name="a" file="test_x.py"/>'
+        '<testcase classname="test_x.T" name="b" file="test_x.py"><failure message="m"/></testcase>'
+        '<testcase classname="test_x.T" name="c" file="test_x.py"><skipped/></testcase></testsuite></testsuites>'
+    )
+    assert runner._outcomes(junit) == {"test_x.py": {"T::a": "passed", "T::b": "failed", "T::c": "skipped"}}
