@@ -15,9 +15,11 @@ from .errors import (
     ChecksumMismatchError,
     CkptqError,
     InconsistentScaleError,
+    MissingKeyError,
     QuantizationError,
     ShardingError,
     UnsafeCheckpointError,
+    UnsafePickledObjectError,
     UnsupportedFormatError,
     UsageError,
 )
@@ -45,6 +47,8 @@ __all__ = [
     "UnsupportedFormatError",
     "QuantizationError",
     "UnsafeCheckpointError",
+    "UnsafePickledObjectError",
+    "MissingKeyError",
     "UsageError",
 ]
 

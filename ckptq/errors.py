@@ -6,6 +6,8 @@ dtype and block where they apply, and say what to do. ``assert`` is used only fo
 
 from __future__ import annotations
 
+import pickle
+
 __all__ = [
     "CkptqError",
     "CheckpointFormatError",
@@ -14,6 +16,8 @@ __all__ = [
     "UnsupportedFormatError",
     "QuantizationError",
     "UnsafeCheckpointError",
+    "UnsafePickledObjectError",
+    "MissingKeyError",
     "ChecksumMismatchError",
     "UsageError",
 ]
@@ -47,6 +51,18 @@ class QuantizationError(CkptqError, ValueError):
 
 class UnsafeCheckpointError(CheckpointFormatError):
     """A pickle in a checkpoint references a global outside the allow-list; nothing from it was run."""
+
+
+class UnsafePickledObjectError(UnsafeCheckpointError, pickle.UnpicklingError):
+    """A non-tensor (bytes) entry of a checkpoint pickles a global outside the allow-list of trainer
+    state types (:func:`ckptq.io.safe_pickle.load_pickled_object`); nothing from it was run. Also a
+    ``pickle.UnpicklingError``, which is what ``torch.load(weights_only=True)`` raises for it."""
+
+
+class MissingKeyError(CheckpointFormatError, RuntimeError):
+    """State-dict entries to load are not in the checkpoint (and ``allow_partial_load`` is off).
+    Also a ``RuntimeError`` with DCP's phrase "Missing key in checkpoint", as DCP's default load
+    planner raises it (torch 2.11 and 2.13 ``default_planner.py``)."""
 
 
 class ChecksumMismatchError(CheckpointFormatError):

@@ -192,9 +192,9 @@ def test_shape_mismatch_and_missing_target(tmp_path):
     q = _qt("fp8_block", {})
     dcp.save({"w": q}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
     msg = _load_error({"w": torch.empty_like(_qt("fp8_block", {}, shape=(64, 160)))}, str(tmp_path))
-    assert "'w'" in msg and "(96, 160)" in msg and "(64, 160)" in msg
+    assert "Size mismatch between saved torch.Size([96, 160]) and current: torch.Size([64, 160]) for w" in msg
     msg = _load_error({"w": torch.empty_like(q), "x": torch.empty_like(q)}, str(tmp_path))
-    assert "'x'" in msg and "not in the checkpoint" in msg
+    assert "Missing key in checkpoint state_dict: x." in msg and "allow_partial_load=True" in msg
     out = {"w": torch.empty_like(q), "x": torch.empty_like(q)}
     dcp.load(out, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner(allow_partial_load=True))
     assert _same_bytes(out["w"], q)
@@ -223,7 +223,7 @@ def test_bytes_entries_are_loaded_without_running_code(tmp_path):
         {"w": _qt("fp8_tensor", {}), "obj": Evil()}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner()
     )
     msg = _load_error({"w": torch.empty_like(_qt("fp8_tensor", {})), "obj": None}, str(tmp_path))
-    assert "Weights only load failed" in msg or "Unsupported global" in msg
+    assert "UnsafePickledObjectError" in msg and "posix.system" in msg and "trust_pickled_objects=True" in msg
     assert not (tmp_path / "pwned").exists()
 
 

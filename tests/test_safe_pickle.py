@@ -294,3 +294,48 @@ def test_read_metadata_detects_missing_and_truncated_data_files(tmp_path):
     data_file.unlink()
     with pytest.raises(CheckpointFormatError, match="missing"):
         read_metadata(d)
+
+
+# ------------------------------------------------------------------ non-tensor (bytes) entries
+def _respelled_record(obj, old: bytes, new: bytes) -> io.BytesIO:
+    """``torch.save(obj)`` with ``old`` replaced by ``new`` in its pickle (GLOBAL opcodes are
+    newline-terminated text, so a module can be respelled), re-zipped."""
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    src, out = zipfile.ZipFile(io.BytesIO(buf.getvalue())), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                assert old in data
+                data = data.replace(old, new)
+            z.writestr(info.filename, data)
+    out.seek(0)
+    return out
+
+
+def test_numpy_1x_spelling_of_rng_state_loads():
+    """numpy 1.x pickles ``numpy.core.multiarray._reconstruct``; numpy 2 ``numpy._core``."""
+    np = pytest.importorskip("numpy")
+    from ckptq.io.safe_pickle import load_pickled_object
+
+    state = np.random.RandomState(3).get_state()
+    record = _respelled_record(state, b"numpy._core.multiarray", b"numpy.core.multiarray")
+    assert "numpy.core.multiarray._reconstruct" in torch.serialization.get_unsafe_globals_in_checkpoint(record)
+    record.seek(0)
+    name, keys, pos, has_gauss, cached = load_pickled_object(record, where="test")
+    assert (name, pos, has_gauss, cached) == (state[0], state[2], state[3], state[4])
+    assert keys.dtype == state[1].dtype and np.array_equal(keys, state[1])
+
+
+def test_trainer_state_globals_are_data_only():
+    """No entry of the widened list is a function that runs what the pickle names."""
+    from ckptq.io.safe_pickle import trainer_state_globals
+
+    names = {name for _, name in trainer_state_globals()}
+    assert {"_io.BytesIO", "numpy.ndarray", "numpy.dtype", "numpy._core.multiarray._reconstruct"} <= names
+    for bad in ("builtins.eval", "builtins.exec", "builtins.getattr", "os.system", "numpy.load", "pickle.loads"):
+        assert bad not in names
+    assert not any(name.startswith(("subprocess.", "posix.", "nt.", "importlib.")) for name in names)

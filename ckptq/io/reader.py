@@ -3,8 +3,9 @@
 - :class:`SafeFileSystemReader` is a drop-in ``FileSystemReader`` for ``dcp.load``: its
   ``read_metadata`` uses :mod:`ckptq.io.safe_pickle` and :func:`ckptq.io.metadata.validate_metadata`,
   and its ``read_data`` checks every record (:mod:`ckptq.io.record_check`) and every non-tensor
-  (BYTE_IO) item with ``torch.load(weights_only=True)`` before DCP's planner loads it (DCP's
-  ``DefaultLoadPlanner.load_bytes`` calls ``torch.load(weights_only=False)``). Checkpoints that
+  (BYTE_IO) item with :func:`~ckptq.io.safe_pickle.load_pickled_object` (``weights_only`` plus the
+  trainer state types) before DCP's planner loads it (DCP's ``DefaultLoadPlanner.load_bytes`` calls
+  ``torch.load(weights_only=False)``). Checkpoints that
   other libraries wrote with pickled quantized tensors (TransformerEngine) are presented through
   the ckptq contract (:mod:`ckptq.io.foreign`), their records unpickled with the adapters' stand-ins only.
 - :func:`read_metadata` opens a checkpoint directory for tools (``ckptq inspect``) with clear
@@ -28,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import pickle
 import threading
 import warnings
 from collections.abc import Mapping
@@ -48,7 +48,7 @@ from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
-from .safe_pickle import safe_load
+from .safe_pickle import load_pickled_object, safe_load
 
 __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries", "load_entries", "dcp_failure"]
 
@@ -413,8 +413,10 @@ class _ReadIndex:
 
 
 class _WeightsOnlyBytes:
-    """Planner proxy: BYTE_IO values must pass ``torch.load(weights_only=True)`` before the real
-    planner's ``load_bytes`` (DCP's default uses ``weights_only=False``) sees them."""
+    """Planner proxy: BYTE_IO values must pass :func:`ckptq.io.safe_pickle.load_pickled_object`
+    (``weights_only`` plus the trainer state types) before the real planner's ``load_bytes`` (DCP's
+    default uses ``weights_only=False``) sees them; skipped for a planner that trusts pickled
+    objects (``QuantizedLoadPlanner(trust_pickled_objects=True)``)."""
 
     def __init__(self, planner: LoadPlanner, source: str) -> None:
         self._planner = planner
@@ -425,18 +427,15 @@ class _WeightsOnlyBytes:
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
-        try:
-            torch.load(io.BytesIO(value.getvalue()), map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise UnsafeCheckpointError(
-                f"{self._source}: refusing to load non-tensor entry '{fqn}': it cannot be read "
-                f"with torch.load(weights_only=True), so loading it could run code ({e}). Register "
-                f"its classes with torch.serialization.add_safe_globals if you trust them."
-            ) from e
-        except Exception as e:
-            raise CheckpointFormatError(
-                f"{self._source}: non-tensor entry '{fqn}' is corrupt ({type(e).__name__}: {e})"
-            ) from e
+        if not getattr(self._planner, "trust_pickled_objects", False):
+            try:
+                load_pickled_object(io.BytesIO(value.getvalue()), where=f"{self._source}: non-tensor entry '{fqn}'")
+            except UnsafeCheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointFormatError(
+                    f"{self._source}: non-tensor entry '{fqn}' is corrupt ({type(e).__name__}: {e})"
+                ) from e
         value.seek(0)
         self._planner.load_bytes(read_item, value)
 

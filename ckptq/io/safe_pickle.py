@@ -30,6 +30,12 @@ dataclasses; ``CURRENT_DCP_VERSION`` is ``"1.0.0"`` in both).
 
 ckptq's own record (``planner_data[ckptq.contract.CKPTQ_KEY]``) holds builtins only (dict, list, str, int, float, bool,
 None), which need no globals.
+
+Non-tensor (bytes) entries are another matter: DCP ``torch.save``-s each one into its own record and
+its ``DefaultLoadPlanner.load_bytes`` reads it back with ``torch.load(weights_only=False)`` (torch
+2.11 and 2.13 ``default_planner.py``). :func:`load_pickled_object` reads them with torch's own
+``weights_only`` unpickler instead, widened (through ``torch.serialization.safe_globals``) by
+:func:`trainer_state_globals`: the types trainers keep in their state besides tensors.
 """
 
 from __future__ import annotations
@@ -42,9 +48,16 @@ from typing import IO, Any
 
 import torch
 
-from ..errors import UnsafeCheckpointError
+from ..errors import UnsafeCheckpointError, UnsafePickledObjectError
 
-__all__ = ["SafeUnpickler", "safe_load", "safe_loads", "ALLOWED_GLOBALS"]
+__all__ = [
+    "SafeUnpickler",
+    "safe_load",
+    "safe_loads",
+    "ALLOWED_GLOBALS",
+    "trainer_state_globals",
+    "load_pickled_object",
+]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
@@ -197,3 +210,106 @@ def safe_load(file: IO[bytes], *, source: str = "<pickle>") -> Any:
 def safe_loads(data: bytes, *, source: str = "<pickle>") -> Any:
     """:func:`safe_load` from bytes."""
     return safe_load(io.BytesIO(data), source=source)
+
+
+# ------------------------------------------------------------------ non-tensor (bytes) entries
+
+#: how a caller opts in to DCP's own behaviour (``torch.load(weights_only=False)``) for trusted files
+TRUST_OPTION = "QuantizedLoadPlanner(trust_pickled_objects=True)"
+
+
+def trainer_state_globals() -> list[tuple[Any, str]]:
+    """The globals, beyond what ``torch.load(weights_only=True)`` allows by default, that trainers'
+    non-tensor state pickles, as ``(object, "module.name")`` pairs for
+    ``torch.serialization.safe_globals``.
+
+    Each one only rebuilds data; none runs code named by the pickle:
+
+    * numpy arrays, scalars and dtypes, e.g. ``np.random.get_state()`` (a tuple holding a uint32
+      array): ``numpy._core.multiarray._reconstruct`` / ``scalar``, ``numpy.ndarray``,
+      ``numpy.dtype`` and the ``numpy.dtypes`` classes. numpy 2 pickles ``numpy._core``, numpy 1.x
+      ``numpy.core``; both spellings map to the installed numpy's functions. (Object arrays hold
+      pickled Python objects; those go through this same allow-list.) Without numpy: none of these;
+    * ``io.BytesIO`` (``_io.BytesIO``: rebuilt from its bytes, position and ``__dict__``);
+    * ``datetime`` date/time/datetime/timedelta/timezone, ``pathlib`` paths, and the builtins
+      ``frozenset``, ``slice`` and ``range``.
+
+    ``collections.OrderedDict`` / ``Counter``, ``set``, ``complex``, ``bytearray``, ``torch.Size``,
+    dtypes and tensors are on torch's own default list already. torch's unpickler refuses
+    ``collections.defaultdict`` and ``deque`` whatever the list (it allows item assignment only on
+    dicts), so they stay refused.
+    """
+    import builtins
+    import datetime
+    import io as _io
+
+    out: list[tuple[Any, str]] = [(_io.BytesIO, "_io.BytesIO")]
+    out += [(getattr(datetime, n), f"datetime.{n}") for n in ("date", "time", "datetime", "timedelta", "timezone")]
+    out += [(getattr(builtins, n), f"builtins.{n}") for n in ("frozenset", "slice", "range")]
+    out += [(cls, f"{module}.{name}") for (module, name), cls in _path_classes().items()]
+    try:
+        import numpy as np
+    except ImportError:
+        return out
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out += [(multiarray._reconstruct, f"{module}._reconstruct"), (multiarray.scalar, f"{module}.scalar")]
+    out += [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype")]
+    dtypes = getattr(np, "dtypes", None)  # numpy >= 1.25
+    if dtypes is not None:
+        out += [
+            (c, f"numpy.dtypes.{n}") for n, c in vars(dtypes).items() if isinstance(c, type) and issubclass(c, np.dtype)
+        ]
+    return out
+
+
+def load_pickled_object(value: IO[bytes], *, where: str, trust: bool = False) -> Any:
+    """Read one non-tensor (bytes) entry of a DCP checkpoint: a ``torch.save`` record.
+
+    With ``trust=False`` it is read by ``torch.load(weights_only=True)`` with
+    :func:`trainer_state_globals` added for the call only (globals the caller added with
+    ``torch.serialization.add_safe_globals`` stay added and keep working); with ``trust=True`` by
+    ``torch.load(weights_only=False)``, as DCP's ``DefaultLoadPlanner`` does.
+
+    Args:
+        value: the record (a seekable binary file object, e.g. the ``io.BytesIO`` DCP hands to
+            ``load_bytes``); read from its current position.
+        where: the checkpoint and entry, for messages (e.g. ``"/ckpt: 'rng.numpy'"``).
+        trust: run whatever the pickle names (only for checkpoints from a trusted source).
+
+    Raises:
+        UnsafePickledObjectError: the pickle names a global outside both lists; the message names
+            the global(s) and the opt-ins. Nothing from the record was run.
+        pickle.UnpicklingError, EOFError, RuntimeError, ...: a damaged record, as ``torch.load``
+            raises them.
+    """
+    if trust:
+        return torch.load(value, map_location="cpu", weights_only=False)
+    start = value.tell()
+    present = set(torch.serialization.get_safe_globals())
+    extra = [g for g in trainer_state_globals() if g not in present]
+    with torch.serialization.safe_globals(extra):  # removes only what it added
+        try:
+            return torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            value.seek(start)
+            try:
+                names = torch.serialization.get_unsafe_globals_in_checkpoint(value)
+            except Exception:  # noqa: BLE001 - not a zip record: report torch's own reason below
+                names = []
+            reason = str(e).strip().splitlines()
+            detail = next((line for line in reason if "Unsupported" in line or "Can only" in line), reason[-1])
+    if names:
+        why = f"it references global(s) {names}, which are not on"
+    else:
+        why = f"torch's weights_only unpickler refuses it ({detail}) even with"
+    raise UnsafePickledObjectError(
+        f"{where}: refusing to unpickle this non-tensor entry: {why} the allow-list of trainer state "
+        f"types (numpy arrays and RNG state, io.BytesIO, datetime, paths, builtins; see "
+        f"ckptq.io.safe_pickle.trainer_state_globals), so loading it could run code. Nothing from it "
+        f"was run. If you trust where the checkpoint came from, load with {TRUST_OPTION} (what DCP's "
+        f"default planner does), or allow just these globals with torch.serialization.add_safe_globals"
+    ) from None

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -27,9 +28,10 @@ from torch.distributed.tensor import DTensor
 from .. import adapters, chunks
 from ..checksums import check, checksum_key
 from ..contract import Entry, fold_entries, read_checksums
-from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
+from ..errors import CheckpointFormatError, MissingKeyError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box
+from ..io.safe_pickle import load_pickled_object
 from ..metrics import sqnr_db
 from ._common import local_box, local_tensor
 
@@ -153,11 +155,13 @@ class _Decode(_Route):
                 items += self.read(e.keys[spec.name], cbox, self.buffers[spec.name])
         else:
             md = self.p.metadata.state_dict_metadata[t.fqn]
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != t.global_shape:
+            if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointFormatError(
                     f"tensor '{t.fqn}': checkpoint entry is {_describe_md(md)}, the target is a tensor "
                     f"of shape {t.global_shape}"
                 )
+            if tuple(md.size) != t.global_shape:
+                raise _size_mismatch(t.fqn, md.size, t.global_shape)
             self.buffers["values"] = _Buffer(self.region[1], md.properties.dtype)
             items += self.read(t.fqn, self.region, self.buffers["values"])
         return items
@@ -356,7 +360,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     member keeps its own scales and amax (the stack's leading batch dim). Any placement of the
     target works, e.g. ``Shard(d)`` of a member is ``Shard(d + 1)`` of the stack.
 
-    Args:
+    Args (the first three positional, as ``DefaultLoadPlanner``'s in torch 2.11 and 2.13; ckptq's own
+    keyword-only):
+        flatten_state_dict, flatten_sharded_tensors: as for ``DefaultLoadPlanner``.
         allow_partial_load: skip targets missing from the checkpoint instead of raising.
         grouped: stacked FQN -> member FQNs (see above).
         requantize_misaligned: instead of raising ShardingError for a quantized target whose shard
@@ -373,28 +379,44 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             DCP's stock ``FileSystemReader`` the planner verifies each read that covers a whole saved
             chunk (logging once that partial reads are unverified). A checkpoint without checksums
             loads with a one-line notice on the ``ckptq`` logger.
-        **kwargs: passed to ``DefaultLoadPlanner``.
+        trust_pickled_objects: unpickle non-tensor (bytes) entries with
+            ``torch.load(weights_only=False)``, as ``DefaultLoadPlanner`` does: only for
+            checkpoints from a trusted source. Off: see below.
 
-    Non-tensor (bytes) entries are unpickled with ``torch.load(weights_only=True)``.
+    Non-tensor (bytes) entries are unpickled by :func:`ckptq.io.safe_pickle.load_pickled_object`:
+    ``torch.load(weights_only=True)`` plus the types trainers store (numpy arrays, scalars and
+    ``np.random.get_state()``, ``io.BytesIO``, ``datetime``, paths, builtins); any other global
+    raises :class:`ckptq.UnsafePickledObjectError` naming it and ``trust_pickled_objects``.
+
+    Errors keep DCP's phrases, so that callers matching DCP's messages still match: a target
+    missing from the checkpoint raises :class:`ckptq.MissingKeyError` (a ``RuntimeError``, as
+    DCP's) starting "Missing key in checkpoint state_dict: FQN."; a saved size that differs from
+    the target's raises :class:`ckptq.CheckpointFormatError` (a ``ValueError``, as DCP's) starting
+    "Size mismatch between saved ... and current: ...". Raised while planning, ``dcp.load`` wraps
+    them in ``CheckpointException`` as it wraps DCP's own.
 
     Raises (from ``commit_tensor``/``load_bytes``, wrapped by ``dcp.load`` in
     ``CheckpointException``: see :func:`ckptq.io.dcp_failure`):
         ChecksumMismatchError: a whole-chunk read whose bytes differ from the recorded checksum
             (:func:`ckptq.checksums.check`).
+        UnsafePickledObjectError: a bytes entry names a global outside the allow-list.
     """
 
     def __init__(
         self,
-        *,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
         allow_partial_load: bool = False,
+        *,
         strict_dtype: bool = True,
         grouped: Mapping[str, Sequence[str]] | None = None,
         requantize_misaligned: bool = False,
         verify_checksums: bool = True,
-        **kwargs: Any,
+        trust_pickled_objects: bool = False,
     ) -> None:
-        super().__init__(allow_partial_load=allow_partial_load, **kwargs)
+        super().__init__(flatten_state_dict, flatten_sharded_tensors, allow_partial_load)
         self.strict_dtype = strict_dtype
+        self.trust_pickled_objects = trust_pickled_objects
         self.verify_checksums = verify_checksums
         #: set by :class:`ckptq.io.SafeFileSystemReader` when it verifies every record itself.
         self.checksums_verified_by_reader = False
@@ -426,6 +448,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     # ---------------------------------------------------------------- planning
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
+        self._match_pre_2_4_keys()
         rest, mine = {}, {}
         for fqn, obj in self.state_dict.items():
             native = fqn in self._entries and self._entries[fqn].kind == "quantized"
@@ -445,6 +468,27 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             items += self._plan_tensor(fqn, obj)
         return dataclasses.replace(plan, items=items)
 
+    def _match_pre_2_4_keys(self) -> None:
+        """As ``DefaultLoadPlanner.create_local_plan`` (torch 2.11/2.13): checkpoints saved by torch
+        <= 2.3 flattened nested containers differently (a dict holding a list of non-tensors was one
+        entry, not one per list); when checkpoint keys are missing from the flattened targets and
+        the old flattening has some of them, the targets are flattened the old way."""
+        if not self.flatten_state_dict:
+            return
+        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        if not missing:
+            return
+        from torch.distributed.checkpoint import _version
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        _version._derived_version = "2_3"
+        try:
+            old, old_mappings = flatten_state_dict(self.original_state_dict)
+        finally:
+            _version._derived_version = None
+        if old.keys() & missing:
+            self.state_dict, self.mappings = old, old_mappings
+
     def _check_keys_and_sizes(self, targets: dict) -> None:
         """What DCP's default local plan raises as bare RuntimeError / ValueError, as ckptq errors
         naming the entries: targets missing from the checkpoint (unless ``allow_partial_load``) and
@@ -452,19 +496,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         sdm = self.metadata.state_dict_metadata
         missing = [fqn for fqn in targets if fqn not in sdm]
         if missing and not self.allow_partial_load:
-            raise CheckpointFormatError(
-                f"{len(missing)} target(s) are not in the checkpoint: {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}; check the names (inspect the checkpoint with "
-                f"`ckptq inspect`) or pass allow_partial_load=True to skip them"
-            )
+            raise _missing_keys(missing)
         for fqn, obj in targets.items():
             md = sdm.get(fqn)
             size = getattr(obj, "size", None)
             if isinstance(md, TensorStorageMetadata) and callable(size) and tuple(md.size) != tuple(size()):
-                raise CheckpointFormatError(
-                    f"tensor '{fqn}': saved with size {tuple(md.size)}, the target has {tuple(size())}; "
-                    f"load into a tensor of the saved size"
-                )
+                raise _size_mismatch(fqn, md.size, size())
 
     def _check_plain_targets(self, targets: dict, items: list[ReadItem]) -> None:
         """What DCP does not check for ordinary tensors: contiguous DTensor shards, same dtype as
@@ -478,18 +515,24 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 continue
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
-            box = local_box(obj, fqn)
             if self.strict_dtype and md.properties.dtype != obj.dtype:
                 raise CheckpointFormatError(
                     f"tensor '{fqn}': saved as {md.properties.dtype}, the target is {obj.dtype}; "
                     f"load into a {md.properties.dtype} tensor or pass strict_dtype=False to cast"
                 )
-            need = math.prod(box[1])
+            if isinstance(obj, ShardedTensor):  # legacy: any number of local shards, each its own box
+                boxes = [
+                    (tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in (s.metadata for s in obj.local_shards())
+                ]
+            else:
+                boxes = [local_box(obj, fqn)]
+            need = sum(math.prod(b[1]) for b in boxes)
             if covered.get(fqn, 0) != need:
+                where = ", ".join(f"offsets {b[0]}, sizes {b[1]}" for b in boxes) or "none"
                 raise ShardingError(
                     f"tensor '{fqn}': saved chunks cover {covered.get(fqn, 0)} of the {need} elements "
-                    f"of this rank's box (offsets {box[0]}, sizes {box[1]}); the checkpoint is "
-                    f"incomplete (e.g. saved with use_collectives=False) or from another tensor"
+                    f"this rank holds of it ({where}); the checkpoint is incomplete (e.g. saved with "
+                    f"use_collectives=False) or from another tensor"
                 )
 
     def _in_checkpoint(self, fqn: str) -> bool:
@@ -510,16 +553,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             return _Grouped(self, t, None)
         entry = self._entries.get(t.fqn)
         if entry is None:
-            raise CheckpointFormatError(
-                f"tensor '{t.fqn}' ({type(t.local).__name__}) is not in the checkpoint; pass "
-                f"allow_partial_load=True to skip it"
-            )
+            raise _missing_keys([t.fqn])
         if entry.kind == "quantized":
             if tuple(entry.shape) != t.global_shape:
-                raise CheckpointFormatError(
-                    f"tensor '{t.fqn}': checkpoint has logical shape {tuple(entry.shape)}, the target "
-                    f"has {t.global_shape}; load into a tensor of the saved shape"
-                )
+                raise _size_mismatch(t.fqn, entry.shape, t.global_shape, "the logical shape of a quantized tensor")
             src_cls = format_class(entry.format)
             if (
                 t.qt is not None
@@ -607,11 +644,31 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if self._checksums and self.verify_checksums and not self.checksums_verified_by_reader:
             self._verify_read(read_item, value.getbuffer())
-        obj = torch.load(value, weights_only=True)
+        path = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
+        where = f"{path}: non-tensor entry '{read_item.dest_index.fqn}'"
+        obj = load_pickled_object(value, where=where, trust=self.trust_pickled_objects)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _missing_keys(missing: list[str]) -> MissingKeyError:
+    """DCP's "Missing key in checkpoint state_dict: FQN." (torch 2.11/2.13 ``default_planner.py``), and what to do."""
+    more = f" ({len(missing)} targets are missing: {missing[:5]}{' ...' if len(missing) > 5 else ''})"
+    return MissingKeyError(
+        f"Missing key in checkpoint state_dict: {missing[0]}.{more if len(missing) > 1 else ''} Check the "
+        f"names (inspect the checkpoint with `ckptq inspect`) or pass allow_partial_load=True to skip them"
+    )
+
+
+def _size_mismatch(fqn: str, saved, current, what: str = "") -> CheckpointFormatError:
+    """DCP's "Size mismatch between saved S and current: C for FQN" (torch 2.11/2.13
+    ``default_planner.py``; a ``ValueError`` there too), and what to do."""
+    return CheckpointFormatError(
+        f"Size mismatch between saved {torch.Size(saved)} and current: {torch.Size(current)} for {fqn}"
+        f"{f' ({what})' if what else ''}; load into a tensor of the saved size"
+    )
 
 
 def _aligned(target: QuantizedTensor, global_shape, box) -> bool:

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorProperties,
 )
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from .. import adapters, chunks
@@ -84,14 +84,28 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     call ``ckptq.quantize_state_dict`` on the state dict first instead (staging then copies the
     compact bytes).
 
-    Args:
+    Args (the first five positional, as ``DefaultSavePlanner``'s in torch 2.11 and 2.13; ckptq's own
+    keyword-only):
+        flatten_state_dict, flatten_sharded_tensors, dedup_replicated_tensors,
+            dedup_save_to_lowest_rank: as for ``DefaultSavePlanner``.
+        enable_plan_caching: reuse the plans of the previous save while a rank's local plan is
+            unchanged (DCP's plan caching; see below).
         mode: ``"native"`` or ``"high_precision"`` for tensors no rule matches.
         dtype: storage dtype of high-precision entries (default bfloat16).
         rules: ``{fqn_glob: mode}``; the first glob (in insertion order) matching a flattened FQN
             decides its mode (``fnmatch`` syntax, e.g. ``{"*.mlp.*": "high_precision"}``).
         quantize: ``{fqn_glob: format or {"format": ..., **recipe}}``: plain tensors to quantize on
             save (see above).
-        **kwargs: passed to ``DefaultSavePlanner`` (``flatten_state_dict``, ...).
+
+    Plan caching (``enable_plan_caching=True``) uses DCP's caches (``SavePlanner._cached_*``, keyed
+    by the class name), with one difference: a rank's local plan counts as unchanged only if it is
+    equal as a whole -- items with their dtypes, and ``planner_data`` with ckptq's descriptors and
+    the bytes of every per-tensor value -- where DCP's own comparison looks at FQNs, offsets and
+    sizes only. A cached plan therefore never carries a stale descriptor or skips the
+    per-tensor-value check; a rank whose FP8 ``scale_inv`` / NVFP4 ``amax`` changed since the last
+    save sends its whole local plan again, as any rank whose plan changed does. The local plan is
+    cached in :meth:`finish_plan`, once the global plan succeeded (torch 2.13's order; torch 2.11
+    caches it earlier). See ``docs/design.md``, "A drop-in for DCP's default planners".
 
     Descriptors of every quantized entry go to ``metadata.planner_data[ckptq.contract.CKPTQ_KEY]`` as builtins
     (see :mod:`ckptq.contract`); no pickled ckptq class is written.
@@ -99,14 +113,24 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     def __init__(
         self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_replicated_tensors: bool | None = None,
+        dedup_save_to_lowest_rank: bool = False,
+        enable_plan_caching: bool = False,
+        *,
         mode: str = "native",
         dtype: torch.dtype = torch.bfloat16,
         rules: Mapping[str, str] | None = None,
         quantize: QuantizeRules | None = None,
-        **kwargs: Any,
     ) -> None:
-        kwargs.pop("enable_plan_caching", None)  # plans depend on live scalar values: never cached
-        super().__init__(**kwargs)
+        super().__init__(
+            flatten_state_dict,
+            flatten_sharded_tensors,
+            dedup_replicated_tensors,
+            dedup_save_to_lowest_rank,
+            enable_plan_caching,
+        )
         self.mode = validate_mode(mode, "QuantizedSavePlanner")
         self.rules = dict(rules or {})
         for pattern, m in self.rules.items():
@@ -118,6 +142,7 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         validate_rules(self.quantize)
         self._entries: dict[str, _SavedTensor] = {}
         self._objects: dict[str, Any] = {}
+        self._local_plan_to_cache: SavePlan | None = None
 
     # ---------------------------------------------------------------- planning (every rank)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -168,7 +193,11 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                 self.mappings[cfqn] = component_path(path, spec.name)
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
+        caching, self._enable_plan_caching = self._enable_plan_caching, False
+        try:  # DCP's own comparison ignores dtypes and planner_data: compare the whole plan below
+            plan = super().create_local_plan()
+        finally:
+            self._enable_plan_caching = caching
         items = list(plan.items)
         descriptors, scalars = {}, {}
         for entry in self._entries.values():
@@ -185,6 +214,11 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         planner_data[CKPTQ_KEY] = {fqn: desc.as_dict() for fqn, desc in descriptors.items()}  # builtins on the wire
         planner_data[_SCALARS_KEY] = scalars
         self.plan = dataclasses.replace(plan, items=items, planner_data=planner_data)
+        self._local_plan_to_cache = None
+        if caching:
+            if SavePlanner._cached_save_plan.get(self._cached_plans_key) == self.plan:
+                return SavePlan([], usable=False)  # the coordinator reuses what it cached for this rank
+            self._local_plan_to_cache = self.plan  # cached in finish_plan, once the global plan succeeded
         return self.plan
 
     def _native_items(self, entry: _SavedTensor, scalars: dict) -> list[WriteItem]:
@@ -216,6 +250,18 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
     # ---------------------------------------------------------------- global (coordinator)
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = super().create_global_plan(all_plans)
+        # With plan caching DCP hands out its cached Metadata object again; a storage writer may
+        # set attributes on what it gets (ckptq's writers put the checksums into planner_data):
+        # give it a copy, so that nothing of this save leaks into the next one.
+        self.metadata = dataclasses.replace(metadata, planner_data=dict(metadata.planner_data or {}))
+        return plans, self.metadata
+
+    def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan of ``all_plans`` (whole local plans: with plan caching, DCP merges the
+        ones it cached for ranks whose plan did not change) plus ckptq's record: the per-tensor
+        values checked across ranks, the descriptors merged (DCP's caching then keeps the result
+        with its global plan and metadata)."""
         descriptor_sets, scalar_sets, stripped = [], [], []
         for p in all_plans:
             pd = dict(p.planner_data or {})
@@ -224,11 +270,17 @@ class QuantizedSavePlanner(DefaultSavePlanner):
             stripped.append(dataclasses.replace(p, planner_data=pd))
         _check_scalars(scalar_sets)
         tensors = _merge_descriptors(descriptor_sets)
-        global_plan, metadata = super().create_global_plan(stripped)
+        global_plan, metadata = super()._create_global_plan(stripped)
         planner_data = dict(metadata.planner_data or {})
         planner_data[CKPTQ_KEY] = make_record(tensors, world_size=len(all_plans))
-        self.metadata = dataclasses.replace(metadata, planner_data=planner_data)
-        return global_plan, self.metadata
+        return global_plan, dataclasses.replace(metadata, planner_data=planner_data)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        if self._enable_plan_caching and self._local_plan_to_cache is not None:
+            SavePlanner._cached_save_plan[self._cached_plans_key] = self._local_plan_to_cache
+            self._local_plan_to_cache = None
+        return plan
 
     # ---------------------------------------------------------------- writing (every rank)
     def lookup_object(self, index: MetadataIndex) -> Any:
