@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import chunks, ops
-from ..errors import CheckpointFormatError, UnsupportedFormatError
+from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
 from ..ops import FORMATS, format_class
 
 __all__ = [
@@ -86,6 +86,11 @@ class QuantizedTensor(torch.Tensor):
     PER_TENSOR_OVERRIDES: ClassVar[frozenset[str]] = frozenset()
     #: the rowwise block-scale component that :meth:`decode_scale` decodes (None: none)
     SCALE_COMPONENT: ClassVar[str | None] = None
+    #: formats whose stored columnwise copy (recipe option ``columnwise``) is the rowwise encoding
+    #: of the transposed values, transposed back (nvfp4 1x16, fp8_block): columnwise component ->
+    #: the rowwise component of x^T it is. :mod:`ckptq.ops` computes it by running the rowwise
+    #: kernels on x^T. Empty where the kernels compute the copy themselves (mxfp8) or there is none.
+    COLUMNWISE_FROM_TRANSPOSE: ClassVar[dict[str, str]] = {}
     _OPS: ClassVar[dict[Any, Callable]] = {}
 
     _components: dict[str, torch.Tensor]
@@ -158,6 +163,36 @@ class QuantizedTensor(torch.Tensor):
                 # reverse-sorted, as the message has always read ("nvfp4 and fp8_tensor")
                 takers = sorted((f for f, c in FORMATS.items() if name in c.PER_TENSOR_OVERRIDES), reverse=True)
                 raise UnsupportedFormatError(f"{cls.FORMAT}: {name}= applies only to {' and '.join(takers)}")
+
+    @classmethod
+    def check_shape(cls, shape: Sequence[int], recipe: Any) -> None:
+        """Raise QuantizationError when a component of ``recipe`` packs values along a dim whose
+        logical size is not a multiple of the packing (``DimMap.exact``: NVFP4's two E2M1 codes per
+        byte, along K, and along M in the columnwise copy)."""
+        for s in cls.component_specs(shape, recipe):
+            for d in s.dims:
+                if d.exact and shape[d.logical_dim] % d.divisor:
+                    raise QuantizationError(
+                        f"{cls.FORMAT}: dim {d.logical_dim} of shape {tuple(shape)} is {shape[d.logical_dim]}, "
+                        f"not a multiple of {d.divisor}: component '{s.name}' packs {d.divisor} values per "
+                        f"byte along it. Pad that dim or choose another format or recipe."
+                    )
+
+    @classmethod
+    def rowwise_recipe(cls, recipe: Any) -> Any:
+        """``recipe`` without a stored columnwise copy (``recipe`` itself when it has none)."""
+        if getattr(recipe, "columnwise", False):
+            return dataclasses.replace(recipe, columnwise=False)
+        return recipe
+
+    def rowwise_only(self) -> QuantizedTensor:
+        """This tensor without its stored columnwise copy (the same component tensors, no copy);
+        ``self`` when it has none."""
+        recipe = self.rowwise_recipe(self.recipe)
+        if recipe is self.recipe:
+            return self
+        names = [s.name for s in self.component_specs(self.shape, recipe)]
+        return type(self)({k: self._components[k] for k in names}, self.shape, self.dtype, recipe)
 
     @classmethod
     def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:

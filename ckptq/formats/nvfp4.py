@@ -2,7 +2,8 @@
 
 Layout (docs/formats.md, "6. `nvfp4`"), logical (..., M, K), K even: ``data`` uint8 (..., M, K/2) with
 element 2i in the low nibble; ``scale`` float8_e4m3fn (..., M, ceil(K/16)) for 1x16 blocks, or
-(..., ceil(M/16), ceil(K/16)) for 16x16 blocks (``two_d``); ``amax`` fp32 (...).
+(..., ceil(M/16), ceil(K/16)) for 16x16 blocks (``two_d``); ``amax`` fp32 (...); with ``columnwise``
+(1x16) also ``columnwise_data`` uint8 (..., M/2, K) and ``columnwise_scale`` e4m3 (..., ceil(M/16), K).
 Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from .. import numerics, ops
 from ..chunks import ComponentSpec, DimMap
-from ..errors import QuantizationError
+from ..errors import QuantizationError, UnsupportedFormatError
 from .base import QuantizedTensor, check_recipe_flag
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor"]
@@ -25,12 +26,21 @@ NVFP4_BLOCK = 16
 
 @dataclass(frozen=True)
 class NVFP4Recipe:
-    """``nvfp4`` options: ``two_d`` uses 16x16 blocks (TE's default for weights) instead of 1x16."""
+    """``nvfp4`` options: ``two_d`` uses 16x16 blocks (TE's default for weights) instead of 1x16;
+    ``columnwise`` (1x16 only) also stores the columnwise copy (x^T encoded with 1x16 blocks, TE's
+    ``_columnwise_*`` buffers). With 16x16 blocks that copy is the exact transpose: not stored."""
 
     two_d: bool = False
+    columnwise: bool = False
 
     def __post_init__(self):
         check_recipe_flag(self, "nvfp4", "two_d")
+        check_recipe_flag(self, "nvfp4", "columnwise")
+        if self.two_d and self.columnwise:
+            raise UnsupportedFormatError(
+                "nvfp4: columnwise=True with two_d=True: the columnwise copy of 16x16 blocks is the exact "
+                "transpose of the rowwise one (derived on insertion), so there is nothing to store; drop columnwise."
+            )
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -45,6 +55,7 @@ class NVFP4Tensor(QuantizedTensor):
     SOURCE_COMPONENTS = ("data", "scale", "amax")
     PER_TENSOR_OVERRIDES = frozenset({"amax"})
     SCALE_COMPONENT = "scale"
+    COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale": "scale"}
 
     @classmethod
     def kernel_args(cls, recipe: NVFP4Recipe) -> dict:
@@ -70,15 +81,21 @@ class NVFP4Tensor(QuantizedTensor):
         batch = tuple(DimMap(d) for d in range(nd - 2))
         m, k = nd - 2, nd - 1
         bm = NVFP4_BLOCK if recipe.two_d else 1
-        return [
+        specs = [
             ComponentSpec("data", torch.uint8, batch + (DimMap(m), DimMap(k, 2, exact=True))),
             ComponentSpec("scale", torch.float8_e4m3fn, batch + (DimMap(m, bm), DimMap(k, NVFP4_BLOCK))),
             ComponentSpec("amax", torch.float32, batch),
         ]
+        if recipe.columnwise:  # x^T encoded rowwise, stored untransposed: packed and blocked along M
+            specs += [
+                ComponentSpec("columnwise_data", torch.uint8, batch + (DimMap(m, 2, exact=True), DimMap(k))),
+                ComponentSpec("columnwise_scale", torch.float8_e4m3fn, batch + (DimMap(m, NVFP4_BLOCK), DimMap(k))),
+            ]
+        return specs
 
     @classmethod
     def _reference_quantize(cls, x, recipe: NVFP4Recipe, amax=None, scale=None):
-        return numerics.quantize_nvfp4(x, two_d=recipe.two_d, amax=amax)
+        return numerics.quantize_nvfp4(x, two_d=recipe.two_d, amax=amax, columnwise=recipe.columnwise)
 
     @classmethod
     def _reference_dequantize(cls, comps, recipe, dtype):

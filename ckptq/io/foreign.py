@@ -167,6 +167,12 @@ def _per_tensor(qt) -> dict:
     }
 
 
+def _on_grid(qt, shape: tuple, boxes: list) -> bool:
+    """Whether every saved shard box is on the global block grid of ``qt``'s format and recipe."""
+    align = chunks.alignment(type(qt).component_specs(shape, qt.recipe), len(shape))
+    return all(chunks.is_aligned(align, shape, b) for b in boxes)
+
+
 def virtualize(metadata: Metadata, root: Path) -> Metadata:
     """``metadata`` with every foreign tensor entry presented through the ckptq contract (a copy;
     ``metadata`` itself is returned unchanged when it has none).
@@ -225,6 +231,9 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                 f"holds a {producer.get('class', 'foreign') if isinstance(producer, dict) else 'foreign'} "
                 f"tensor of dtype {qt0.dtype}; the metadata and data disagree: restore them or re-save"
             )
+        row = qt0.rowwise_only()
+        if row is not qt0 and not _on_grid(qt0, shape, boxes) and _on_grid(row, shape, boxes):
+            qt0 = row  # columnwise copies quantized on the shards' own blocks: not presented (a load derives them)
         specs = type(qt0).component_specs(shape, qt0.recipe)
         expect = _ShardExpectation(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
         try:
@@ -302,6 +311,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
                 f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
             )
         qt, _ = adapter.to_canonical(payload, exp.fqn)
+        if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
+            qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
         if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
             raise CheckpointFormatError(
                 f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "

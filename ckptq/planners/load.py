@@ -320,7 +320,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     * quantized target, checkpoint native in the same format and recipe: each component is read
       straight into the target's component tensors -- the raw bytes, bit-exact, resharded by
-      DCP's box math on component chunks;
+      DCP's box math on component chunks. The same holds when the recipes differ only in a stored
+      columnwise copy: a target without one reads the rowwise components; a foreign target that
+      holds one (e.g. TransformerEngine) from a checkpoint without it reads the rowwise components
+      and its adapter derives the copy on insertion (requantized: a warning, SQNR in ``derived``);
     * quantized target, checkpoint in another format/recipe or high precision (or a plain DCP
       entry): the source region is decoded and re-encoded with the *target's* recipe through the
       :mod:`ckptq.ops` registry (logged once per tensor). Targets with a per-tensor value (FP8
@@ -508,13 +511,16 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     f"has {t.global_shape}; load into a tensor of the saved shape"
                 )
             src_cls = format_class(entry.format)
-            if (
-                t.qt is not None
-                and type(t.qt) is src_cls
-                and t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.recipe)
-            ):
-                if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
-                    return _Raw(self, t, entry)
+            src_recipe = src_cls._recipe_from_json(entry.descriptor.recipe)
+            if t.qt is not None and type(t.qt) is src_cls:
+                if t.adapter is not None and t.qt.recipe != src_recipe and t.qt.rowwise_only().recipe == src_recipe:
+                    # the checkpoint lacks the columnwise copy the foreign target holds (saved without
+                    # it): read the rowwise copy raw; the adapter derives the copy on insertion
+                    t.qt = t.qt.rowwise_only()
+                # same recipe, or a columnwise copy the target does not keep: the target's components raw
+                if t.qt.recipe in (src_recipe, src_cls.rowwise_recipe(src_recipe)):
+                    if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
+                        return _Raw(self, t, entry)
         if t.qt is None:
             return _ToPlain(self, t, entry)
         if self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,10 +32,12 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, InconsistentScaleError, UnsupportedFormatError
 from ..formats.base import QuantizedTensor
-from ._common import local_box, mode_for
+from ._common import all_boxes, local_box, mode_for
 from .quantize import QuantizeRules, quantize_state_dict, validate_rules
 
 __all__ = ["QuantizedSavePlanner"]
+
+logger = logging.getLogger("ckptq")
 
 _SCALARS_KEY = "__ckptq_scalars__"
 
@@ -150,6 +153,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     if entry.mode == NATIVE:
                         raise
                     # not storable natively; its values (the producer's dequantize) still are
+                else:
+                    entry.qt = _columnwise_on_grid(entry.qt, obj, fqn)
             self._entries[fqn] = entry
             if entry.mode == NATIVE:
                 self._add_component_mappings(entry)
@@ -238,6 +243,32 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if isinstance(obj, _SavedTensor):  # high precision: dequantize this shard now, not earlier
             return obj.values(self.dtype)
         return obj
+
+
+def _columnwise_on_grid(qt: QuantizedTensor, obj: torch.Tensor, fqn: str) -> QuantizedTensor:
+    """A foreign tensor's canonical ``qt``, without its columnwise copy when the shards' copies were
+    quantized on blocks off the global grid while their rowwise copies are on it (e.g. TE 1-D
+    blockwise FP8, 128-row columnwise blocks, over 80-row FSDP shards); decided from every shard's
+    box, so that all ranks agree. A load then derives the copy (requantized, with a warning)."""
+    row = qt.rowwise_only()
+    if row is qt:
+        return qt
+    shape = tuple(obj.shape)
+    boxes = all_boxes(obj, fqn)
+    full, rowwise = (chunks.alignment(t.component_specs(shape, t.recipe), len(shape)) for t in (qt, row))
+    if all(chunks.is_aligned(full, shape, b) for b in boxes) or not all(
+        chunks.is_aligned(rowwise, shape, b) for b in boxes
+    ):
+        return qt  # on the grid, or misaligned anyway (native mode raises naming the cut)
+    logger.warning(
+        "ckptq: tensor '%s': its shards' columnwise copies were quantized on blocks that do not line up "
+        "with the global %s grid (cut granularity %s), so they are not stored; a load into a tensor "
+        "that holds one requantizes it from the loaded values",
+        fqn,
+        qt.FORMAT,
+        full,
+    )
+    return row
 
 
 def _check_scalars(scalar_sets: list[dict]) -> None:
