@@ -305,13 +305,17 @@ def test_bad_recipe_options_raise(fmt, options):
 
 @pytest.mark.parametrize("fmt, recipe", [("nvfp4", {}), ("fp8_block", {"block": (1, 128)})])
 def test_descriptor_without_columnwise_key_reads_as_rowwise_only(fmt, recipe):
-    """Descriptors written before the nvfp4 / fp8_block ``columnwise`` option existed."""
+    """Descriptors written before the nvfp4 / fp8_block ``columnwise`` option existed (and those of
+    tensors without the copy now: the option is left out at its default)."""
     qt = ckptq.quantize(_randn((64, 256)), fmt, **recipe)
     d = qt.descriptor()
-    assert d["recipe"].pop("columnwise") is False
+    assert "columnwise" not in d["recipe"]  # left out at its default: the descriptor older ckptq wrote
     back = ckptq.from_components(d, qt.components())
     assert back.recipe == qt.recipe and not back.recipe.columnwise
     assert_same_components(back, qt, "old descriptor")
+    d["recipe"]["columnwise"] = False  # explicit is read the same
+    assert ckptq.from_components(d, qt.components()).recipe == qt.recipe
+    assert ckptq.quantize(_randn((64, 256)), fmt, columnwise=True, **recipe).descriptor()["recipe"]["columnwise"]
 
 
 @pytest.mark.parametrize("fmt, recipe", [("nvfp4", {}), ("fp8_block", {"block": (1, 128)})])

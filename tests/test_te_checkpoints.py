@@ -108,15 +108,6 @@ WITHOUT_COLUMNWISE = {
 }
 
 
-def _strip_columnwise_recipe(path, fqn):
-    """Make ``path`` what ckptq wrote before it stored these copies: no ``columnwise`` recipe key."""
-    md_path = path / ".metadata"
-    md = pickle.loads(md_path.read_bytes())
-    recipe = md.planner_data["__ckptq__"]["tensors"][fqn]["recipe"]
-    assert recipe.pop("columnwise") is False
-    md_path.write_bytes(pickle.dumps(md))
-
-
 @pytest.mark.parametrize("saved", ["rowwise_usage", "before_columnwise"])
 @pytest.mark.parametrize("name", list(WITHOUT_COLUMNWISE))
 def test_checkpoint_without_columnwise_copy_loads_with_warning(tmp_path, name, saved):
@@ -127,11 +118,12 @@ def test_checkpoint_without_columnwise_copy_loads_with_warning(tmp_path, name, s
     rowwise_only = te.make_te_tensor(x, kind, **opts, columnwise=False)
     if saved == "rowwise_usage":  # a TE tensor that held only its rowwise usage
         dcp.save({"w": rowwise_only}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
-    else:  # the canonical tensor without the copy, as ckptq stored it before this change
+    else:  # the canonical tensor without the copy: the descriptor ckptq wrote before it stored one
         qt = _canonical(src).rowwise_only()
         dcp.save({"w": qt}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
-        if kind != "mxfp8":  # mxfp8's recipe always had the key
-            _strip_columnwise_recipe(tmp_path, "w")
+        recipe = CheckpointView(tmp_path).entry("w").descriptor.recipe
+        assert recipe == ({"columnwise": False} if kind == "mxfp8" else qt._recipe_to_json(qt.recipe))
+        assert kind == "mxfp8" or "columnwise" not in recipe
     assert not any("columnwise" in k for k in CheckpointView(tmp_path).entry("w").keys)
     target = te.garbage_like(src)
     planner = ckptq.QuantizedLoadPlanner()
@@ -342,6 +334,25 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
             local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=(256, 1)
         )
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner() if native else None)
+    # resume: every rank loads into fresh TE shards of the same placement
+    targets = {
+        k: DTensor.from_local(
+            tef.garbage_like(v.to_local()), mesh, placements, run_check=False, shape=v.shape, stride=(256, 1)
+        )
+        for k, v in sd.items()
+    }
+    planner = ckptq.QuantizedLoadPlanner()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(targets, storage_reader=SafeFileSystemReader(root), planner=planner)
+    out = {}
+    for k, v in sd.items():
+        want, got = tef.zero_padding(v.to_local()), tef.zero_padding(targets[k].to_local())
+        out[k] = (
+            sorted(b for b in want if not torch.equal(want[b].view(torch.uint8), got[b].view(torch.uint8))),
+            k in planner.derived,
+        )
+    return out
 
 
 def _reference(name, rows):
@@ -359,11 +370,17 @@ def _reference(name, rows):
 def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
     """Each rank's TE shard (columnwise copies included) is a piece of the whole tensor's: the
     checkpoint reads as the whole TE tensor, every buffer byte for byte, also after resharding
-    the native checkpoint to one rank (N -> M). 64-row shards (fsdp2-tp) cut 128x128 blocks, and
-    the 128-row columnwise blocks of 1-D blockwise FP8: that copy is then not stored."""
+    the native checkpoint to one rank (N -> M); every rank resumes its own shard from it. 64-row
+    shards (fsdp2-tp) cut 128x128 blocks, and the 128-row columnwise blocks of 1-D blockwise FP8:
+    that copy is then neither stored nor loaded raw (requantized on resume, with a warning)."""
     rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns
     names = ("mx", "nv", "nv1", "f8", "bk1") if layout == "fsdp2-tp" else tuple(KINDS)
-    run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout)
+    resumed = run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout)
+    for rank, per_name in enumerate(resumed):  # each rank got its own TE shard back
+        for name, (differ, derived) in per_name.items():
+            off_grid = layout == "fsdp2-tp" and name == "bk1"  # the copy is requantized, with a warning
+            assert differ == (["_columnwise_data", "_columnwise_scale_inv"] if off_grid else []), (rank, name)
+            assert derived == off_grid, (rank, name)
     if native:
         ckptq.reshard_checkpoint(tmp_path / "ck", tmp_path / "one", mesh="1")
     for ck in ("ck", "one") if native else ("ck",):

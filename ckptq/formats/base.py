@@ -91,6 +91,10 @@ class QuantizedTensor(torch.Tensor):
     #: the rowwise component of x^T it is. :mod:`ckptq.ops` computes it by running the rowwise
     #: kernels on x^T. Empty where the kernels compute the copy themselves (mxfp8) or there is none.
     COLUMNWISE_FROM_TRANSPOSE: ClassVar[dict[str, str]] = {}
+    #: recipe options added to the format after its descriptors were first written: a descriptor
+    #: stores one only when it differs from its default, so a tensor that does not use it keeps the
+    #: descriptor it always had (which older ckptq versions read)
+    ADDED_RECIPE_OPTIONS: ClassVar[frozenset[str]] = frozenset()
     _OPS: ClassVar[dict[Any, Callable]] = {}
 
     _components: dict[str, torch.Tensor]
@@ -237,10 +241,14 @@ class QuantizedTensor(torch.Tensor):
         }
 
     @classmethod
-    def _recipe_to_json(cls, recipe) -> dict:
+    def _recipe_to_json(cls, recipe, *, every_option: bool = False) -> dict:
+        """The recipe as JSON builtins; ``ADDED_RECIPE_OPTIONS`` at their defaults are left out
+        unless ``every_option``."""
         out = {}
         for f in dataclasses.fields(recipe):
             v = getattr(recipe, f.name)
+            if not every_option and f.name in cls.ADDED_RECIPE_OPTIONS and v == f.default:
+                continue
             out[f.name] = dtype_to_str(v) if isinstance(v, torch.dtype) else (list(v) if isinstance(v, tuple) else v)
         return out
 

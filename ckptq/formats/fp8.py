@@ -134,6 +134,7 @@ class Float8BlockTensor(QuantizedTensor):
     SOURCE_COMPONENTS = ("data", "scale_inv")
     SCALE_COMPONENT = "scale_inv"
     COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale_inv": "scale_inv"}
+    ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
 
     @classmethod
     def kernel_args(cls, recipe: Float8BlockRecipe) -> dict:

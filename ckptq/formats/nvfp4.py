@@ -56,6 +56,7 @@ class NVFP4Tensor(QuantizedTensor):
     PER_TENSOR_OVERRIDES = frozenset({"amax"})
     SCALE_COMPONENT = "scale"
     COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale": "scale"}
+    ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
 
     @classmethod
     def kernel_args(cls, recipe: NVFP4Recipe) -> dict:

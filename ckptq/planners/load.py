@@ -504,6 +504,8 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 f"tensor '{t.fqn}' ({type(t.local).__name__}) is not in the checkpoint; pass "
                 f"allow_partial_load=True to skip it"
             )
+        if t.adapter is not None:
+            self._foreign_columnwise(t, entry)
         if entry.kind == "quantized":
             if tuple(entry.shape) != t.global_shape:
                 raise CheckpointFormatError(
@@ -513,10 +515,6 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             src_cls = format_class(entry.format)
             src_recipe = src_cls._recipe_from_json(entry.descriptor.recipe)
             if t.qt is not None and type(t.qt) is src_cls:
-                if t.adapter is not None and t.qt.recipe != src_recipe and t.qt.rowwise_only().recipe == src_recipe:
-                    # the checkpoint lacks the columnwise copy the foreign target holds (saved without
-                    # it): read the rowwise copy raw; the adapter derives the copy on insertion
-                    t.qt = t.qt.rowwise_only()
                 # same recipe, or a columnwise copy the target does not keep: the target's components raw
                 if t.qt.recipe in (src_recipe, src_cls.rowwise_recipe(src_recipe)):
                     if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
@@ -526,6 +524,23 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box):
             return _LocalEncode(self, t, entry)
         return _Requantize(self, t, entry)
+
+    @staticmethod
+    def _foreign_columnwise(t: _Target, entry: Entry) -> None:
+        """A foreign target's columnwise copy that the load cannot fill raw is left to its adapter,
+        which derives it on insertion (requantized, with a warning): ``t.qt`` becomes rowwise-only
+        when the checkpoint holds the tensor natively without such a copy (saved without it), or
+        this shard's copy has blocks off the global grid (e.g. TE 1x128 on 80-row shards) while its
+        rowwise copy is on it. (Another source is re-encoded into the whole recipe: the copy then
+        comes from the source's values, as the producer computes it.)"""
+        row = t.qt.rowwise_only()
+        if row is t.qt:
+            return
+        native = entry.kind == "quantized" and entry.format == t.qt.FORMAT
+        lacks = native and row.recipe == type(row)._recipe_from_json(entry.descriptor.recipe)
+        off_grid = not _aligned(t.qt, t.global_shape, t.box) and _aligned(row, t.global_shape, t.box)
+        if lacks or off_grid:
+            t.qt = row
 
     def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         if self.allow_partial_load and not self._in_checkpoint(fqn) and not self._is_grouped(fqn):
