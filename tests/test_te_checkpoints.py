@@ -300,11 +300,13 @@ KINDS = {
 }
 
 
-def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2"):
+def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2", resume=False):
     """Each rank quantizes its shard of the same (rows, 256) weights as a TE tensor (per-tensor
     values from the global amax, as TE's amax reduction gives) and saves the DTensors: FSDP2
     ``Shard(0)``, TP row-parallel ``Shard(1)``, or FSDP2-over-TP ``(_StridedShard(0, 2), Shard(0))``
-    on a (2, 2) mesh."""
+    on a (2, 2) mesh. With ``resume``, every rank then loads into fresh TE shards of the same
+    placement and returns, per tensor, the buffers that differ from its saved shard and whether
+    the load requantized a columnwise copy."""
     import torch.distributed.checkpoint as dcp
     from _te import standin
     from torch.distributed.device_mesh import init_device_mesh
@@ -334,6 +336,8 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
             local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=(256, 1)
         )
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner() if native else None)
+    if not resume:
+        return None
     # resume: every rank loads into fresh TE shards of the same placement
     targets = {
         k: DTensor.from_local(
@@ -375,7 +379,7 @@ def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
     that copy is then neither stored nor loaded raw (requantized on resume, with a warning)."""
     rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns
     names = ("mx", "nv", "nv1", "f8", "bk1") if layout == "fsdp2-tp" else tuple(KINDS)
-    resumed = run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout)
+    resumed = run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout, True)
     for rank, per_name in enumerate(resumed):  # each rank got its own TE shard back
         for name, (differ, derived) in per_name.items():
             off_grid = layout == "fsdp2-tp" and name == "bk1"  # the copy is requantized, with a warning
