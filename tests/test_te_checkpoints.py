@@ -443,6 +443,9 @@ def test_cli_commands_a_te_user_runs(te_ckpt, tmp_path):
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("layers.2.mxfp8_sw.weight"))
     assert "mxfp8" in line and "native" in line and "transformer_engine MXFP8Tensor" in line
+    for name, fmt in [("layers.5.nvfp4_1d_sw.weight", "nvfp4"), ("layers.8.blk_1d.weight", "fp8_block")]:
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(name))
+        assert line.split()[1] == f"{fmt}+columnwise", line  # the stored columnwise copy is shown
     r = runner.invoke(app, ["convert", str(path), str(tmp_path / "native"), "--to", "native"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["verify", str(path), str(tmp_path / "native")])  # the TE view vs its copy
