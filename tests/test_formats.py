@@ -793,3 +793,23 @@ def test_property_layout_roundtrip_and_cuts(case, data, backend):
     else:
         with pytest.raises(ckptq.ShardingError):
             qt.narrow(dim, start, end - start)
+
+
+def test_columnwise_on_grid_drops_only_an_off_grid_copy():
+    """Shards whose columnwise blocks (along M) are off the global grid, while their rowwise blocks
+    are on it, give no global copy: rowwise_only(); else the tensor itself."""
+    x = _randn((256, 256), seed=6)
+
+    def rows(*cuts):
+        return [((a, 0), (b - a, 256)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    bk = ckptq.quantize(x, "fp8_block", block=(1, 128), columnwise=True)
+    assert bk.columnwise_on_grid((256, 256), rows(0, 128, 256)) is bk
+    assert bk.columnwise_on_grid((256, 256), rows(0, 80, 160, 256)).recipe == bk.rowwise_only().recipe
+    nv = ckptq.quantize(x, "nvfp4", columnwise=True)
+    assert nv.columnwise_on_grid((256, 256), rows(0, 16, 256)) is nv
+    assert not nv.columnwise_on_grid((256, 256), rows(0, 8, 256)).recipe.columnwise
+    cols = [((0, 0), (256, 8)), ((0, 8), (256, 248))]  # the rowwise 1x16 blocks are cut: kept (the cut raises later)
+    assert nv.columnwise_on_grid((256, 256), cols) is nv
+    plain = ckptq.quantize(x, "nvfp4")
+    assert plain.columnwise_on_grid((256, 256), rows(0, 8, 256)) is plain

@@ -198,6 +198,21 @@ class QuantizedTensor(torch.Tensor):
         names = [s.name for s in self.component_specs(self.shape, recipe)]
         return type(self)({k: self._components[k] for k in names}, self.shape, self.dtype, recipe)
 
+    def columnwise_on_grid(self, global_shape: Sequence[int], boxes: Sequence[chunks.Box]) -> QuantizedTensor:
+        """This tensor (a shard of one of ``global_shape``), or :meth:`rowwise_only` when the shard
+        ``boxes`` cut blocks of the columnwise copy's global grid but not of the rowwise one's: a
+        producer that quantized each shard's copy on the shard's own blocks (e.g. TransformerEngine
+        1-D blockwise FP8, 128-row columnwise blocks, on 80-row FSDP shards) gives no global copy."""
+        row = self.rowwise_only()
+        if row is self:
+            return self
+
+        def on_grid(t: QuantizedTensor) -> bool:
+            align = chunks.alignment(t.component_specs(global_shape, t.recipe), len(global_shape))
+            return all(chunks.is_aligned(align, global_shape, b) for b in boxes)
+
+        return row if not on_grid(self) and on_grid(row) else self
+
     @classmethod
     def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:
         """The ``SCALE_COMPONENT`` tensor ``t`` decoded to fp32 (the default: a plain cast)."""

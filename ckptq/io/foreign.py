@@ -167,12 +167,6 @@ def _per_tensor(qt) -> dict:
     }
 
 
-def _on_grid(qt, shape: tuple, boxes: list) -> bool:
-    """Whether every saved shard box is on the global block grid of ``qt``'s format and recipe."""
-    align = chunks.alignment(type(qt).component_specs(shape, qt.recipe), len(shape))
-    return all(chunks.is_aligned(align, shape, b) for b in boxes)
-
-
 def virtualize(metadata: Metadata, root: Path) -> Metadata:
     """``metadata`` with every foreign tensor entry presented through the ckptq contract (a copy;
     ``metadata`` itself is returned unchanged when it has none).
@@ -231,9 +225,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                 f"holds a {producer.get('class', 'foreign') if isinstance(producer, dict) else 'foreign'} "
                 f"tensor of dtype {qt0.dtype}; the metadata and data disagree: restore them or re-save"
             )
-        row = qt0.rowwise_only()
-        if row is not qt0 and not _on_grid(qt0, shape, boxes) and _on_grid(row, shape, boxes):
-            qt0 = row  # columnwise copies quantized on the shards' own blocks: not presented (a load derives them)
+        qt0 = qt0.columnwise_on_grid(shape, boxes)  # shards' own columnwise blocks: not presented (derived on load)
         specs = type(qt0).component_specs(shape, qt0.recipe)
         expect = _ShardExpectation(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
         try:

@@ -537,10 +537,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if row is t.qt:
             return
         native = entry.kind == "quantized" and entry.format == t.qt.FORMAT
-        lacks = native and row.recipe == type(row)._recipe_from_json(entry.descriptor.recipe)
-        off_grid = not _aligned(t.qt, t.global_shape, t.box) and _aligned(row, t.global_shape, t.box)
-        if lacks or off_grid:
+        if native and row.recipe == type(row)._recipe_from_json(entry.descriptor.recipe):
             t.qt = row
+        else:
+            t.qt = t.qt.columnwise_on_grid(t.global_shape, [t.box])
 
     def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         if self.allow_partial_load and not self._in_checkpoint(fqn) and not self._is_grouped(fqn):

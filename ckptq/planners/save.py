@@ -246,29 +246,19 @@ class QuantizedSavePlanner(DefaultSavePlanner):
 
 
 def _columnwise_on_grid(qt: QuantizedTensor, obj: torch.Tensor, fqn: str) -> QuantizedTensor:
-    """A foreign tensor's canonical ``qt``, without its columnwise copy when the shards' copies were
-    quantized on blocks off the global grid while their rowwise copies are on it (e.g. TE 1-D
-    blockwise FP8, 128-row columnwise blocks, over 80-row FSDP shards); decided from every shard's
-    box, so that all ranks agree. A load then derives the copy (requantized, with a warning)."""
-    row = qt.rowwise_only()
-    if row is qt:
-        return qt
-    shape = tuple(obj.shape)
-    boxes = all_boxes(obj, fqn)
-    full, rowwise = (chunks.alignment(t.component_specs(shape, t.recipe), len(shape)) for t in (qt, row))
-    if all(chunks.is_aligned(full, shape, b) for b in boxes) or not all(
-        chunks.is_aligned(rowwise, shape, b) for b in boxes
-    ):
-        return qt  # on the grid, or misaligned anyway (native mode raises naming the cut)
-    logger.warning(
-        "ckptq: tensor '%s': its shards' columnwise copies were quantized on blocks that do not line up "
-        "with the global %s grid (cut granularity %s), so they are not stored; a load into a tensor "
-        "that holds one requantizes it from the loaded values",
-        fqn,
-        qt.FORMAT,
-        full,
-    )
-    return row
+    """A foreign tensor's canonical ``qt``, without its columnwise copy when its shards' copies are
+    off the global grid (:meth:`QuantizedTensor.columnwise_on_grid`), decided from every shard's
+    box so that all ranks agree. A load then derives the copy (requantized, with a warning)."""
+    kept = qt.columnwise_on_grid(tuple(obj.shape), all_boxes(obj, fqn))
+    if kept is not qt:
+        logger.warning(
+            "ckptq: tensor '%s' (%s): its shards' columnwise copies were quantized on blocks that do not line "
+            "up with the global grid, so they are not stored; a load into a tensor that holds one requantizes "
+            "it from the loaded values",
+            fqn,
+            qt.FORMAT,
+        )
+    return kept
 
 
 def _check_scalars(scalar_sets: list[dict]) -> None:
