@@ -596,7 +596,7 @@ def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:
     if cls is None:
         return
     try:
-        canonical = cls._recipe_to_json(cls._recipe_from_json(recipe))
+        canonical = cls._recipe_to_json(cls._recipe_from_json(recipe), every_option=True)
     except Exception as e:  # an invalid option value
         raise CheckpointFormatError(
             f"{where} ({fmt}): invalid recipe {_short(recipe)} ({type(e).__name__}: "

@@ -59,6 +59,7 @@ __all__ = [
     "mxfp4_scale_from_amax",
     "quantize_mxfp4",
     "dequantize_mxfp4",
+    "columnwise_copy",
 ]
 
 #: The high-precision dtypes: what ckptq quantizes from, dequantizes to and stores high-precision
@@ -242,17 +243,38 @@ def quantize_fp8_block(
     *,
     pow2: bool = True,
     eps: float = 0.0,
+    columnwise: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Blockwise FP8. x (..., M, K) -> data fp8 (..., M, K), scale_inv fp32 (..., ceil(M/bm), ceil(K/bk)).
 
     Per block (ragged edges: amax over real elements only) the FP8 scale rule of
     :func:`fp8_scale_from_amax` with ``pow2`` (default on, as TE's ``Float8BlockScaling``).
+    With ``columnwise`` also the columnwise copy (:func:`columnwise_copy`): columnwise_data fp8
+    (..., M, K) and columnwise_scale_inv fp32 (..., ceil(M/bk), ceil(K/bm)), the rowwise encoding
+    of x^T with the same block, transposed back (TE's 1-D ``Float8BlockwiseQTensor`` columnwise).
     """
     xb = blocked_view(_f32(x), block)
     amax = _amax(xb, (-3, -1))
     scale = fp8_scale_from_amax(amax, FP8_MAX[fp8_dtype], pow2=pow2, eps=eps)
     data = cast_fp8(xb * scale[..., :, None, :, None], fp8_dtype)
-    return {"data": unblock(data, x.shape), "scale_inv": torch.reciprocal(scale)}
+    out = {"data": unblock(data, x.shape), "scale_inv": torch.reciprocal(scale)}
+    if columnwise:
+        t = quantize_fp8_block(x.mT.contiguous(), block, fp8_dtype, pow2=pow2, eps=eps)
+        out.update(columnwise_copy(t, {"columnwise_data": "data", "columnwise_scale_inv": "scale_inv"}))
+    return out
+
+
+def columnwise_copy(transposed: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """The columnwise components of x from the rowwise components of x^T (``transposed``, each
+    of shape (..., K', M')): ``{columnwise name: transposed[rowwise name].mT}``, contiguous.
+
+    This is how TransformerEngine defines the columnwise copy of NVFP4 1x16 and 1-D blockwise FP8
+    tensors: the transpose of the high-precision input quantized rowwise (TE ``main`` d0067d0,
+    ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py`` ``NVFP4QuantizerRef._quantize``
+    and ``tests/pytorch/references/blockwise_quantizer_reference.py`` ``_quantize_vector_tiling``,
+    which TE's tests match byte for byte against its kernels). ckptq stores it untransposed.
+    """
+    return {cw: transposed[rw].mT.contiguous() for cw, rw in names.items()}
 
 
 def dequantize_fp8_block(
@@ -413,7 +435,7 @@ def nvfp4_convert_per_tensor(value: torch.Tensor, src: str, dst: str, scale: tor
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, *, two_d: bool = False, amax: torch.Tensor | None = None
+    x: torch.Tensor, *, two_d: bool = False, amax: torch.Tensor | None = None, columnwise: bool = False
 ) -> dict[str, torch.Tensor]:
     """NVFP4. x (..., M, K), K even -> data uint8 (..., M, K/2), scale e4m3 (..., M, ceil(K/16)) or
     (..., ceil(M/16), ceil(K/16)) with ``two_d``, amax fp32 (...).
@@ -421,7 +443,11 @@ def quantize_nvfp4(
     Order: ``S_enc`` (:func:`nvfp4_global_encode_scale`), ``S_dec = 1 / S_enc``; per block
     ``s = e4m3_rne_sat(amax_block * (S_enc * (1/6)))``; ``enc = min(1 / (float(s) * S_dec), FLT_MAX)``;
     ``code = e2m1_rne(clamp(x * enc, -6, 6))``. ``amax`` overrides the tensor's own amax so that
-    shards of one tensor share it.
+    shards of one tensor share it. With ``columnwise`` (1x16 only; M even) also the columnwise
+    copy (:func:`columnwise_copy`): x^T encoded rowwise with the same amax (TE's columnwise amax
+    equals the rowwise one without a Hadamard transform), transposed back: columnwise_data uint8
+    (..., M/2, K), rows 2i and 2i+1 in the low and high nibble, columnwise_scale e4m3
+    (..., ceil(M/16), K).
     """
     x = _f32(x)
     batch = x.shape[:-2]
@@ -435,7 +461,11 @@ def quantize_nvfp4(
     enc = torch.fmin(torch.reciprocal(s.to(_F32) * s_dec[..., None, None]), torch.tensor(FLT_MAX, dtype=_F32))
     v = (xb * enc[..., :, None, :, None]).clamp(-6.0, 6.0)
     codes = unblock(e2m1_encode(v), x.shape)
-    return {"data": pack_fp4(codes), "scale": s, "amax": a}
+    out = {"data": pack_fp4(codes), "scale": s, "amax": a}
+    if columnwise:
+        t = quantize_nvfp4(x.mT.contiguous(), amax=a)
+        out.update(columnwise_copy(t, {"columnwise_data": "data", "columnwise_scale": "scale"}))
+    return out
 
 
 def dequantize_nvfp4(

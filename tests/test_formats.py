@@ -34,6 +34,8 @@ CASES = [
     ("nvfp4", {"two_d": True}),
     ("mxfp4", {}),
     ("mxfp4", {"scale_rule": "rceil"}),
+    ("fp8_block", {"block": (1, 128), "columnwise": True}),
+    ("nvfp4", {"columnwise": True}),
 ]
 IDS = [f"{f}-" + ",".join(f"{k}={v}" for k, v in r.items()) for f, r in CASES]
 CLASSES = {
@@ -59,10 +61,14 @@ def _layout(fmt: str, recipe: dict, shape) -> dict:
     if fmt == "fp8_block":
         bm, bk = recipe.get("block", (128, 128))
         fp8 = recipe.get("fp8_dtype", E4M3)
-        return {
+        out = {
             "data": (fp8, batch + [(m, 1), (k, 1)]),
             "scale_inv": (torch.float32, batch + [(m, bm), (k, bk)]),
         }
+        if recipe.get("columnwise"):  # x^T with (bm, bk) blocks, stored untransposed: (bk, bm) blocks
+            out["columnwise_data"] = (fp8, batch + [(m, 1), (k, 1)])
+            out["columnwise_scale_inv"] = (torch.float32, batch + [(m, bk), (k, bm)])
+        return out
     if fmt == "mxfp8":
         out = {
             "data": (E4M3, batch + [(m, 1), (k, 1)]),
@@ -73,11 +79,15 @@ def _layout(fmt: str, recipe: dict, shape) -> dict:
             out["columnwise_scale"] = (torch.uint8, batch + [(m, 32), (k, 1)])
         return out
     if fmt == "nvfp4":
-        return {
+        out = {
             "data": (torch.uint8, batch + [(m, 1), (k, 2)]),
             "scale": (E4M3, batch + [(m, 16 if recipe.get("two_d") else 1), (k, 16)]),
             "amax": (torch.float32, batch),
         }
+        if recipe.get("columnwise"):  # x^T with 1x16 blocks, stored untransposed: packed along M
+            out["columnwise_data"] = (torch.uint8, batch + [(m, 2), (k, 1)])
+            out["columnwise_scale"] = (E4M3, batch + [(m, 16), (k, 1)])
+        return out
     if fmt == "mxfp4":
         return {
             "data": (torch.uint8, batch + [(m, 1), (k, 2)]),
@@ -140,6 +150,10 @@ def test_component_layout(fmt, recipe, shape, backend):
     if fmt in ("nvfp4", "mxfp4") and shape[-1] % 2:
         pytest.skip("odd K is an error for nvfp4 and mxfp4 (tested below)")
     x = _randn(shape, seed=2, dtype=torch.bfloat16)
+    if fmt == "nvfp4" and recipe.get("columnwise") and shape[-2] % 2:  # its copy is packed along M
+        with pytest.raises(ckptq.QuantizationError, match=r"dim .* not a multiple of 2: component 'columnwise_data'"):
+            ckptq.quantize(x, fmt, **recipe)
+        return
     qt = ckptq.quantize(x, fmt, **recipe)
     assert type(qt) is CLASSES[fmt]
     assert isinstance(qt, ckptq.QuantizedTensor) and isinstance(qt, torch.Tensor)
@@ -284,6 +298,11 @@ BAD_OPTIONS = [
     ("mxfp4", {"amax": 1.0}),
     ("mxfp4", {"scale": 1.0}),
     ("mxfp4", {"two_d": True}),
+    ("nvfp4", {"columnwise": "yes"}),
+    ("fp8_block", {"columnwise": "yes", "block": (1, 128)}),
+    ("nvfp4", {"two_d": True, "columnwise": True}),  # 16x16: the copy is the transpose, nothing to store
+    ("fp8_block", {"columnwise": True}),  # 128x128: likewise
+    ("fp8_block", {"columnwise": True, "block": (32, 32)}),
     ("fp8_block", {"amax": 1.0}),
     ("mxfp8", {"amax": 1.0}),
     ("mxfp8", {"scale": 1.0}),
@@ -299,6 +318,43 @@ def test_bad_recipe_options_raise(fmt, options):
     with pytest.raises(ckptq.UnsupportedFormatError) as ei:
         ckptq.quantize(torch.randn(4, 256), fmt, **options)
     assert fmt in str(ei.value)
+
+
+@pytest.mark.parametrize("fmt, recipe", [("nvfp4", {}), ("fp8_block", {"block": (1, 128)})])
+def test_descriptor_without_columnwise_key_reads_as_rowwise_only(fmt, recipe):
+    """Descriptors written before the nvfp4 / fp8_block ``columnwise`` option existed (and those of
+    tensors without the copy now: the option is left out at its default)."""
+    qt = ckptq.quantize(_randn((64, 256)), fmt, **recipe)
+    d = qt.descriptor()
+    assert "columnwise" not in d["recipe"]  # left out at its default: the descriptor older ckptq wrote
+    back = ckptq.from_components(d, qt.components())
+    assert back.recipe == qt.recipe and not back.recipe.columnwise
+    assert_same_components(back, qt, "old descriptor")
+    d["recipe"]["columnwise"] = False  # explicit is read the same
+    assert ckptq.from_components(d, qt.components()).recipe == qt.recipe
+    assert ckptq.quantize(_randn((64, 256)), fmt, columnwise=True, **recipe).descriptor()["recipe"]["columnwise"]
+
+
+@pytest.mark.parametrize("fmt, recipe", [("nvfp4", {}), ("fp8_block", {"block": (1, 128)})])
+def test_columnwise_copy_is_the_transposed_encoding(fmt, recipe, backend):
+    """The stored columnwise copy is the rowwise encoding of x^T (same amax), transposed back, and
+    rowwise_only() drops exactly it; requantize into the recipe computes the same bytes."""
+    x = _randn((2, 96, 256), seed=4) * torch.logspace(-2, 1, 96)[:, None]
+    qt = ckptq.quantize(x, fmt, columnwise=True, **recipe)
+    t = ckptq.quantize(x.mT.contiguous(), fmt, **recipe).components()
+    c = qt.components()
+    scale = "scale" if fmt == "nvfp4" else "scale_inv"
+    assert_same_bytes(c["columnwise_data"], t["data"].mT, "columnwise_data")
+    assert_same_bytes(c[f"columnwise_{scale}"], t[scale].mT, f"columnwise_{scale}")
+    row = qt.rowwise_only()
+    assert_same_components(row, ckptq.quantize(x, fmt, **recipe), "rowwise_only")
+    assert row.rowwise_only() is row
+    src = ckptq.quantize(x, "mxfp8")
+    assert_same_components(
+        ckptq.requantize(src, fmt, columnwise=True, **recipe),
+        ckptq.quantize(src.dequantize(), fmt, columnwise=True, **recipe),
+        "requantize",
+    )
 
 
 def test_flag_options_accept_bools_and_ints():
@@ -522,6 +578,8 @@ UNALIGNED = [
     (7, 0, 8, 16, 8, 16),  # nvfp4 16x16 along M
     (8, 1, 16, 32, 16, 32),  # mxfp4 along K
     (9, 1, 32, 1, 33, 32),  # mxfp4: odd cut would also split a packed byte
+    (10, 0, 64, 64, 64, 128),  # fp8_block 1x128 columnwise copy has 128x1 blocks: rows too
+    (11, 0, 8, 16, 8, 16),  # nvfp4 1x16 columnwise copy has 16x1 blocks: rows too
 ]
 
 
@@ -712,10 +770,12 @@ from hypothesis import strategies as st  # noqa: E402
 def _shaped_case(draw):
     i = draw(st.integers(0, len(CASES) - 1))
     fmt, recipe = CASES[i]
-    if fmt == "fp8_block":
-        recipe = {**recipe, "block": draw(st.sampled_from([(1, 128), (4, 8), (16, 16), (3, 5)]))}
+    columnwise = recipe.get("columnwise", False)
+    if fmt == "fp8_block":  # a columnwise copy of square blocks is refused (it is the transpose)
+        blocks = [(1, 128), (4, 8), (3, 5)] + ([] if columnwise else [(16, 16)])
+        recipe = {**recipe, "block": draw(st.sampled_from(blocks))}
     batch = draw(st.lists(st.integers(1, 3), max_size=1))
-    m = draw(st.integers(1, 70))
+    m = draw(st.integers(1, 35)) * 2 if fmt == "nvfp4" and columnwise else draw(st.integers(1, 70))
     k = draw(st.integers(1, 50)) * 2
     return fmt, recipe, (*batch, m, k), draw(st.integers(0, 2**16))
 
@@ -806,3 +866,23 @@ def test_nvfp4_with_per_tensor_keeps_codes_and_bounds_the_decode():
                 assert u2 == 0 and torch.equal(back.dequantize(), b)
     assert qt.with_per_tensor("amax") == (qt, 0)
     assert 0 < max(worst.values()) <= 2, worst
+
+
+def test_columnwise_on_grid_drops_only_an_off_grid_copy():
+    """Shards whose columnwise blocks (along M) are off the global grid, while their rowwise blocks
+    are on it, give no global copy: rowwise_only(); else the tensor itself."""
+    x = _randn((256, 256), seed=6)
+
+    def rows(*cuts):
+        return [((a, 0), (b - a, 256)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+    bk = ckptq.quantize(x, "fp8_block", block=(1, 128), columnwise=True)
+    assert bk.columnwise_on_grid((256, 256), rows(0, 128, 256)) is bk
+    assert bk.columnwise_on_grid((256, 256), rows(0, 80, 160, 256)).recipe == bk.rowwise_only().recipe
+    nv = ckptq.quantize(x, "nvfp4", columnwise=True)
+    assert nv.columnwise_on_grid((256, 256), rows(0, 16, 256)) is nv
+    assert not nv.columnwise_on_grid((256, 256), rows(0, 8, 256)).recipe.columnwise
+    cols = [((0, 0), (256, 8)), ((0, 8), (256, 248))]  # the rowwise 1x16 blocks are cut: kept (the cut raises later)
+    assert nv.columnwise_on_grid((256, 256), cols) is nv
+    plain = ckptq.quantize(x, "nvfp4")
+    assert plain.columnwise_on_grid((256, 256), rows(0, 8, 256)) is plain

@@ -1,8 +1,8 @@
 """Kernel backends vs the reference (the spec), byte for byte, plus the op registry.
 
 Every source -> target pair over {fp32, bf16, fp16, fp8_tensor, fp8_block, mxfp8, nvfp4, mxfp4} with
-the recipes (fp8 e4m3/e5m2, pow2 on/off, blocks (1,128)/(128,128), mxfp8 columnwise, nvfp4 two_d,
-the four mxfp4 scale rules), on
+the recipes (fp8 e4m3/e5m2, pow2 on/off, blocks (1,128)/(128,128), columnwise copies (mxfp8, nvfp4 1x16,
+fp8_block 1x128), nvfp4 two_d, the four mxfp4 scale rules), on
 random, ragged and batched shapes and on edge inputs, must give the reference's bytes
 (``ckptq.metrics.bit_exact`` compares ``.view(torch.uint8)``, NaN payloads included). The helpers
 take a device so that ``test_kernels_cuda.py`` runs the same cases on the GPU.
@@ -55,6 +55,9 @@ TARGETS = [
     ("mxfp4", {"scale_rule": "even"}),
     ("mxfp4", {"scale_rule": "ceil"}),
     ("mxfp4", {"scale_rule": "rceil"}),
+    # columnwise copies the ops compute by running the rowwise kernels on x^T
+    ("fp8_block", {"block": (1, 128), "columnwise": True}),
+    ("nvfp4", {"columnwise": True}),
 ]
 
 
@@ -295,6 +298,7 @@ def amax_scale_cases():
         ("nvfp4", {"two_d": True}, {"amax": nan}),
         ("nvfp4", {}, {"amax": inf}),
         ("nvfp4", {}, {"amax": torch.tensor([3.0, 1e-3, 1e30])}),  # one per matrix
+        ("nvfp4", {"columnwise": True}, {"amax": torch.tensor([3.0, 1e-3, 1e30])}),  # the copy shares it
         ("fp8_tensor", {}, {"amax": 0.5}),
         ("fp8_tensor", {"fp8_dtype": E5M2, "pow2": True}, {"amax": torch.tensor([nan, inf, 2.0])}),
         ("fp8_tensor", {}, {"scale": 1e6}),  # saturation

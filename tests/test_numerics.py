@@ -732,6 +732,31 @@ def test_nvfp4_matches_spec(shape, two_d, nonfinite, backend):
         np.testing.assert_array_equal(deq[b], _spec_nvfp4_decode(codes, scodes, amax, two_d))
 
 
+@pytest.mark.parametrize("shape", [(2, 38, 70), (18, 48)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_block"])
+@pytest.mark.parametrize("nonfinite", [False, True], ids=["finite", "naninf"])
+def test_columnwise_copy_matches_spec(shape, fmt, nonfinite, backend):
+    """NVFP4 1x16 and FP8-block 1x128 columnwise copies: x^T encoded by the rowwise spec (NVFP4 with
+    the tensor's amax), stored untransposed (docs/formats.md; TE's columnwise buffers)."""
+    x = _spec_input(shape, seed=16)
+    if nonfinite:
+        x = _with_nan_inf(x)
+    recipe = {"block": (1, 128)} if fmt == "fp8_block" else {}
+    qt = ckptq.quantize(x, fmt, columnwise=True, **recipe)
+    c = {k: v.reshape(-1, *v.shape[-2:]) if v.ndim >= 2 else v.reshape(-1) for k, v in qt.components().items()}
+    for b in range(int(np.prod(shape[:-2], dtype=np.int64))):
+        xt = x.reshape(-1, *shape[-2:])[b].numpy().T.copy()
+        if fmt == "nvfp4":
+            codes, scodes, _ = _spec_nvfp4(xt, False, amax=c["amax"][b].item())
+            np.testing.assert_array_equal(N.unpack_fp4(c["columnwise_data"][b].mT.contiguous()).numpy(), codes)
+            assert_codes_equal(c["columnwise_scale"][b].mT.contiguous().view(torch.uint8).numpy(), scodes, E4M3)
+        else:
+            codes, sinv = _spec_fp8_block(xt, (1, 128), E4M3, True, 0.0)
+            assert_codes_equal(c["columnwise_data"][b].mT.contiguous().view(torch.uint8).numpy(), codes, E4M3)
+            got = c["columnwise_scale_inv"][b].mT.contiguous().numpy()
+            np.testing.assert_array_equal(got.view(np.uint32), sinv.view(np.uint32))
+
+
 @pytest.mark.parametrize("amax", [0.5, 3.0, 1e-3, 0.0, INF])
 def test_nvfp4_amax_override_matches_spec(amax, backend):
     x = _spec_input((20, 64), seed=15, specials=False)

@@ -100,6 +100,33 @@ def test_dry_run_writes_nothing_and_reports_misaligned(src, tmp_path):
     assert not any(p.name.startswith(".dst") for p in tmp_path.iterdir())  # no temporary left behind
 
 
+def test_reshard_keeps_columnwise_copies(tmp_path):
+    """NVFP4 1x16 and FP8-block 1x128 columnwise copies survive N -> M reshards byte for byte; their
+    blocks along M (16 and 128 rows) are cuts the plan must respect."""
+    g = torch.Generator().manual_seed(5)
+    sd = {
+        "nv": ckptq.quantize(torch.randn(256, 192, generator=g), "nvfp4", columnwise=True),
+        "bk": ckptq.quantize(torch.randn(256, 384, generator=g), "fp8_block", block=(1, 128), columnwise=True),
+    }
+    dcp.save(sd, checkpoint_id=str(tmp_path / "src"), planner=ckptq.QuantizedSavePlanner())
+    ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "two", mesh="2")  # fsdp2: 128-row shards
+    ckptq.reshard_checkpoint(tmp_path / "two", tmp_path / "tp", mesh="dp_shard=2,tp=2", plan="fsdp2-tp")
+    ckptq.reshard_checkpoint(tmp_path / "tp", tmp_path / "one", mesh="1")
+    for ck in ("two", "tp", "one"):
+        view = CheckpointView(tmp_path / ck)
+        for k, v in sd.items():
+            assert any(c.startswith("columnwise") for c in view.entry(k).keys), (ck, k)
+            assert _same(view.read(k), v), (ck, k)
+    targets = {k: torch.empty_like(v) for k, v in sd.items()}
+    dcp.load(targets, checkpoint_id=str(tmp_path / "tp"), planner=ckptq.QuantizedLoadPlanner())
+    assert all(_same(targets[k], v) for k, v in sd.items())
+    mesh = parse_mesh("3")
+    plan = plan_reshard(CheckpointView(tmp_path / "src"), mesh, parse_placement_rules(mesh, "fsdp2"))
+    problems = {j.fqn: j.problem for j in plan.jobs if j.problem}
+    assert set(problems) == {"nv", "bk"}  # rows 0..85: inside a 16-row (nv) and a 128-row (bk) columnwise block
+    assert "16" in problems["nv"] and "128" in problems["bk"]
+
+
 def test_misaligned_high_precision_export(src, tmp_path):
     path, sd = src
     dst = tmp_path / "dst"

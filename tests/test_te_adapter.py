@@ -5,8 +5,9 @@ TE main and #2974-era objects:
 1. live TE tensor -> ``to_canonical``: components equal ``ckptq.quantize`` of the same input byte for
    byte, and ``qt.dequantize()`` equals the stand-in's TE-order dequantize bit for bit;
 2. ``to_canonical`` -> ``insert`` into a fresh garbage-filled TE tensor: every buffer equals the
-   original with its padding zeroed (derived copies included); requantized columnwise copies warn,
-   report an SQNR and equal what TE computes from the rowwise values;
+   original with its padding zeroed (columnwise copies included: stored natively or derived
+   exactly); a canonical tensor without its columnwise copy gets it requantized, with a warning
+   and an SQNR, equal to what TE computes from the rowwise values;
 3. ``torch.save`` -> TE's GLOBALs in the pickle -> ``weights_only`` load resolving only
    ``PICKLE_GLOBALS`` (+ torch's own allow-list) -> ``TEPayload`` -> the same canonical tensor;
 4. refusals name the FQN, the TE class and the field.
@@ -28,6 +29,7 @@ from _helpers import assert_same_bytes, assert_same_components, raw_bytes
 from _te import standin
 
 import ckptq
+from ckptq import numerics as N
 from ckptq.adapters import te
 from ckptq.adapters._swizzle import swizzle, unswizzle
 from ckptq.errors import CheckpointFormatError, UnsafeCheckpointError, UnsupportedFormatError
@@ -46,25 +48,23 @@ def _x(shape, seed=0, dtype=torch.bfloat16):
     return x.to(dtype)
 
 
-# id -> (kind, shape, factory kwargs, ckptq format, ckptq.quantize recipe, requantized columnwise?)
+# id -> (kind, shape, factory kwargs, ckptq format, ckptq.quantize recipe)
 CASES = {
-    "f8_e4m3_T": ("float8", (200, 72), {}, "fp8_tensor", {}, False),
+    "f8_e4m3_T": ("float8", (200, 72), {}, "fp8_tensor", {}),
     "f8_e5m2": (
         "float8",
         (200, 72),
         dict(fp8_dtype="E5M2", columnwise=False),
         "fp8_tensor",
         dict(fp8_dtype=E5M2),
-        False,
     ),
-    "f8_colonly": ("float8", (72, 200), dict(rowwise=False), "fp8_tensor", {}, False),
+    "f8_colonly": ("float8", (72, 200), dict(rowwise=False), "fp8_tensor", {}),
     "f8_pow2_eps": (
         "float8",
         (64, 40),
         dict(force_pow_2_scales=True, amax_epsilon=1e-3),
         "fp8_tensor",
         dict(pow2=True, eps=1e-3),
-        False,
     ),
     "f8_delayed": (
         "float8",
@@ -72,52 +72,62 @@ CASES = {
         dict(delayed=True, amax=3.0),
         "fp8_tensor",
         dict(scale=torch.tensor(448.0) / 3.0),
-        False,
     ),
-    "f8_2974": ("float8", (200, 72), dict(flavor="2974", fp8_dtype="E5M2"), "fp8_tensor", dict(fp8_dtype=E5M2), False),
-    "fb2d_e4m3": ("float8_blockwise", (200, 300), {}, "fp8_block", {}, False),
+    "f8_2974": ("float8", (200, 72), dict(flavor="2974", fp8_dtype="E5M2"), "fp8_tensor", dict(fp8_dtype=E5M2)),
+    "fb2d_e4m3": ("float8_blockwise", (200, 300), {}, "fp8_block", {}),
     "fb2d_e5m2_row": (
         "float8_blockwise",
         (200, 300),
         dict(fp8_dtype="E5M2", columnwise=False),
         "fp8_block",
         dict(fp8_dtype=E5M2),
-        False,
     ),
-    "fb1d_e4m3": ("float8_blockwise", (200, 300), dict(block_scaling_dim=1), "fp8_block", dict(block=(1, 128)), True),
+    "fb1d_e4m3": (
+        "float8_blockwise",
+        (200, 300),
+        dict(block_scaling_dim=1),
+        "fp8_block",
+        dict(block=(1, 128), columnwise=True),
+    ),
+    "fb1d_e4m3_row": (
+        "float8_blockwise",
+        (200, 300),
+        dict(block_scaling_dim=1, columnwise=False),
+        "fp8_block",
+        dict(block=(1, 128)),
+    ),
     "fb1d_e5m2_nopow2": (
         "float8_blockwise",
         (130, 257),
         dict(block_scaling_dim=1, fp8_dtype="E5M2", force_pow_2_scales=False),
         "fp8_block",
-        dict(block=(1, 128), fp8_dtype=E5M2, pow2=False),
-        True,
+        dict(block=(1, 128), fp8_dtype=E5M2, pow2=False, columnwise=True),
     ),
-    "fb2d_2974": ("float8_blockwise", (130, 257), dict(flavor="2974"), "fp8_block", {}, False),
-    "mx_compact": ("mxfp8", (96, 160), {}, "mxfp8", dict(columnwise=True), False),
-    "mx_swizzled": ("mxfp8", (160, 288), dict(swizzled=True), "mxfp8", dict(columnwise=True), False),
-    "mx_swizzled_row": ("mxfp8", (160, 288), dict(swizzled=True, columnwise=False), "mxfp8", {}, False),
-    "mx_2974": ("mxfp8", (96, 160), dict(flavor="2974", swizzled=True), "mxfp8", dict(columnwise=True), False),
-    "nv1d_compact": ("nvfp4", (48, 80), {}, "nvfp4", {}, True),
-    "nv1d_swizzled": ("nvfp4", (144, 208), dict(swizzled=True), "nvfp4", {}, True),
-    "nv2d_compact": ("nvfp4", (48, 80), dict(two_d=True), "nvfp4", dict(two_d=True), False),
-    "nv2d_swizzled": ("nvfp4", (144, 208), dict(two_d=True, swizzled=True), "nvfp4", dict(two_d=True), False),
+    "fb2d_2974": ("float8_blockwise", (130, 257), dict(flavor="2974"), "fp8_block", {}),
+    "mx_compact": ("mxfp8", (96, 160), {}, "mxfp8", dict(columnwise=True)),
+    "mx_swizzled": ("mxfp8", (160, 288), dict(swizzled=True), "mxfp8", dict(columnwise=True)),
+    "mx_swizzled_row": ("mxfp8", (160, 288), dict(swizzled=True, columnwise=False), "mxfp8", {}),
+    "mx_2974": ("mxfp8", (96, 160), dict(flavor="2974", swizzled=True), "mxfp8", dict(columnwise=True)),
+    "nv1d_compact": ("nvfp4", (48, 80), {}, "nvfp4", dict(columnwise=True)),
+    "nv1d_swizzled": ("nvfp4", (144, 208), dict(swizzled=True), "nvfp4", dict(columnwise=True)),
+    "nv1d_row": ("nvfp4", (48, 80), dict(columnwise=False), "nvfp4", {}),
+    "nv2d_compact": ("nvfp4", (48, 80), dict(two_d=True), "nvfp4", dict(two_d=True)),
+    "nv2d_swizzled": ("nvfp4", (144, 208), dict(two_d=True, swizzled=True), "nvfp4", dict(two_d=True)),
     "nv2d_row_amax": (
         "nvfp4",
         (144, 208),
         dict(two_d=True, columnwise=False, amax=20.0),
         "nvfp4",
         dict(two_d=True, amax=torch.tensor(20.0)),
-        False,
     ),
-    "nv_2974": ("nvfp4", (144, 208), dict(flavor="2974", two_d=True, swizzled=True), "nvfp4", dict(two_d=True), False),
-    "nv1d_2974": ("nvfp4", (48, 80), dict(flavor="2974"), "nvfp4", {}, True),
+    "nv_2974": ("nvfp4", (144, 208), dict(flavor="2974", two_d=True, swizzled=True), "nvfp4", dict(two_d=True)),
+    "nv1d_2974": ("nvfp4", (48, 80), dict(flavor="2974"), "nvfp4", dict(columnwise=True)),
 }
 IDS = list(CASES)
 
 
 def _make(case, seed=0):
-    kind, shape, kw, fmt, rec, requant = CASES[case]
+    kind, shape, kw, fmt, rec = CASES[case]
     x = _x(shape, seed)
     return x, F.make_te_tensor(x, kind, **kw)
 
@@ -131,7 +141,7 @@ def _bitwise_equal_f32(a, b, what):
 # ============================================================================ 1. extraction
 @pytest.mark.parametrize("case", IDS)
 def test_to_canonical_matches_quantize_and_te_dequantize(case):
-    kind, shape, kw, fmt, rec, _ = CASES[case]
+    kind, shape, kw, fmt, rec = CASES[case]
     x, t = _make(case)
     qt, producer = te.to_canonical(t, FQN)
     ref = ckptq.quantize(x, fmt, **rec)
@@ -146,6 +156,35 @@ def test_to_canonical_matches_quantize_and_te_dequantize(case):
     assert producer["name"] == "transformer_engine" and producer["version"] == "2.99.0+standin"
     assert producer["class"] == type(t).__name__
     assert producer["swizzled"] == bool(kw.get("swizzled", False))
+
+
+def _columnwise_values(qt):
+    """ckptq's decode of a canonical columnwise copy: the rowwise decode of x^T, transposed back."""
+    c = qt.components()
+    if qt.FORMAT == "nvfp4":
+        vt = N.dequantize_nvfp4(c["columnwise_data"].mT, c["columnwise_scale"].mT, c["amax"])
+    else:
+        vt = N.dequantize_fp8_block(c["columnwise_data"].mT, c["columnwise_scale_inv"].mT, qt.recipe.block)
+    return vt.mT
+
+
+@pytest.mark.parametrize("case", [c for c in IDS if c.startswith(("nv", "fb"))])
+def test_columnwise_copy_decodes_as_te_reads_it(case):
+    """The columnwise components hold what TE's columnwise buffers hold: ckptq's decode of them
+    equals the stand-in's index-by-index read of ``_columnwise_*`` (TE's layouts), and for 2-D
+    blocks (derived on insert) the copy decodes to the rowwise values."""
+    _, t = _make(case)
+    if getattr(t, "_columnwise_data", None) is None:
+        pytest.skip("rowwise-only tensor")
+    qt, _ = te.to_canonical(t, FQN)
+    te_values = t.dequantize_columnwise(dtype=torch.float32)
+    if qt.recipe.columnwise:
+        _bitwise_equal_f32(_columnwise_values(qt), te_values, f"{case} columnwise")
+    else:  # 2-D: the copy is the transpose of the rowwise one
+        _bitwise_equal_f32(qt.dequantize(torch.float32), te_values, f"{case} derived columnwise")
+    target = F.garbage_like(t)
+    te.insert(target, qt, FQN)
+    _bitwise_equal_f32(target.dequantize_columnwise(dtype=torch.float32), te_values, f"{case} inserted")
 
 
 def test_producer_records_quantizer_fields():
@@ -223,19 +262,10 @@ def test_swizzle_view_permute_equals_index_formula():
 
 
 # ============================================================================ 2. insertion
-def _expected_requantized(case, qt):
-    """TE's columnwise buffers had TE quantized the loaded rowwise values (padding zeroed)."""
-    kind, shape, kw, fmt, rec, _ = CASES[case]
-    v = qt.dequantize(torch.float32)
-    kw = dict(kw)
-    if kind == "nvfp4":
-        kw["amax"] = float(qt.components()["amax"])
-    return F.zero_padding(F.make_te_tensor(v, kind, **kw))
-
-
 @pytest.mark.parametrize("case", IDS)
 def test_insert_roundtrip_bit_exact(case):
-    kind, shape, kw, fmt, rec, requant = CASES[case]
+    """Every buffer TE held, columnwise copies included, comes back byte for byte (padding zeroed)."""
+    kind = CASES[case][0]
     _, t = _make(case)
     qt, _ = te.to_canonical(t, FQN)
     target = F.garbage_like(t)
@@ -246,23 +276,11 @@ def test_insert_roundtrip_bit_exact(case):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sqnr = te.insert(target, qt, FQN)
+    assert sqnr is None and not caught
     expected = F.zero_padding(t)
     got = F.te_buffers(target)
     assert sorted(got) == sorted(expected)
-    col = {"_columnwise_data", "_columnwise_scale_inv"}
-    if requant:
-        # requantized from the rowwise values: at worst an NVFP4 re-encode (tests/_bounds.py)
-        assert isinstance(sqnr, float) and REENCODE_NVFP4 < sqnr < float("inf"), sqnr
-        msgs = [str(w.message) for w in caught]
-        assert len(msgs) == 1 and FQN in msgs[0] and "SQNR" in msgs[0] and f"{sqnr:.1f}" in msgs[0]
-        requant_expected = _expected_requantized(case, qt)
-        for k in col:
-            assert_same_bytes(got[k], requant_expected[k], f"{case} requantized {k}")
-    else:
-        assert sqnr is None and not caught
     for k, v in expected.items():
-        if requant and k in col:
-            continue
         assert_same_bytes(got[k], v, f"{case} buffer {k}")
     if kind == "float8" and t._transpose is not None:
         assert target._transpose_invalid is False
@@ -270,26 +288,41 @@ def test_insert_roundtrip_bit_exact(case):
     assert_same_components(qt2, qt, f"{case} re-extracted")
 
 
-@pytest.mark.parametrize("swizzled", [False, True])
-def test_insert_mxfp8_requantizes_columnwise_without_columnwise_components(swizzled):
-    x = _x((288, 160)).t().contiguous()  # magnitudes vary along M: the 32x1 blocks are lossy
-    t = F.make_te_tensor(x, "mxfp8", swizzled=swizzled)
+# A canonical tensor without its columnwise copy (a checkpoint saved before ckptq stored it, or from
+# a rowwise-only TE tensor) inserted into a TE target that holds one: the copy is requantized from
+# the loaded values, with a warning and the SQNR. (kind, shape, factory kwargs, SQNR floor)
+ROWWISE_ONLY = {
+    "mx": ("mxfp8", (160, 288), {}, REENCODE_E4M3),  # an MXFP8 re-encode (tests/_bounds.py)
+    "mx_sw": ("mxfp8", (160, 288), dict(swizzled=True), REENCODE_E4M3),
+    "nv1d": ("nvfp4", (48, 80), {}, REENCODE_NVFP4),  # an NVFP4 re-encode
+    "nv1d_sw": ("nvfp4", (144, 208), dict(swizzled=True), REENCODE_NVFP4),
+    "fb1d": ("float8_blockwise", (200, 300), dict(block_scaling_dim=1), REENCODE_E4M3),  # an FP8 re-encode
+}
+
+
+@pytest.mark.parametrize("case", list(ROWWISE_ONLY))
+def test_insert_requantizes_columnwise_copy_the_tensor_lacks(case):
+    kind, shape, kw, floor = ROWWISE_ONLY[case]
+    x = _x(shape[::-1]).t().contiguous()  # magnitudes vary along M: the columnwise blocks are lossy
+    t = F.make_te_tensor(x, kind, **kw)
     full, _ = te.to_canonical(t, FQN)
-    c = full.components()
-    rowonly = ckptq.MXFP8Tensor.from_components(
-        {"data": c["data"], "scale": c["scale"]}, full.shape, full.dtype, ckptq.MXFP8Tensor.Recipe(columnwise=False)
-    )
+    assert full.recipe.columnwise
+    rowonly = full.rowwise_only()
+    assert not rowonly.recipe.columnwise and not any(k.startswith("columnwise") for k in rowonly.components())
     target = F.garbage_like(t)
-    with pytest.warns(UserWarning, match=r"layers\.0\.mlp\.fc1\.weight.*MXFP8Tensor.*requantized.*SQNR"):
+    with pytest.warns(UserWarning, match=rf"layers\.0\.mlp\.fc1\.weight.*{type(t).__name__}.*requantized.*SQNR"):
         sqnr = te.insert(target, rowonly, FQN)
-    assert REENCODE_E4M3 < sqnr < float("inf")  # an MXFP8 re-encode (tests/_bounds.py)
+    assert floor < sqnr < float("inf")
     exp_row = F.zero_padding(t)
-    exp_col = F.zero_padding(F.make_te_tensor(rowonly.dequantize(torch.float32), "mxfp8", swizzled=swizzled))
+    # what TE computes from the loaded values: the columnwise copy of the dequantized rowwise tensor
+    values = rowonly.dequantize(torch.float32)
+    extra = {"amax": float(full.components()["amax"])} if kind == "nvfp4" else {}
+    exp_col = F.zero_padding(F.make_te_tensor(values, kind, **kw, **extra))
     got = F.te_buffers(target)
-    for k in ("_rowwise_data", "_rowwise_scale_inv"):
-        assert_same_bytes(got[k], exp_row[k], k)
-    for k in ("_columnwise_data", "_columnwise_scale_inv"):
-        assert_same_bytes(got[k], exp_col[k], k)
+    for k in got:
+        want = exp_col if "columnwise" in k else exp_row
+        assert_same_bytes(got[k], want[k], k)
+    assert any(not torch.equal(raw_bytes(got[k]), raw_bytes(exp_row[k])) for k in got if "columnwise" in k)
 
 
 def test_insert_canonical_into_different_swizzle_and_usage():
@@ -364,7 +397,7 @@ QUANTIZER_GLOBAL = {
 
 @pytest.mark.parametrize("case", IDS)
 def test_pickle_globals_and_restricted_load(case):
-    kind, shape, kw, fmt, rec, _ = CASES[case]
+    kind, shape, kw, fmt, rec = CASES[case]
     _, t = _make(case)
     raw = _saved(t)
     names = _globals(raw)

@@ -19,9 +19,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _bounds import REENCODE_NVFP4
+from _bounds import REENCODE_E4M3, REENCODE_NVFP4
 from _dist import run_distributed
-from _helpers import requires_cuda
+from _helpers import assert_same_bytes, requires_cuda
 from _te import standin
 
 import ckptq
@@ -33,16 +33,17 @@ from ckptq.metrics import bit_exact
 
 te = standin()
 
-# (name, kind, factory options, ckptq format, derived copy requantized on insertion?)
+# (name, kind, factory options, ckptq format); every TE buffer comes back byte for byte
 CASES = [
-    ("fp8_e4m3", "float8", dict(fp8_dtype="E4M3"), "fp8_tensor", False),
-    ("fp8_e5m2", "float8", dict(fp8_dtype="E5M2", columnwise=False), "fp8_tensor", False),
-    ("mxfp8_sw", "mxfp8", dict(swizzled=True), "mxfp8", False),
-    ("mxfp8_row", "mxfp8", dict(columnwise=False), "mxfp8", False),
-    ("nvfp4_2d", "nvfp4", dict(two_d=True), "nvfp4", False),
-    ("nvfp4_1d_sw", "nvfp4", dict(swizzled=True, columnwise=True), "nvfp4", True),
-    ("blk_2d", "float8_blockwise", dict(block_scaling_dim=2), "fp8_block", False),
-    ("blk_1d", "float8_blockwise", dict(block_scaling_dim=1), "fp8_block", True),
+    ("fp8_e4m3", "float8", dict(fp8_dtype="E4M3"), "fp8_tensor"),
+    ("fp8_e5m2", "float8", dict(fp8_dtype="E5M2", columnwise=False), "fp8_tensor"),
+    ("mxfp8_sw", "mxfp8", dict(swizzled=True), "mxfp8"),
+    ("mxfp8_row", "mxfp8", dict(columnwise=False), "mxfp8"),
+    ("nvfp4_2d", "nvfp4", dict(two_d=True), "nvfp4"),
+    ("nvfp4_1d_sw", "nvfp4", dict(swizzled=True, columnwise=True), "nvfp4"),
+    ("nvfp4_1d", "nvfp4", dict(), "nvfp4"),
+    ("blk_2d", "float8_blockwise", dict(block_scaling_dim=2), "fp8_block"),
+    ("blk_1d", "float8_blockwise", dict(block_scaling_dim=1), "fp8_block"),
 ]
 SHAPE = (160, 96)  # ragged for 128x128 and 1x128 blocks; multiples of 32 (MXFP8) and 16 (NVFP4)
 
@@ -53,7 +54,7 @@ def _x(seed=0, shape=SHAPE):
 
 
 def _te(case, x=None, **extra):
-    name, kind, opts, _, _ = case
+    name, kind, opts, _ = case
     return te.make_te_tensor(_x() if x is None else x, kind, **{**opts, **extra})
 
 
@@ -86,18 +87,69 @@ def test_live_te_native_save_and_load_in_place(tmp_path, case):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.load({"w": target, "b": torch.empty(4)}, checkpoint_id=str(tmp_path), planner=planner)
-    want, got = te.zero_padding(src), te.zero_padding(target)
+    _assert_te_bytes(target, src)  # TE's own rowwise AND columnwise bytes
+    assert "w" not in planner.derived and not [w for w in caught if "'w'" in str(w.message)]
+
+
+def _assert_te_bytes(got, want, buffers=None):
+    """Every buffer ``want`` holds (or those named) equal in ``got``, byte for byte, padding zeroed."""
+    want, got = te.zero_padding(want), te.zero_padding(got)
     assert want.keys() == got.keys()
-    exact = want if not case[4] else _rowwise_buffers(want)
-    for k in exact:
-        assert bit_exact(got[k], want[k]), k
-    if case[4]:  # an independently quantized columnwise copy the checkpoint does not hold
-        # requantized from the rowwise values: at worst an NVFP4 re-encode (tests/_bounds.py)
-        assert "w" in planner.derived and planner.derived["w"] > REENCODE_NVFP4
-        assert any("'w'" in str(w.message) for w in caught)
-    else:
-        assert "w" not in planner.derived
-    assert bit_exact(target.dequantize(dtype=torch.float32), src.dequantize(dtype=torch.float32))
+    for k in buffers or want:
+        assert_same_bytes(got[k], want[k], k)
+
+
+# Checkpoints without the columnwise copy load as before it was stored: the rowwise bytes raw, the
+# copy requantized from them with a warning. (kind, factory options, SQNR floor: tests/_bounds.py)
+WITHOUT_COLUMNWISE = {
+    "nvfp4_1d": ("nvfp4", dict(swizzled=True), REENCODE_NVFP4),
+    "blk_1d": ("float8_blockwise", dict(block_scaling_dim=1), REENCODE_E4M3),
+    "mxfp8": ("mxfp8", dict(), REENCODE_E4M3),
+}
+
+
+@pytest.mark.parametrize("saved", ["rowwise_usage", "before_columnwise"])
+@pytest.mark.parametrize("name", list(WITHOUT_COLUMNWISE))
+def test_checkpoint_without_columnwise_copy_loads_with_warning(tmp_path, name, saved):
+    kind, opts, floor = WITHOUT_COLUMNWISE[name]
+    # magnitudes vary along M, so a columnwise block mixes rows of other scales: the copy is lossy
+    x = (_x(shape=(96, 160)).float() * torch.logspace(-2, 1, 96)[:, None]).to(torch.bfloat16)
+    src = te.make_te_tensor(x, kind, **opts)  # what the run held: both usages
+    rowwise_only = te.make_te_tensor(x, kind, **opts, columnwise=False)
+    if saved == "rowwise_usage":  # a TE tensor that held only its rowwise usage
+        dcp.save({"w": rowwise_only}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    else:  # the canonical tensor without the copy: the descriptor ckptq wrote before it stored one
+        qt = _canonical(src).rowwise_only()
+        dcp.save({"w": qt}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+        recipe = CheckpointView(tmp_path).entry("w").descriptor.recipe
+        assert recipe == ({"columnwise": False} if kind == "mxfp8" else qt._recipe_to_json(qt.recipe))
+        assert kind == "mxfp8" or "columnwise" not in recipe
+    assert not any("columnwise" in k for k in CheckpointView(tmp_path).entry("w").keys)
+    target = te.garbage_like(src)
+    planner = ckptq.QuantizedLoadPlanner()
+    with pytest.warns(UserWarning, match=r"'w'.*columnwise copy.*requantized.*SQNR"):
+        dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=planner)
+    assert floor < planner.derived["w"] < float("inf")
+    _assert_te_bytes(target, src, _rowwise_buffers(te.te_buffers(src)))  # the rowwise copy: raw bytes
+    values = rowwise_only.dequantize(dtype=torch.float32)  # what TE quantizes the copy from on a resume
+    extra = {"amax": float(_canonical(src).components()["amax"])} if kind == "nvfp4" else {}
+    requantized = te.make_te_tensor(values, kind, **opts, **extra)
+    _assert_te_bytes(target, requantized, [k for k in te.te_buffers(src) if "columnwise" in k])
+
+
+@pytest.mark.parametrize("name", ["nvfp4_1d", "blk_1d"])
+def test_columnwise_copy_not_kept_by_a_rowwise_target(tmp_path, name):
+    """A target without the copy reads only the rowwise components of a checkpoint that has it."""
+    kind, opts, _ = WITHOUT_COLUMNWISE[name]
+    src = te.make_te_tensor(_x(), kind, **opts)
+    dcp.save({"w": src}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner())
+    assert any("columnwise" in k for k in CheckpointView(tmp_path).entry("w").keys)
+    target = te.garbage_like(te.make_te_tensor(_x(), kind, **opts, columnwise=False))
+    ours = _canonical(src).rowwise_only().new_empty(src.shape)
+    dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
+    dcp.load({"w": ours}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
+    _assert_te_bytes(target, te.make_te_tensor(_x(), kind, **opts, columnwise=False))
+    assert _same_components(ours, _canonical(src).rowwise_only())
 
 
 def test_unstorable_te_tensor_is_refused_or_saved_in_high_precision(tmp_path):
@@ -241,16 +293,20 @@ def _global_amax(x):
 KINDS = {
     "mx": ("mxfp8", {}),
     "nv": ("nvfp4", {"two_d": True}),
+    "nv1": ("nvfp4", {}),  # 1x16: columnwise copy stored
     "f8": ("float8", {}),
     "bk": ("float8_blockwise", {"block_scaling_dim": 2}),
+    "bk1": ("float8_blockwise", {"block_scaling_dim": 1}),  # 1x128: columnwise copy stored
 }
 
 
-def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2"):
+def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="fsdp2", resume=False):
     """Each rank quantizes its shard of the same (rows, 256) weights as a TE tensor (per-tensor
     values from the global amax, as TE's amax reduction gives) and saves the DTensors: FSDP2
     ``Shard(0)``, TP row-parallel ``Shard(1)``, or FSDP2-over-TP ``(_StridedShard(0, 2), Shard(0))``
-    on a (2, 2) mesh."""
+    on a (2, 2) mesh. With ``resume``, every rank then loads into fresh TE shards of the same
+    placement and returns, per tensor, the buffers that differ from its saved shard and whether
+    the load requantized a columnwise copy."""
     import torch.distributed.checkpoint as dcp
     from _te import standin
     from torch.distributed.device_mesh import init_device_mesh
@@ -280,6 +336,27 @@ def _save_te_dtensors(rank, ws, root, rows, native, names=tuple(KINDS), layout="
             local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=(256, 1)
         )
     dcp.save(sd, checkpoint_id=root, planner=ckptq.QuantizedSavePlanner() if native else None)
+    if not resume:
+        return None
+    # resume: every rank loads into fresh TE shards of the same placement
+    targets = {
+        k: DTensor.from_local(
+            tef.garbage_like(v.to_local()), mesh, placements, run_check=False, shape=v.shape, stride=(256, 1)
+        )
+        for k, v in sd.items()
+    }
+    planner = ckptq.QuantizedLoadPlanner()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(targets, storage_reader=SafeFileSystemReader(root), planner=planner)
+    out = {}
+    for k, v in sd.items():
+        want, got = tef.zero_padding(v.to_local()), tef.zero_padding(targets[k].to_local())
+        out[k] = (
+            sorted(b for b in want if not torch.equal(want[b].view(torch.uint8), got[b].view(torch.uint8))),
+            k in planner.derived,
+        )
+    return out
 
 
 def _reference(name, rows):
@@ -295,19 +372,40 @@ def _reference(name, rows):
     ids=["te_pickles-fsdp2", "native-fsdp2", "native-tp_row", "te_pickles-tp_row", "native-fsdp2_tp_strided"],
 )
 def test_sharded_te_save_reads_as_one_tensor(tmp_path, native, layout, ranks):
-    rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns: on every format's global grid
-    names = ("mx", "nv", "f8") if layout == "fsdp2-tp" else tuple(KINDS)  # 64-row shards cut 128x128 blocks
-    run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout)
-    view = CheckpointView(tmp_path / "ck")
-    for name in names:
-        want = _reference(name, rows)
-        assert view.entry(name).kind == "quantized", name
-        assert _same_components(view.read(name), _canonical(want, name)), name
-        target = te.garbage_like(want)
-        dcp.load(
-            {name: target}, storage_reader=SafeFileSystemReader(tmp_path / "ck"), planner=ckptq.QuantizedLoadPlanner()
-        )
-        assert bit_exact(target.dequantize(dtype=torch.float32), want.dequantize(dtype=torch.float32)), name
+    """Each rank's TE shard (columnwise copies included) is a piece of the whole tensor's: the
+    checkpoint reads as the whole TE tensor, every buffer byte for byte, also after resharding
+    the native checkpoint to one rank (N -> M); every rank resumes its own shard from it. 64-row
+    shards (fsdp2-tp) cut 128x128 blocks, and the 128-row columnwise blocks of 1-D blockwise FP8:
+    that copy is then neither stored nor loaded raw (requantized on resume, with a warning)."""
+    rows = 256  # shards of 128 (64 under fsdp2-tp) rows / 128 columns
+    names = ("mx", "nv", "nv1", "f8", "bk1") if layout == "fsdp2-tp" else tuple(KINDS)
+    resumed = run_distributed(ranks, _save_te_dtensors, str(tmp_path / "ck"), rows, native, names, layout, True)
+    for rank, per_name in enumerate(resumed):  # each rank got its own TE shard back
+        for name, (differ, derived) in per_name.items():
+            off_grid = layout == "fsdp2-tp" and name == "bk1"  # the copy is requantized, with a warning
+            assert differ == (["_columnwise_data", "_columnwise_scale_inv"] if off_grid else []), (rank, name)
+            assert derived == off_grid, (rank, name)
+    if native:
+        ckptq.reshard_checkpoint(tmp_path / "ck", tmp_path / "one", mesh="1")
+    for ck in ("ck", "one") if native else ("ck",):
+        view = CheckpointView(tmp_path / ck)
+        for name in names:
+            want = _reference(name, rows)
+            off_grid = layout == "fsdp2-tp" and name == "bk1"  # the shards' columnwise blocks are their own
+            assert view.entry(name).kind == "quantized", name
+            expected = _canonical(want, name).rowwise_only() if off_grid else _canonical(want, name)
+            assert _same_components(view.read(name), expected), (ck, name)
+            target = te.garbage_like(want)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dcp.load(
+                    {name: target},
+                    storage_reader=SafeFileSystemReader(tmp_path / ck),
+                    planner=ckptq.QuantizedLoadPlanner(),
+                )
+            derived = [w for w in caught if "requantized" in str(w.message)]
+            assert len(derived) == off_grid, (ck, name)
+            _assert_te_bytes(target, want, _rowwise_buffers(te.te_buffers(want)) if off_grid else None)
 
 
 @pytest.mark.slow
@@ -345,6 +443,9 @@ def test_cli_commands_a_te_user_runs(te_ckpt, tmp_path):
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("layers.2.mxfp8_sw.weight"))
     assert "mxfp8" in line and "native" in line and "transformer_engine MXFP8Tensor" in line
+    for name, fmt in [("layers.5.nvfp4_1d_sw.weight", "nvfp4"), ("layers.8.blk_1d.weight", "fp8_block")]:
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(name))
+        assert line.split()[1] == f"{fmt}+columnwise", line  # the stored columnwise copy is shown
     r = runner.invoke(app, ["convert", str(path), str(tmp_path / "native"), "--to", "native"])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["verify", str(path), str(tmp_path / "native")])  # the TE view vs its copy
@@ -370,8 +471,5 @@ def test_cuda_te_tensors_save_and_load_in_place(tmp_path, case, async_save):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load({"w": target}, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedLoadPlanner())
-    want = te.zero_padding(src.to("cpu"))
-    got = te.zero_padding(target.to("cpu"))
-    for k in want if not case[4] else _rowwise_buffers(want):
-        assert bit_exact(got[k], want[k]), k
+    _assert_te_bytes(target.to("cpu"), src.to("cpu"))
     assert all(b.is_cuda for b in te.te_buffers(target).values())

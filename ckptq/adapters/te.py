@@ -24,14 +24,18 @@ MXFP8Tensor            ``_rowwise_data`` (M, K) -> data; ``_rowwise_scale_inv`` 
 NVFP4Tensor            ``_rowwise_data`` (M, K/2) -> data; ``_rowwise_scale_inv``   nvfp4
                        E4M3 (rup(M,128), rup(K/16,4)) -> scale (M, K/16), or every
                        16th row (M/16, K/16) for 16x16 tiles; ``_amax_rowwise`` fp32
-                       (1,) -> amax (). Columnwise (K, M/2) / (rup(K,128),
-                       rup(M/16,4)) not stored: derived (2-D) or requantized (1-D).
+                       (1,) -> amax (). Columnwise ``_columnwise_data`` (K, M/2) ->
+                       columnwise_data (M/2, K) and ``_columnwise_scale_inv``
+                       (rup(K,128), rup(M/16,4)) -> columnwise_scale (M/16, K), both
+                       transposed (1x16 only; 16x16: derived on insert).
                        producers.md 2.4, ``tensor/storage/nvfp4_tensor_storage.py``.
 Float8BlockwiseQTensor ``_rowwise_data`` (M, K) -> data; ``_rowwise_scale_inv`` fp32  fp8_block
                        2-D: (cdiv(M,128), rup(cdiv(K,128),4)) -> (M/128, K/128);
                        1-D: (cdiv(K,128), rup(M,4)) transposed -> (M, K/128).
-                       Columnwise (K, M) not stored: derived (2-D) or requantized
-                       (1-D). producers.md 2.5, C++ ``Float8BlockQuantizer::get_scale_shape``.
+                       1-D columnwise: ``_columnwise_data`` (K, M) transposed ->
+                       columnwise_data; ``_columnwise_scale_inv`` (cdiv(M,128),
+                       rup(K,4)) -> columnwise_scale_inv (M/128, K). 2-D: derived on
+                       insert. producers.md 2.5, C++ ``Float8BlockQuantizer::get_scale_shape``.
 =====================  ==========================================================  ==========
 
 GEMM swizzle (MXFP8/NVFP4 ``_with_gemm_swizzled_scales``, docs/producers.md 1.3): 128x4 tiles in cuBLAS order,
@@ -611,7 +615,9 @@ def _nvfp4_describe(obj, fqn):
         )
     if d.shape[1] % 2:
         raise CheckpointFormatError(f"{_where(fqn, te)}: K={d.shape[1]} is odd; NVFP4 packs two values per byte")
-    d.recipe = dict(two_d=bool(getattr(q, "with_2d_quantization", False)))
+    two_d = bool(getattr(q, "with_2d_quantization", False))
+    # 1x16: TE's columnwise copy is x^T quantized separately (docs/producers.md 2.4): stored natively.
+    d.recipe = dict(two_d=two_d, columnwise=not two_d and getattr(obj, "_columnwise_data", None) is not None)
     return d
 
 
@@ -625,11 +631,21 @@ def _nvfp4_extract(obj, d, fqn):
             d.recipe["two_d"] = False  # not tile-constant: keep it exact as 1x16 scales
         else:
             scale = tiles
-    return {
+    out = {
         "data": b["_rowwise_data"],
         "scale": scale.view(torch.float8_e4m3fn),
         "amax": b["_amax_rowwise"].reshape(()),
     }
+    amax_col = b.get("_amax_columnwise")
+    if d.recipe["columnwise"] and (amax_col is None or not torch.equal(_u8(amax_col), _u8(b["_amax_rowwise"]))):
+        # ckptq's columnwise copy shares the tensor's amax (as TE's quantizer without a Hadamard
+        # transform); a different _amax_columnwise is kept in the producer record, the copy is not stored.
+        d.recipe["columnwise"] = False
+    if d.recipe["columnwise"]:  # TE: (K, M/2) packed along M and (K, M/16) scales; ckptq: untransposed
+        out["columnwise_data"] = b["_columnwise_data"].t()
+        cscale = _read_scales(b["_columnwise_scale_inv"], k, cdiv(m, 16), d.swizzled)
+        out["columnwise_scale"] = cscale.t().view(torch.float8_e4m3fn)
+    return out
 
 
 def _nvfp4_insert(obj, qt, d, fqn):
@@ -651,6 +667,8 @@ def _nvfp4_insert(obj, qt, d, fqn):
     if two_d:  # exact: nvfp4_data_transpose + nvfp4_2d_scale_transpose (producers.md 2.4)
         cdata = _pack_fp4(_unpack_fp4(c["data"]).t())
         cscale = scale.t().repeat_interleave(16, 0)[:k]
+    elif "columnwise_data" in c:  # stored: TE's own bytes
+        cdata, cscale = c["columnwise_data"].t(), _u8(c["columnwise_scale"]).t()
     else:  # 1-D columnwise is quantized from HP values with the same amax: requantize
         cc, sqnr = _requantized(qt.dequantize(torch.float32), "nvfp4", amax=c["amax"])
         cdata, cscale = cc["data"], _u8(cc["scale"])
@@ -678,11 +696,14 @@ def _float8_block_describe(obj, fqn):
     if getattr(obj, "_rowwise_data", None) is None:
         _refuse(fqn, d.te_class, "_rowwise_data", "is None (columnwise-only FP8 block tensor)")
     q = getattr(obj, "_quantizer", None)
+    one_d = not getattr(obj, "_is_2D_scaled", True)
     d.recipe = dict(
-        block=(128, 128) if getattr(obj, "_is_2D_scaled", True) else (1, 128),
+        block=(1, 128) if one_d else (128, 128),
         fp8_dtype=_TORCH_FP8[code],
         pow2=bool(getattr(q, "force_pow_2_scales", True)),
         eps=float(getattr(q, "amax_epsilon", 0.0)),
+        # 1-D: the columnwise copy is x^T quantized separately (docs/producers.md 2.5): stored natively
+        columnwise=one_d and getattr(obj, "_columnwise_data", None) is not None,
     )
     return d
 
@@ -693,7 +714,11 @@ def _float8_block_extract(obj, d, fqn):
     kb = cdiv(k, 128)
     s = b["_rowwise_scale_inv"]
     scale = s[:, :kb] if d.recipe["block"] == (128, 128) else s[:, :m].t()  # 1-D: stored (K/128, M)
-    return {"data": b["_rowwise_data"].view(d.recipe["fp8_dtype"]), "scale_inv": scale}
+    out = {"data": b["_rowwise_data"].view(d.recipe["fp8_dtype"]), "scale_inv": scale}
+    if d.recipe["columnwise"]:  # TE: data (K, M), scales (M/128, rup(K, 4)) [m_block, k]; ckptq: untransposed
+        out["columnwise_data"] = b["_columnwise_data"].t().view(d.recipe["fp8_dtype"])
+        out["columnwise_scale_inv"] = b["_columnwise_scale_inv"][:, :k]
+    return out
 
 
 def _float8_block_insert(obj, qt, d, fqn):
@@ -708,6 +733,8 @@ def _float8_block_insert(obj, qt, d, fqn):
     sqnr = None
     if two_d:  # exact: fp8_transpose + scale transpose (producers.md 2.5)
         cdata, cscale = data.t(), scale.t()
+    elif "columnwise_data" in c:  # stored: TE's own bytes
+        cdata, cscale = _u8(c["columnwise_data"]).t(), c["columnwise_scale_inv"]
     else:  # 1-D columnwise: x.T quantized with 1x128 blocks along M; requantize
         cc, sqnr = _requantized(
             qt.dequantize(torch.float32),
@@ -882,8 +909,8 @@ def to_canonical(obj: Any, fqn: str) -> tuple[QuantizedTensor, dict]:
 def empty_canonical(obj: Any, fqn: str) -> QuantizedTensor:
     """A canonical tensor with fresh uninitialized components of ``obj``'s format, recipe, local
     shape and device (what a load reads into before :func:`insert`). NVFP4 is 16x16 (``two_d``)
-    when the quantizer says ``with_2d_quantization``; MXFP8 has columnwise components when
-    ``obj`` holds columnwise data."""
+    when the quantizer says ``with_2d_quantization``; MXFP8, NVFP4 1x16 and FP8-block 1x128 have
+    columnwise components when ``obj`` holds columnwise data."""
     local, handler, d = _resolve(obj, fqn)
     _check_holdable(d, fqn)
     cls = handler.qt_class
@@ -919,8 +946,8 @@ def insert(obj: Any, qt: QuantizedTensor, fqn: str) -> float | None:
 
     Padding is zeroed, scales are swizzled when the target's are, amaxes are set, and derived
     copies made consistent: exact where TE derives them (FP8 transpose, NVFP4 16x16 and FP8-block
-    128x128 columnwise: byte/nibble transposes), from ``qt``'s columnwise components (MXFP8) when
-    present, else requantized from ``qt``'s values (MXFP8, NVFP4 1x16, FP8-block 1x128 columnwise).
+    128x128 columnwise: byte/nibble transposes), from ``qt``'s columnwise components (MXFP8, NVFP4
+    1x16, FP8-block 1x128) when present, else requantized from ``qt``'s values.
 
     Returns:
         The SQNR (dB) of the requantized columnwise values against ``qt``'s values, also reported

@@ -36,6 +36,8 @@ def inspect(
 ) -> None:
     """Show the tensors of a checkpoint: format, logical shape, stored size, bits per element, chunks.
 
+    FORMAT reads e.g. "nvfp4+columnwise" when the tensor also stores its separately quantized
+    columnwise copy (TransformerEngine's backward-GEMM copy, kept for a bit-exact resume).
     The summary's "size / bf16" is the stored size of the tensors over the size of the same tensors
     at 2 bytes per element (plain float32 tensors count 4 bytes against 2, so it can exceed 1).
     """
@@ -51,9 +53,10 @@ def inspect(
 
 def _row_cells(row: dict, stats: bool) -> list:
     shape = "-" if row["shape"] is None else "(" + ", ".join(str(s) for s in row["shape"]) + ")"
+    columnwise = (row.get("recipe") or {}).get("columnwise")  # a stored columnwise copy (TE resumes)
     cells = [
         row["fqn"],
-        row["format"],
+        f"{row['format']}+columnwise" if columnwise else row["format"],
         row["mode"],
         shape,
         row["dtype"] or "-",

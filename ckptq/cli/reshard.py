@@ -218,7 +218,10 @@ def convert(
     ] = False,
     two_d: Annotated[bool | None, typer.Option("--two-d/--one-d", help="nvfp4: 16x16 blocks instead of 1x16.")] = None,
     columnwise: Annotated[
-        bool | None, typer.Option("--columnwise/--no-columnwise", help="mxfp8: also store the columnwise copy.")
+        bool | None,
+        typer.Option(
+            "--columnwise/--no-columnwise", help="mxfp8, nvfp4 1x16, fp8_block 1x128: also store the columnwise copy."
+        ),
     ] = None,
     fp8_dtype: Annotated[str | None, typer.Option("--fp8-dtype", help="fp8 formats: e4m3 or e5m2.")] = None,
     pow2: Annotated[bool | None, typer.Option("--pow2/--no-pow2", help="fp8 formats: power-of-2 scales.")] = None,

@@ -70,14 +70,16 @@ def quantize(
             all-reduce over the shard group).
         scale: fp8_tensor: use this encode multiplier (``scale_inv = 1 / scale``).
         **recipe: the format's options: ``fp8_dtype``, ``pow2``, ``eps`` (fp8 formats),
-            ``block=(1, 128)`` (fp8_block), ``columnwise=True`` (mxfp8), ``two_d=True`` (nvfp4),
+            ``block=(1, 128)`` (fp8_block), ``two_d=True`` (nvfp4), ``columnwise=True`` (mxfp8,
+            nvfp4 1x16, fp8_block with bm != bk: also store the separately quantized columnwise copy),
             ``scale_rule="floor"|"even"|"ceil"|"rceil"`` (mxfp4).
 
     Returns:
         The format's QuantizedTensor subclass with ``x``'s shape and dtype.
 
     Raises:
-        QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4 / MXFP4.
+        QuantizationError: ``x`` is not a float tensor of rank >= 2, or K is odd for NVFP4 / MXFP4 (M
+            too for NVFP4 with a columnwise copy).
         UnsupportedFormatError: unknown format or recipe option.
     """
     cls = format_class(fmt)
@@ -93,6 +95,7 @@ def quantize(
             f"float32/bfloat16/float16 of rank >= 2 (..., M, K)"
         )
     cls.check_overrides(x.shape, amax, scale)
+    cls.check_shape(x.shape, rec)
     comps = ops.quantize(cls, x, rec, amax=amax, scale=scale)
     return cls(comps, x.shape, x.dtype, rec)
 
@@ -114,7 +117,7 @@ def requantize(
     Raises:
         UnsupportedFormatError: unknown format or recipe option, ``amax=``/``scale=`` where the
             format has no per-tensor value.
-        QuantizationError: nvfp4 / mxfp4 with an odd last dim.
+        QuantizationError: nvfp4 / mxfp4 with an odd last dim (or nvfp4 with an odd M and a columnwise copy).
     """
     if not isinstance(src, QuantizedTensor):
         hp = src if src.dtype in HP_FORMATS else src.float()
@@ -125,5 +128,6 @@ def requantize(
     cls = format_class(fmt)
     rec = make_recipe(fmt, **recipe)
     cls.check_overrides(src.shape, amax, scale)
+    cls.check_shape(src.shape, rec)
     comps = ops.requantize(src, cls, rec, amax=amax, scale=scale)
     return cls(comps, src.shape, src.dtype, rec)

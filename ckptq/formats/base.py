@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import chunks, ops
-from ..errors import CheckpointFormatError, UnsupportedFormatError
+from ..errors import CheckpointFormatError, QuantizationError, UnsupportedFormatError
 from ..ops import FORMATS, format_class
 
 __all__ = [
@@ -86,6 +86,15 @@ class QuantizedTensor(torch.Tensor):
     PER_TENSOR_OVERRIDES: ClassVar[frozenset[str]] = frozenset()
     #: the rowwise block-scale component that :meth:`decode_scale` decodes (None: none)
     SCALE_COMPONENT: ClassVar[str | None] = None
+    #: formats whose stored columnwise copy (recipe option ``columnwise``) is the rowwise encoding
+    #: of the transposed values, transposed back (nvfp4 1x16, fp8_block): columnwise component ->
+    #: the rowwise component of x^T it is. :mod:`ckptq.ops` computes it by running the rowwise
+    #: kernels on x^T. Empty where the kernels compute the copy themselves (mxfp8) or there is none.
+    COLUMNWISE_FROM_TRANSPOSE: ClassVar[dict[str, str]] = {}
+    #: recipe options added to the format after its descriptors were first written: a descriptor
+    #: stores one only when it differs from its default, so a tensor that does not use it keeps the
+    #: descriptor it always had (which older ckptq versions read)
+    ADDED_RECIPE_OPTIONS: ClassVar[frozenset[str]] = frozenset()
     _OPS: ClassVar[dict[Any, Callable]] = {}
 
     _components: dict[str, torch.Tensor]
@@ -179,6 +188,51 @@ class QuantizedTensor(torch.Tensor):
         return None
 
     @classmethod
+    def check_shape(cls, shape: Sequence[int], recipe: Any) -> None:
+        """Raise QuantizationError when a component of ``recipe`` packs values along a dim whose
+        logical size is not a multiple of the packing (``DimMap.exact``: NVFP4's two E2M1 codes per
+        byte, along K, and along M in the columnwise copy)."""
+        for s in cls.component_specs(shape, recipe):
+            for d in s.dims:
+                if d.exact and shape[d.logical_dim] % d.divisor:
+                    raise QuantizationError(
+                        f"{cls.FORMAT}: dim {d.logical_dim} of shape {tuple(shape)} is {shape[d.logical_dim]}, "
+                        f"not a multiple of {d.divisor}: component '{s.name}' packs {d.divisor} values per "
+                        f"byte along it. Pad that dim or choose another format or recipe."
+                    )
+
+    @classmethod
+    def rowwise_recipe(cls, recipe: Any) -> Any:
+        """``recipe`` without a stored columnwise copy (``recipe`` itself when it has none)."""
+        if getattr(recipe, "columnwise", False):
+            return dataclasses.replace(recipe, columnwise=False)
+        return recipe
+
+    def rowwise_only(self) -> QuantizedTensor:
+        """This tensor without its stored columnwise copy (the same component tensors, no copy);
+        ``self`` when it has none."""
+        recipe = self.rowwise_recipe(self.recipe)
+        if recipe is self.recipe:
+            return self
+        names = [s.name for s in self.component_specs(self.shape, recipe)]
+        return type(self)({k: self._components[k] for k in names}, self.shape, self.dtype, recipe)
+
+    def columnwise_on_grid(self, global_shape: Sequence[int], boxes: Sequence[chunks.Box]) -> QuantizedTensor:
+        """This tensor (a shard of one of ``global_shape``), or :meth:`rowwise_only` when the shard
+        ``boxes`` cut blocks of the columnwise copy's global grid but not of the rowwise one's: a
+        producer that quantized each shard's copy on the shard's own blocks (e.g. TransformerEngine
+        1-D blockwise FP8, 128-row columnwise blocks, on 80-row FSDP shards) gives no global copy."""
+        row = self.rowwise_only()
+        if row is self:
+            return self
+
+        def on_grid(t: QuantizedTensor) -> bool:
+            align = chunks.alignment(t.component_specs(global_shape, t.recipe), len(global_shape))
+            return all(chunks.is_aligned(align, global_shape, b) for b in boxes)
+
+        return row if not on_grid(self) and on_grid(row) else self
+
+    @classmethod
     def decode_scale(cls, t: torch.Tensor) -> torch.Tensor:
         """The ``SCALE_COMPONENT`` tensor ``t`` decoded to fp32 (the default: a plain cast)."""
         return t.float()
@@ -221,10 +275,14 @@ class QuantizedTensor(torch.Tensor):
         }
 
     @classmethod
-    def _recipe_to_json(cls, recipe) -> dict:
+    def _recipe_to_json(cls, recipe, *, every_option: bool = False) -> dict:
+        """The recipe as JSON builtins; ``ADDED_RECIPE_OPTIONS`` at their defaults are left out
+        unless ``every_option``."""
         out = {}
         for f in dataclasses.fields(recipe):
             v = getattr(recipe, f.name)
+            if not every_option and f.name in cls.ADDED_RECIPE_OPTIONS and v == f.default:
+                continue
             out[f.name] = dtype_to_str(v) if isinstance(v, torch.dtype) else (list(v) if isinstance(v, tuple) else v)
         return out
 

@@ -2,7 +2,8 @@
 
 Layouts (docs/formats.md, "3. `fp8_tensor`" and "4. `fp8_block`"), logical (..., M, K):
 * ``fp8_tensor``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (...) -- one decode multiplier per matrix.
-* ``fp8_block``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (..., ceil(M/bm), ceil(K/bk)).
+* ``fp8_block``: ``data`` fp8 (..., M, K); ``scale_inv`` fp32 (..., ceil(M/bm), ceil(K/bk)); with
+  ``columnwise`` also ``columnwise_data`` fp8 (..., M, K), ``columnwise_scale_inv`` fp32 (..., ceil(M/bk), ceil(K/bm)).
 Numerics: :mod:`ckptq.numerics` (TE ``compute_scale_from_amax``).
 """
 
@@ -94,16 +95,19 @@ class Float8Tensor(QuantizedTensor):
 @dataclass(frozen=True)
 class Float8BlockRecipe:
     """``fp8_block`` options: block (128, 128) (weights) or (1, 128); E4M3/E5M2; power-of-2 scales
-    (default on, as TE ``Float8BlockScaling``); amax epsilon."""
+    (default on, as TE ``Float8BlockScaling``); amax epsilon; ``columnwise`` (non-square blocks)
+    also stores the columnwise copy: x^T encoded with the same block (TE's 1-D ``_columnwise_*``)."""
 
     block: tuple[int, int] = (128, 128)
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     pow2: bool = True
     eps: float = 0.0
+    columnwise: bool = False
 
     def __post_init__(self):
         check_recipe_value("fp8_block", "fp8_dtype", self.fp8_dtype, _FP8_DTYPES)
         check_recipe_flag(self, "fp8_block", "pow2")
+        check_recipe_flag(self, "fp8_block", "columnwise")
         _check_eps(self, "fp8_block")
         try:
             block = tuple(int(b) for b in self.block)
@@ -114,6 +118,11 @@ class Float8BlockRecipe:
                 f"fp8_block: block={self.block!r} must be two positive ints, e.g. (128, 128) or (1, 128)"
             )
         object.__setattr__(self, "block", block)
+        if self.columnwise and block[0] == block[1]:
+            raise UnsupportedFormatError(
+                f"fp8_block: columnwise=True with the square block {block}: its columnwise copy is the exact "
+                f"transpose of the rowwise one (derived on insertion), so there is nothing to store; drop columnwise."
+            )
 
 
 class Float8BlockTensor(QuantizedTensor):
@@ -124,6 +133,8 @@ class Float8BlockTensor(QuantizedTensor):
     Recipe = Float8BlockRecipe
     SOURCE_COMPONENTS = ("data", "scale_inv")
     SCALE_COMPONENT = "scale_inv"
+    COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale_inv": "scale_inv"}
+    ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
 
     @classmethod
     def kernel_args(cls, recipe: Float8BlockRecipe) -> dict:
@@ -139,18 +150,23 @@ class Float8BlockTensor(QuantizedTensor):
     def component_specs(cls, shape: Sequence[int], recipe: Float8BlockRecipe) -> list[ComponentSpec]:
         nd = len(shape)
         bm, bk = recipe.block
-        return [
+        batch = _identity_dims(nd - 2)
+        specs = [
             ComponentSpec("data", recipe.fp8_dtype, _identity_dims(nd)),
-            ComponentSpec(
-                "scale_inv",
-                torch.float32,
-                _identity_dims(nd - 2) + (DimMap(nd - 2, bm), DimMap(nd - 1, bk)),
-            ),
+            ComponentSpec("scale_inv", torch.float32, batch + (DimMap(nd - 2, bm), DimMap(nd - 1, bk))),
         ]
+        if recipe.columnwise:  # x^T encoded with (bm, bk) blocks, stored untransposed: (bk, bm) blocks of x
+            specs += [
+                ComponentSpec("columnwise_data", recipe.fp8_dtype, _identity_dims(nd)),
+                ComponentSpec("columnwise_scale_inv", torch.float32, batch + (DimMap(nd - 2, bk), DimMap(nd - 1, bm))),
+            ]
+        return specs
 
     @classmethod
     def _reference_quantize(cls, x, recipe: Float8BlockRecipe, amax=None, scale=None):
-        return numerics.quantize_fp8_block(x, recipe.block, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps)
+        return numerics.quantize_fp8_block(
+            x, recipe.block, recipe.fp8_dtype, pow2=recipe.pow2, eps=recipe.eps, columnwise=recipe.columnwise
+        )
 
     @classmethod
     def _reference_dequantize(cls, comps, recipe, dtype):

@@ -6,7 +6,8 @@ element 2i in the low nibble; ``scale`` float8_e4m3fn (..., M, ceil(K/16)) for 1
 the recipe's ``per_tensor`` convention: ``amax`` (ckptq's and TransformerEngine's), ``global_scale_inv``
 (ModelOpt ``weight_scale_2``, torchao ``per_tensor_scale``) or ``global_scale`` (compressed-tensors
 ``weight_global_scale``), decoded in that producer's own fp32 op order
-(:func:`ckptq.numerics.nvfp4_block_multiplier`).
+(:func:`ckptq.numerics.nvfp4_block_multiplier`); with ``columnwise`` (1x16, ``amax`` only) also
+``columnwise_data`` uint8 (..., M/2, K) and ``columnwise_scale`` e4m3 (..., ceil(M/16), K).
 Numerics: :func:`ckptq.numerics.quantize_nvfp4` (TE ``core_nvfp4.cuh`` order).
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from .. import numerics, ops
 from ..chunks import ComponentSpec, DimMap
-from ..errors import QuantizationError
+from ..errors import QuantizationError, UnsupportedFormatError
 from .base import QuantizedTensor, check_recipe_flag, check_recipe_value
 
 __all__ = ["NVFP4Recipe", "NVFP4Tensor"]
@@ -33,14 +34,28 @@ class NVFP4Recipe:
     """``nvfp4`` options: ``two_d`` uses 16x16 blocks (TE's default for weights) instead of 1x16;
     ``per_tensor`` names the per-tensor component and its decode (``numerics.NVFP4_PER_TENSOR``):
     ``"amax"`` (ckptq's own, the default), ``"global_scale_inv"`` or ``"global_scale"`` (a producer's
-    global scale kept as it was stored, see docs/formats.md)."""
+    global scale kept as it was stored, see docs/formats.md); ``columnwise`` (1x16 blocks and ``amax``
+    only: TransformerEngine's) also stores the columnwise copy (x^T encoded with 1x16 blocks, TE's
+    ``_columnwise_*`` buffers). With 16x16 blocks that copy is the exact transpose: not stored."""
 
     two_d: bool = False
     per_tensor: str = "amax"
+    columnwise: bool = False
 
     def __post_init__(self):
         check_recipe_flag(self, "nvfp4", "two_d")
         check_recipe_value("nvfp4", "per_tensor", self.per_tensor, numerics.NVFP4_PER_TENSOR)
+        check_recipe_flag(self, "nvfp4", "columnwise")
+        if self.two_d and self.columnwise:
+            raise UnsupportedFormatError(
+                "nvfp4: columnwise=True with two_d=True: the columnwise copy of 16x16 blocks is the exact "
+                "transpose of the rowwise one (derived on insertion), so there is nothing to store; drop columnwise."
+            )
+        if self.columnwise and self.per_tensor != "amax":
+            raise UnsupportedFormatError(
+                f"nvfp4: columnwise=True with per_tensor={self.per_tensor!r}: a stored columnwise copy is "
+                f"TransformerEngine's, which uses the amax convention; drop columnwise or use per_tensor='amax'."
+            )
 
 
 class NVFP4Tensor(QuantizedTensor):
@@ -58,6 +73,8 @@ class NVFP4Tensor(QuantizedTensor):
     SOURCE_COMPONENTS = ("data", "scale", "amax")
     PER_TENSOR_OVERRIDES = frozenset({"amax"})
     SCALE_COMPONENT = "scale"
+    COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale": "scale"}
+    ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
 
     @classmethod
     def _recipe_to_json(cls, recipe) -> dict:
@@ -96,17 +113,23 @@ class NVFP4Tensor(QuantizedTensor):
         batch = tuple(DimMap(d) for d in range(nd - 2))
         m, k = nd - 2, nd - 1
         bm = NVFP4_BLOCK if recipe.two_d else 1
-        return [
+        specs = [
             ComponentSpec("data", torch.uint8, batch + (DimMap(m), DimMap(k, 2, exact=True))),
             ComponentSpec("scale", torch.float8_e4m3fn, batch + (DimMap(m, bm), DimMap(k, NVFP4_BLOCK))),
             ComponentSpec(recipe.per_tensor, torch.float32, batch),
         ]
+        if recipe.columnwise:  # x^T encoded rowwise, stored untransposed: packed and blocked along M
+            specs += [
+                ComponentSpec("columnwise_data", torch.uint8, batch + (DimMap(m, 2, exact=True), DimMap(k))),
+                ComponentSpec("columnwise_scale", torch.float8_e4m3fn, batch + (DimMap(m, NVFP4_BLOCK), DimMap(k))),
+            ]
+        return specs
 
     @classmethod
     def _reference_quantize(cls, x, recipe: NVFP4Recipe, amax=None, scale=None):
         """ckptq's encode from the amax ``a`` (docs/formats.md); a producer convention then stores its
         own value of ``a`` (:func:`ckptq.numerics.nvfp4_per_tensor_from_amax`)."""
-        comps = numerics.quantize_nvfp4(x, two_d=recipe.two_d, amax=amax)
+        comps = numerics.quantize_nvfp4(x, two_d=recipe.two_d, amax=amax, columnwise=recipe.columnwise)
         if recipe.per_tensor != "amax":
             comps[recipe.per_tensor] = numerics.nvfp4_per_tensor_from_amax(comps.pop("amax"), recipe.per_tensor)
         return comps

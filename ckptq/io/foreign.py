@@ -225,6 +225,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
                 f"holds a {producer.get('class', 'foreign') if isinstance(producer, dict) else 'foreign'} "
                 f"tensor of dtype {qt0.dtype}; the metadata and data disagree: restore them or re-save"
             )
+        qt0 = qt0.columnwise_on_grid(shape, boxes)  # shards' own columnwise blocks: not presented (derived on load)
         specs = type(qt0).component_specs(shape, qt0.recipe)
         expect = _ShardExpectation(fqn, qt0.FORMAT, qt0.recipe, _per_tensor(qt0))
         try:
@@ -302,6 +303,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
                 f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
             )
         qt, _ = adapter.to_canonical(payload, exp.fqn)
+        if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
+            qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
         if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
             raise CheckpointFormatError(
                 f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "

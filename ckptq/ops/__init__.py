@@ -168,10 +168,25 @@ def _encode(cls, src_list, src: dict, recipe: Any, shape, device, amax, scale) -
     return {spec.name: t for spec, t in zip(cls.component_specs(shape, recipe), outs, strict=False)}
 
 
+def _columnwise(cls, recipe: Any) -> Any | None:
+    """The rowwise recipe whose encoding of x^T is ``recipe``'s stored columnwise copy, when the
+    ops compute that copy by running the kernels on x^T (``cls.COLUMNWISE_FROM_TRANSPOSE``); else None."""
+    row = cls.rowwise_recipe(recipe)
+    return row if cls.COLUMNWISE_FROM_TRANSPOSE and row is not recipe else None
+
+
+def _add_columnwise(cls, out: dict, x: torch.Tensor, row_recipe: Any, amax, scale) -> dict[str, torch.Tensor]:
+    """``out`` plus the columnwise components: the rowwise kernels on x^T (``x`` high precision),
+    transposed back (:func:`ckptq.numerics.columnwise_copy`; the same overrides, so the same amax)."""
+    t = quantize(cls, x.mT.contiguous(), row_recipe, amax=amax, scale=scale)
+    return {**out, **numerics.columnwise_copy(t, cls.COLUMNWISE_FROM_TRANSPOSE)}  # columnwise last, as the specs
+
+
 def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dict[str, torch.Tensor]:
     """Components of ``x`` (fp32/bf16/fp16, shape (..., M, K)) quantized as ``cls`` (a
     QuantizedTensor subclass) with ``recipe``; ``amax``/``scale`` override the per-matrix value
-    (see :func:`ckptq.quantize`). Returns ``{component name: tensor}`` in canonical order."""
+    (see :func:`ckptq.quantize`). Returns ``{component name: tensor}`` in canonical order. A
+    columnwise copy that is the rowwise encoding of x^T (nvfp4, fp8_block) runs the kernels twice."""
     backend = _backends.select(x.device)
     src = kernel_args(HP_FORMATS.get(x.dtype, ""))
     if (
@@ -180,7 +195,9 @@ def quantize(cls, x: torch.Tensor, recipe: Any, *, amax=None, scale=None) -> dic
         or not _use_kernel(backend, src, cls.kernel_args(recipe), x.shape)
     ):
         return cls._reference_quantize(x, recipe, amax=amax, scale=scale)
-    return _encode(cls, [x], src, recipe, x.shape, x.device, amax, scale)
+    row = _columnwise(cls, recipe)
+    out = _encode(cls, [x], src, row or recipe, x.shape, x.device, amax, scale)
+    return out if row is None else _add_columnwise(cls, out, x, row, amax, scale)
 
 
 def dequantize(qt, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -212,7 +229,9 @@ def requantize(qt, cls, recipe: Any, *, amax=None, scale=None) -> dict[str, torc
     src, comps = _source(qt)
     if not _use_kernel(backend, src, cls.kernel_args(recipe), qt.shape):
         return quantize(cls, dequantize(qt, torch.float32), recipe, amax=amax, scale=scale)
-    return _encode(cls, comps, src, recipe, qt.shape, qt.device, amax, scale)
+    row = _columnwise(cls, recipe)
+    out = _encode(cls, comps, src, row or recipe, qt.shape, qt.device, amax, scale)
+    return out if row is None else _add_columnwise(cls, out, dequantize(qt, torch.float32), row, amax, scale)
 
 
 def amax(src) -> torch.Tensor:

@@ -337,7 +337,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     * quantized target, checkpoint native in the same format and recipe: each component is read
       straight into the target's component tensors -- the raw bytes, bit-exact, resharded by
-      DCP's box math on component chunks;
+      DCP's box math on component chunks. The same holds when the recipes differ only in a stored
+      columnwise copy: a target without one reads the rowwise components; a foreign target that
+      holds one (e.g. TransformerEngine) from a checkpoint without it reads the rowwise components
+      and its adapter derives the copy on insertion (requantized: a warning, SQNR in ``derived``);
     * quantized target, checkpoint in another format/recipe or high precision (or a plain DCP
       entry): the source region is decoded and re-encoded with the *target's* recipe through the
       :mod:`ckptq.ops` registry (logged once per tensor). Targets with a per-tensor value (FP8
@@ -554,22 +557,40 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         entry = self._entries.get(t.fqn)
         if entry is None:
             raise _missing_keys([t.fqn])
+        if t.adapter is not None:
+            self._foreign_columnwise(t, entry)
         if entry.kind == "quantized":
             if tuple(entry.shape) != t.global_shape:
                 raise _size_mismatch(t.fqn, entry.shape, t.global_shape, "the logical shape of a quantized tensor")
             src_cls = format_class(entry.format)
-            if (
-                t.qt is not None
-                and type(t.qt) is src_cls
-                and t.qt.recipe == src_cls._recipe_from_json(entry.descriptor.recipe)
-            ):
-                if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
-                    return _Raw(self, t, entry)
+            src_recipe = src_cls._recipe_from_json(entry.descriptor.recipe)
+            if t.qt is not None and type(t.qt) is src_cls:
+                # same recipe, or a columnwise copy the target does not keep: the target's components raw
+                if t.qt.recipe in (src_recipe, src_cls.rowwise_recipe(src_recipe)):
+                    if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
+                        return _Raw(self, t, entry)
         if t.qt is None:
             return _ToPlain(self, t, entry)
         if self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box):
             return _LocalEncode(self, t, entry)
         return _Requantize(self, t, entry)
+
+    @staticmethod
+    def _foreign_columnwise(t: _Target, entry: Entry) -> None:
+        """A foreign target's columnwise copy that the load cannot fill raw is left to its adapter,
+        which derives it on insertion (requantized, with a warning): ``t.qt`` becomes rowwise-only
+        when the checkpoint holds the tensor natively without such a copy (saved without it), or
+        this shard's copy has blocks off the global grid (e.g. TE 1x128 on 80-row shards) while its
+        rowwise copy is on it. (Another source is re-encoded into the whole recipe: the copy then
+        comes from the source's values, as the producer computes it.)"""
+        row = t.qt.rowwise_only()
+        if row is t.qt:
+            return
+        native = entry.kind == "quantized" and entry.format == t.qt.FORMAT
+        if native and row.recipe == type(row)._recipe_from_json(entry.descriptor.recipe):
+            t.qt = row
+        else:
+            t.qt = t.qt.columnwise_on_grid(t.global_shape, [t.box])
 
     def _plan_tensor(self, fqn: str, obj: torch.Tensor) -> list[ReadItem]:
         if self.allow_partial_load and not self._in_checkpoint(fqn) and not self._is_grouped(fqn):

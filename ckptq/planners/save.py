@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,10 +32,12 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, InconsistentScaleError, UnsupportedFormatError
 from ..formats.base import QuantizedTensor
-from ._common import local_box, mode_for
+from ._common import all_boxes, local_box, mode_for
 from .quantize import QuantizeRules, quantize_state_dict, validate_rules
 
 __all__ = ["QuantizedSavePlanner"]
+
+logger = logging.getLogger("ckptq")
 
 _SCALARS_KEY = "__ckptq_scalars__"
 
@@ -175,6 +178,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
                     if entry.mode == NATIVE:
                         raise
                     # not storable natively; its values (the producer's dequantize) still are
+                else:
+                    entry.qt = _columnwise_on_grid(entry.qt, obj, fqn)
             self._entries[fqn] = entry
             if entry.mode == NATIVE:
                 self._add_component_mappings(entry)
@@ -290,6 +295,22 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if isinstance(obj, _SavedTensor):  # high precision: dequantize this shard now, not earlier
             return obj.values(self.dtype)
         return obj
+
+
+def _columnwise_on_grid(qt: QuantizedTensor, obj: torch.Tensor, fqn: str) -> QuantizedTensor:
+    """A foreign tensor's canonical ``qt``, without its columnwise copy when its shards' copies are
+    off the global grid (:meth:`QuantizedTensor.columnwise_on_grid`), decided from every shard's
+    box so that all ranks agree. A load then derives the copy (requantized, with a warning)."""
+    kept = qt.columnwise_on_grid(tuple(obj.shape), all_boxes(obj, fqn))
+    if kept is not qt:
+        logger.warning(
+            "ckptq: tensor '%s' (%s): its shards' columnwise copies were quantized on blocks that do not line "
+            "up with the global grid, so they are not stored; a load into a tensor that holds one requantizes "
+            "it from the loaded values",
+            fqn,
+            qt.FORMAT,
+        )
+    return kept
 
 
 def _check_scalars(scalar_sets: list[dict]) -> None:

@@ -115,7 +115,10 @@ class Float8BlockwiseQTensor(QuantizedTensor):
         )
 
     def dequantize(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rowwise ``q * scale_inv[block]`` (``_FromFloat8BlockwiseFunc``), scales by index."""
+        """Rowwise ``q * scale_inv[block]`` (``_FromFloat8BlockwiseFunc``), scales by index; from the
+        columnwise buffers when no rowwise data is held, as TE does."""
+        if self._rowwise_data is None:
+            return self.dequantize_columnwise(dtype=dtype)
         m, k = self.shape
         i = torch.arange(m)[:, None].expand(m, k)
         j = torch.arange(k)[None, :].expand(m, k)
@@ -125,6 +128,20 @@ class Float8BlockwiseQTensor(QuantizedTensor):
             s = self._rowwise_scale_inv[j // 128, i]
         codes = self._rowwise_data.view(_TORCH_FP8[int(self._fp8_dtype)]).float()
         return (codes * s).to(dtype)
+
+    def dequantize_columnwise(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The columnwise copy's values, (M, K): TE's columnwise dequantize (``_FromFloat8BlockwiseFunc``
+        / ``_dequantize_vectorwise`` on ``_columnwise_data`` (K, M), output transposed back), scales
+        by index: 2-D ``[k // 128, m // 128]``, 1-D ``[m // 128, k]``."""
+        m, k = self.shape
+        r = torch.arange(k)[:, None].expand(k, m)  # row of the (K, M) columnwise data
+        c = torch.arange(m)[None, :].expand(k, m)
+        if self._is_2D_scaled:
+            s = self._columnwise_scale_inv[r // 128, c // 128]
+        else:
+            s = self._columnwise_scale_inv[c // 128, r]
+        codes = self._columnwise_data.view(_TORCH_FP8[int(self._fp8_dtype)]).float()
+        return (codes * s).t().to(dtype)
 
 
 def _make_float8_blockwise_tensor_in_reduce_ex(

@@ -186,6 +186,27 @@ class NVFP4Tensor(QuantizedTensor):
         final_scale = (s.view(torch.float8_e4m3fn).float() * amax) * NVFP4_FACTOR_INV
         return (E2M1[code] * final_scale).to(dtype)
 
+    def dequantize_columnwise(self, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The columnwise copy's values, (M, K). TE has no columnwise NVFP4 dequantize
+        (``_FromNVFP4Func`` raises NotImplementedError); its quantizer writes the copy as the rowwise
+        encoding of x^T (a (K, M) tensor, ``_amax_columnwise``), so this is the dequantize kernel's
+        order on that tensor, read by index from ``_columnwise_*``, transposed back."""
+        m, k = self.shape
+        r = torch.arange(k)[:, None].expand(k, m)  # row of x^T = column of x
+        c = torch.arange(m)[None, :].expand(k, m)
+        byte = self._columnwise_data[r, c // 2].to(torch.int64)
+        code = (byte >> (4 * (c % 2))) & 0xF
+        s = read_scale(
+            self._columnwise_scale_inv,
+            r,
+            c // 16,
+            swizzled=self._with_gemm_swizzled_scales,
+            padded_shape=(rup(k, 128), rup(cdiv(m, 16), 4)),
+        )
+        amax = self._amax_columnwise.float().reshape(())
+        final_scale = (s.view(torch.float8_e4m3fn).float() * amax) * NVFP4_FACTOR_INV
+        return (E2M1[code] * final_scale).t().to(dtype)
+
 
 def _make_nvfp4_tensor_in_reduce_ex(
     shape,
