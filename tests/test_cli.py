@@ -203,7 +203,7 @@ def test_convert_to_an_unknown_target_names_the_flag_and_the_formats(ckpt, tmp_p
     assert r.exit_code == 2
     assert r.stderr.splitlines()[0] == (
         "Error: --to int3: expected native (keep each tensor's format), a format (fp8_block, fp8_tensor, "
-        "mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, bf16, fp16, fp32)"
+        "mxfp4, mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, bf16, fp16, fp32)"
     )
 
 

@@ -367,11 +367,28 @@ def test_amax_op_cpu():
         assert got.shape == (3,)
 
 
+def check_mxfp4_partial_blocks(backend: str, device="cpu"):
+    for shape in ((3, 40, 80), (64, 48), (5, 18)):
+        x = random_hp(shape, seed=shape[-1]).to(device)
+        for rule in numerics.MXFP4_SCALE_RULES:
+            for src in (x, x.to(torch.bfloat16), make_source("mxfp8", {}, x)):
+                check_pair(src, "mxfp4", {"scale_rule": rule}, backend=backend)
+            q = make_source("mxfp4", {"scale_rule": rule}, x)
+            for dst in (("bf16", {}), ("fp32", {}), ("nvfp4", {}), ("mxfp8", {})):
+                check_pair(q, *dst, backend=backend)
+
+
+def test_mxfp4_partial_last_block_cpu():
+    _need_cpu()
+    check_mxfp4_partial_blocks("cpu")
+
+
 def test_noncontiguous_and_views_cpu():
     _need_cpu()
     x = random_hp((64, 96), seed=2)
     check_pair(x.t(), "nvfp4", {}, backend="cpu")  # (96, 64) transposed view
     check_pair(x[:, 16:80], "mxfp8", {"columnwise": True}, backend="cpu")  # storage offset
+    check_pair(x[:, 32:96], "mxfp4", {"scale_rule": "even"}, backend="cpu")
     q = make_source("fp8_block", {"block": (1, 128)}, random_hp((4, 256, 256), seed=3))
     check_pair(q[1:3], "nvfp4", {}, backend="cpu")  # slice of a batch: views of the components
 

@@ -101,6 +101,8 @@ SWEEPS = [
     ("fp8_tensor", {"fp8_dtype": K.E4M3}, {"scale": 3.0}),
     ("mxfp8", {}, {}),
     ("nvfp4", {}, {"amax": 2688.0}),
+    ("mxfp4", {}, {}),
+    ("mxfp4", {"scale_rule": "rceil"}, {}),
     ("bf16", {}, {}),
     ("fp16", {}, {}),
 ]
@@ -122,7 +124,13 @@ def test_exhaustive_fp32_sweep_cuda(dst):
 def test_amax_op_cuda():
     _need_cuda_backend()
     x = K.edge_matrix(DEV)
-    for src in [x, x.to(torch.bfloat16), K.make_source("nvfp4", {"two_d": True}, x), K.make_source("fp8_block", {}, x)]:
+    for src in [
+        x,
+        x.to(torch.bfloat16),
+        K.make_source("nvfp4", {"two_d": True}, x),
+        K.make_source("fp8_block", {}, x),
+        K.make_source("mxfp4", {}, x),
+    ]:
         with ops.force("reference"):
             ref = ops.amax(src)
         with ops.force("cuda"):
@@ -135,11 +143,19 @@ def test_views_and_large_batch_cuda():
     x = K.random_hp((96, 160), seed=2).to(DEV)
     K.check_pair(x.t(), "nvfp4", {}, backend="cuda")
     K.check_pair(x[:, 16:144], "mxfp8", {"columnwise": True}, backend="cuda")  # storage offset
+    K.check_pair(x[:, 32:96], "mxfp4", {"scale_rule": "even"}, backend="cuda")
     q = K.make_source("nvfp4", {}, K.random_hp((8, 128, 1024), seed=3).to(DEV))
     K.check_pair(q[2:7], "fp8_block", {"block": (128, 128)}, backend="cuda")
     big = K.make_source("bf16", {}, K.random_hp((4, 1024, 4096), seed=5).to(DEV))
     for dst in K.TARGETS:
         K.check_pair(big, *dst, backend="cuda")
+
+
+def test_mxfp4_partial_last_block_cuda():
+    """K % 32 == 16 with K % 16 == 0 (the vectorized path: the block's second segment lies past K)
+    and K % 16 != 0 (the element-wise path), every scale rule, into and out of mxfp4."""
+    _need_cuda_backend()
+    K.check_mxfp4_partial_blocks("cuda", DEV)
 
 
 def test_unsupported_blocks_fall_back_to_the_reference_on_cuda():

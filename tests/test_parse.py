@@ -70,7 +70,7 @@ def test_targets_dtypes_and_choices():
         parse.parse_target("int3")
     assert str(ei.value) == (
         "--to int3: expected native (keep each tensor's format), a format (fp8_block, "
-        "fp8_tensor, mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, "
+        "fp8_tensor, mxfp4, mxfp8, nvfp4) or a high-precision dtype (bfloat16, float16, float32, "
         "bf16, fp16, fp32)"
     )
     assert parse.parse_hp_dtype("fp16") is torch.float16 and parse.parse_hp_dtype(torch.float32) is torch.float32

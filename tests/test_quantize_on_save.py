@@ -146,3 +146,21 @@ def test_quantize_on_save_cuda(tmp_path):
     sd["layers.0.bias"] = torch.arange(8.0)
     dcp.save(sd, checkpoint_id=str(tmp_path), planner=ckptq.QuantizedSavePlanner(quantize=RULES))
     _check(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_odd_k_names_the_tensor_and_writes_nothing(tmp_path, fmt):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptq.io import dcp_failure
+
+    root = tmp_path / "ck"
+    with pytest.raises((ckptq.QuantizationError, CheckpointException)) as ei:
+        dcp.save(
+            {"w.odd": torch.randn(4, 33)},
+            checkpoint_id=str(root),
+            planner=ckptq.QuantizedSavePlanner(quantize={"w.*": fmt}),
+        )
+    err = ei.value if isinstance(ei.value, ckptq.QuantizationError) else dcp_failure(ei.value, str(root))
+    assert isinstance(err, ckptq.QuantizationError) and "'w.odd'" in str(err) and "odd" in str(err) and fmt in str(err)
+    assert not root.exists()

@@ -278,9 +278,8 @@ CKPTQ_HD uint8_t mxfp4_scale_from_amax(float amax, Mxfp4Rule rule) {
   return (uint8_t)e;
 }
 
-// MXFP4 element code: e2m1_rne(clamp(x * 2^(127 - s), -6, 6)) with mult = e8m0_rcp(s); the clamp
-// folds into e2m1_index as for nvfp4_code (same function: x * mult, then e2m1_encode).
-CKPTQ_HD uint8_t mxfp4_code(float x, float mult) { return e2m1_encode(x * mult); }
+// The MXFP4 element code, e2m1_rne(clamp(x * 2^(127 - s), -6, 6)) with mult = e8m0_rcp(s), is
+// nvfp4_code(x, mult): the same multiply, then e2m1_encode (the clamp folds into e2m1_index).
 
 }  // namespace num
 

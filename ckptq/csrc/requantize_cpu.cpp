@@ -148,20 +148,6 @@ CKPTQ_CLONES void nvfp4_decode_blocks(const uint8_t* __restrict x, int64_t n, co
   }
 }
 
-// MXFP4: blocks of 32 from a block boundary, n even; x = e2m1(code) * 2^(scale - 127).
-CKPTQ_CLONES void mxfp4_decode_blocks(const uint8_t* __restrict x, int64_t n, const float* __restrict mult,
-                                      float* __restrict o) {
-  for (int64_t j = 0, c = 0; c < n; ++j, c += 32) {
-    const float m = mult[j];
-    const int64_t np = std::min<int64_t>(32, n - c) / 2;
-    for (int64_t i = 0; i < np; ++i) {
-      const uint32_t byte = x[c / 2 + i];
-      o[c + 2 * i] = e2m1_decode(byte & 0xFu) * m;
-      o[c + 2 * i + 1] = e2m1_decode(byte >> 4) * m;
-    }
-  }
-}
-
 CKPTQ_CLONES void fp8_decode_blocks(const uint8_t* __restrict x, int64_t n, int64_t bk, const float* __restrict lut,
                                     const float* __restrict mult, float* __restrict o) {
   for (int64_t j = 0, c = 0; c < n; ++j, c += bk) {
@@ -252,22 +238,6 @@ CKPTQ_CLONES void nvfp4_blocks(const float* __restrict v, int64_t n, const float
   }
   for (int64_t c = 16 * full; c < n; c += 2)
     out[c / 2] = (uint8_t)(nvfp4_code(v[c], enc[full]) | (nvfp4_code(v[c + 1], enc[full]) << 4));
-}
-
-// MXFP4, blocks of 32, n even: out holds n/2 bytes, element 2i in the low nibble; mult[j] is the
-// encode multiplier 2^(127 - s) of block j.
-CKPTQ_CLONES void mxfp4_blocks(const float* __restrict v, int64_t n, const float* __restrict mult,
-                               uint8_t* __restrict out) {
-  const int64_t full = n / 32;
-  for (int64_t j = 0; j < full; ++j) {
-    const float m = mult[j];
-    const float* p = v + 32 * j;
-    uint8_t code[32];
-    for (int i = 0; i < 32; ++i) code[i] = mxfp4_code(p[i], m);
-    for (int i = 0; i < 16; ++i) out[16 * j + i] = (uint8_t)(code[2 * i] | (code[2 * i + 1] << 4));
-  }
-  for (int64_t c = 32 * full; c < n; c += 2)
-    out[c / 2] = (uint8_t)(mxfp4_code(v[c], mult[full]) | (mxfp4_code(v[c + 1], mult[full]) << 4));
 }
 
 CKPTQ_CLONES void f16_decode_row(const uint16_t* __restrict x, int64_t n, float* __restrict out) {
@@ -810,7 +780,8 @@ void decode_row(const SrcCpu& s, int64_t b, int64_t r, int64_t c0, int64_t n, fl
   const int64_t srow = (b * s.srows + r / s.sbm) * s.scols;
   const int64_t end = c0 + n;
   constexpr int64_t kMaxBlocks = 128;
-  if (c0 % s.sbk == 0 && cdiv(n, s.sbk) <= kMaxBlocks && (!fmt_is_fp4(s.f) || n % 2 == 0)) {
+  if (c0 % s.sbk == 0 && cdiv(n, s.sbk) <= kMaxBlocks && (!fmt_is_fp4(s.f) || n % 2 == 0) &&
+      (s.f != Fmt::MXFP4 || cdiv(n, 16) <= kMaxBlocks)) {
     // Common case: the chunk starts on a block boundary; multipliers first, then one loop.
     float mult[kMaxBlocks];
     const int64_t nb = cdiv(n, s.sbk), b0 = c0 / s.sbk;
@@ -831,9 +802,9 @@ void decode_row(const SrcCpu& s, int64_t b, int64_t r, int64_t c0, int64_t n, fl
         nvfp4_decode_blocks(s.data + row * (s.K / 2) + c0 / 2, n, mult, out);
         return;
       }
-      case Fmt::MXFP4:  // portable loop only (no v512 version)
-        for (int64_t j = 0; j < nb; ++j) mult[j] = e8m0_to_f32(s.sc_u8[srow + b0 + j]);
-        mxfp4_decode_blocks(s.data + row * (s.K / 2) + c0 / 2, n, mult, out);
+      case Fmt::MXFP4:  // nvfp4's portable loop, one multiplier per 16 elements (two per 1x32 block)
+        for (int64_t j = 0; j < cdiv(n, 16); ++j) mult[j] = e8m0_to_f32(s.sc_u8[srow + b0 + j / 2]);
+        nvfp4_decode_blocks(s.data + row * (s.K / 2) + c0 / 2, n, mult, out);
         return;
       default:
         break;
@@ -1124,9 +1095,11 @@ void run_blocked(const Plan& p, const SrcCpu& s, const std::vector<Nvfp4Tensor>&
     if (vx && !(df == Fmt::FP8_BLOCK && p.d_e5m2))
       return v512::e4m3_blocks(v512::LoadF32{v}, n, bk, mult, data + row * data_row + c);
 #endif
-    if (df == Fmt::MXFP4)
-      mxfp4_blocks(v, n, mult, data + row * data_row + c / 2);
-    else if (df == Fmt::NVFP4)
+    if (df == Fmt::MXFP4) {  // nvfp4's portable loop (code = nvfp4_code(x, mult)) with one multiplier
+      float m16[512 / 16];   // per 16 elements: two per 1x32 block (n <= W = 512)
+      for (int64_t j = 0; j < cdiv(n, 16); ++j) m16[j] = mult[j / 2];
+      nvfp4_blocks(v, n, m16, data + row * data_row + c / 2);
+    } else if (df == Fmt::NVFP4)
       nvfp4_blocks(v, n, mult, data + row * data_row + c / 2);
     else if (df == Fmt::FP8_BLOCK && p.d_e5m2)
       e5m2_blocks(v, n, bk, mult, data + row * data_row + c);

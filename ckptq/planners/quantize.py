@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import chunks
-from ..errors import UnsupportedFormatError
+from ..errors import QuantizationError, UnsupportedFormatError
 from ..formats import format_class, make_recipe, quantize
 from ..formats.base import QuantizedTensor
 from ..numerics import HP_FORMATS
@@ -97,7 +97,7 @@ def quantize_state_dict(state_dict: Mapping[str, Any], rules: QuantizeRules) -> 
         UnsupportedFormatError: a rule names an unknown format or recipe option.
         ShardingError: a shard's box cuts the format's blocks (names the tensor, dim, cut and block),
             or a DTensor shard is not one contiguous box.
-        QuantizationError: e.g. NVFP4 with an odd last dim.
+        QuantizationError: e.g. NVFP4 / MXFP4 with an odd last dim (names the tensor and its rule).
     """
     validate_rules(rules)
     out = {}
@@ -120,6 +120,10 @@ def quantize_state_dict(state_dict: Mapping[str, Any], rules: QuantizeRules) -> 
         cls = format_class(fmt)
         rec = make_recipe(fmt, **recipe)
         global_shape = tuple(obj.shape)
+        try:  # shape rules of the format (an odd K for FP4), on the global shape
+            cls.check_overrides(global_shape)
+        except QuantizationError as e:
+            raise QuantizationError(f"tensor '{fqn}' (quantize rule {fmt}): {e}") from None
         box = local_box(obj, fqn)
         chunks.check_aligned(cls.component_specs(global_shape, rec), global_shape, box, fqn=fqn, fmt=fmt)
         amax = _global_amax(obj, local) if "amax" in cls.PER_TENSOR_OVERRIDES else None

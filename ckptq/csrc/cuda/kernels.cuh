@@ -649,7 +649,7 @@ __device__ __forceinline__ void process_tile(const Params& p, const Tile& t, con
     };
     auto encode = [&](const float (&v)[16], float mult, int r) {
       uint8_t* out = data + (((b * p.M + r) * (int64_t)p.K + c) >> (is_fp4_dst(D) ? 1 : 0));
-      if constexpr (D == D_MX4)  // codes of v * mult (mxfp4_code), packed as nvfp4's
+      if constexpr (D == D_MX4)  // codes of v * mult (nvfp4_code), packed as nvfp4's
         store_nvfp4_seg<D_NV>(p, out, v, mult, c);
       else if constexpr (is_nv(D))
         store_nvfp4_seg<D>(p, out, v, mult, c);
