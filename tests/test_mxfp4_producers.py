@@ -6,7 +6,9 @@
   (``Mxfp4Config(dequantize=True)``) gives ckptq's decode of the source, transposed, bit for bit.
 * compressed-tensors 0.20 ``mxfp4-pack-quantized`` both ways, judged by its own decompressor.
 * DeepSeek-V4-style mixed folders (MXFP4 experts + 128x128 E8M0-scaled FP8, a scale in another
-  shard than its weight): inspect shows both formats, convert and export keep each exactly.
+  shard than its weight): inspect shows both formats, convert and export keep each exactly; a tiny
+  transformers ``DeepseekV4ForCausalLM`` folder imports byte for byte and ckptq's export of it loads
+  in transformers' own loader (``from_pretrained``, CPU) to ckptq's decode, bit for bit.
 * 3-D expert weights in every HF layout, and the bad inputs of the issue (nothing written).
 
 torchao ``MXTensor`` FP4 (live, DCP, ``torch.save``) is covered by tests/test_torchao.py's cases.
@@ -15,6 +17,7 @@ torchao ``MXTensor`` FP4 (live, DCP, ``torch.save``) is covered by tests/test_to
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
@@ -395,8 +398,9 @@ def test_deepseek_v4_inspect_convert_export_keep_each_format(tmp_path):
     native = tmp_path / "native"
     reshard_checkpoint(src, native, to="native")
     out = tmp_path / "out"
-    res = export_checkpoint(native, out, layout="deepseek-v4", config=src / "config.json")
-    assert res["requantized"] == []
+    # wq_a is 200 x 256: transformers' loader would take 100-row blocks (consumer_decode), so keep is needed
+    res = export_checkpoint(native, out, layout="deepseek-v4", config=src / "config.json", on_inexact="keep")
+    assert res["requantized"] == [] and list(res["consumer"]["unloadable"]) == ["layers.0.attn.wq_a.weight"]
     got = _read_all(out)
     for name, x in t.items():
         assert_same_bytes(got[name], x, name)
@@ -527,3 +531,116 @@ def test_bad_k_is_refused_before_writing(tmp_path):
         with pytest.raises(UnsupportedFormatError, match=r"'w\.weight'.*multiple of 32"):
             export_checkpoint(src, tmp_path / layout, layout=layout, config=False)
         assert not (tmp_path / layout).exists()
+
+
+# ============================================================================ DeepSeek-V4 in transformers
+def _tiny_deepseek_v4_config():
+    from transformers import DeepseekV4Config
+
+    return DeepseekV4Config(
+        vocab_size=64,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        head_dim=64,
+        q_lora_rank=64,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=2,
+        index_head_dim=32,
+        index_topk=4,
+        sliding_window=8,
+        hc_mult=2,
+        max_position_embeddings=256,
+        mlp_layer_types=["moe", "moe"],
+        layer_types=["sliding_attention", "compressed_sparse_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    )
+
+
+def test_deepseek_v4_export_loads_in_transformers_bit_exact(tmp_path):
+    """transformers 5.24's own DeepSeek-V4 (``DeepseekV4ForCausalLM``) reads the layout: a tiny model
+    saved by transformers (which writes DeepSeek's original names, ``layers.L.ffn.experts.E.w1.weight``)
+    has its routed experts replaced by MXFP4 (I8 + F8_E8M0 ``.scale``) and its attention / shared-expert
+    Linears by 128x128 FP8 with E8M0 ``.scale``; ckptq imports that folder byte for byte, takes it to
+    native DCP, exports ``deepseek-v4``, and transformers' ``from_pretrained`` on CPU (FineGrainedFP8,
+    dequantize on load) gives ckptq's dequantization in bf16, bit for bit, for every expert slice of
+    the merged ``experts.gate_up_proj`` / ``down_proj`` and every FP8 Linear."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    plain = tmp_path / "plain"
+    DeepseekV4ForCausalLM(_tiny_deepseek_v4_config()).save_pretrained(plain)
+    t = load_file(str(plain / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    quantized = {}
+    for name, w in list(t.items()):
+        if ".ffn.experts." in name:  # routed experts: MXFP4, scale bytes 0 and 254 included
+            q = ckptq.quantize(w * 8, "mxfp4")
+            s = q.components()["scale"].clone()
+            s.view(-1)[:2] = torch.tensor([0, 254], dtype=torch.uint8)
+            q = ckptq.from_components(q.descriptor(), {"data": q.components()["data"], "scale": s})
+            t[name] = q.components()["data"].view(torch.int8)
+            t[name[: -len("weight")] + "scale"] = s.view(torch.float8_e8m0fnu)
+        elif re.search(r"\.attn\.w[a-z_]+\.weight$|\.shared_experts\.w\d\.weight$", name):
+            q = ckptq.quantize(w * torch.rand((), generator=g) * 100, "fp8_block", pow2=True)
+            t[name] = q.components()["data"]
+            e = (q.components()["scale_inv"].view(torch.int32) >> 23) & 0xFF
+            t[name[: -len("weight")] + "scale"] = e.to(torch.uint8).view(torch.float8_e8m0fnu)
+        else:
+            continue
+        quantized[name] = q
+    assert len(quantized) == 2 * (6 + 5 + 3)
+    config = json.loads((plain / "config.json").read_text())
+    config["expert_dtype"] = "fp4"
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
+    src = tmp_path / "src"
+    _index(src, {"model.safetensors": t}, config)
+    view = open_checkpoint(src)  # the folder in transformers' form imports exactly
+    for name, q in quantized.items():
+        got = view.read(name)
+        assert got.FORMAT == q.FORMAT, name
+        for c, v in q.components().items():
+            assert_same_bytes(got.components()[c], v, f"{name} {c}")
+    native = tmp_path / "native"
+    reshard_checkpoint(src, native, to="native")
+    out = tmp_path / "out"
+    export_checkpoint(native, out, layout="deepseek-v4", config=src / "config.json")
+    back = _read_all(out)
+    for name, x in t.items():
+        assert_same_bytes(back[name], x, name)
+
+    pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it (import and export above ran)
+    model, info = DeepseekV4ForCausalLM.from_pretrained(str(out), dtype=torch.bfloat16, output_loading_info=True)
+    assert not any(info.values()), info  # no missing / unexpected / mismatched key
+    params = dict(model.named_parameters())
+    bf16 = {n: q.dequantize(torch.bfloat16) for n, q in quantized.items()}
+    for layer in range(2):
+        p = f"model.layers.{layer}.ffn.experts"
+        for e in range(2):
+            gate_up = torch.cat([bf16[f"{p}.{e}.w1.weight"], bf16[f"{p}.{e}.w3.weight"]])
+            mlp = f"model.layers.{layer}.mlp.experts"
+            assert_same_bytes(params[f"{mlp}.gate_up_proj"][e].detach(), gate_up, f"{mlp} {e}")
+            assert_same_bytes(params[f"{mlp}.down_proj"][e].detach(), bf16[f"{p}.{e}.w2.weight"], f"{mlp} {e}")
+    renamed = {".attn.": ".self_attn.", ".ffn.": ".mlp.", "wq_a": "q_a_proj", "wq_b": "q_b_proj", "wkv": "kv_proj"}
+    renamed |= {"wo_a": "o_a_proj", "wo_b": "o_b_proj", "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    checked = 0
+    for name, v in bf16.items():
+        if ".experts." in name and ".shared_experts." not in name:
+            continue
+        theirs = name
+        for a, b in renamed.items():
+            theirs = theirs.replace(a, b)
+        assert_same_bytes(params[theirs].detach(), v, theirs)
+        checked += 1
+    assert checked == 2 * (5 + 3)

@@ -1227,6 +1227,10 @@ def rename(name: str, rules: Sequence[tuple[str, str]], *, inverse: bool = False
 CONSUMERS = {
     "compressed-tensors": "transformers (from_pretrained, through compressed-tensors), vLLM",
     "deepseek-fp8": "transformers (from_pretrained, FineGrainedFP8), vLLM, DeepSeek-V3's inference code",
+    "deepseek-v4": (
+        "transformers (from_pretrained: DeepseekV4ForCausalLM, FineGrainedFP8 with scale_fmt ue8m0 and "
+        "expert_dtype fp4; dequantize on load on CPU; needs accelerate), DeepSeek-V4's inference code"
+    ),
     "gpt-oss": "transformers (from_pretrained with Mxfp4Config; dequantize=True on CPU), vLLM",
     "torchao": "torchao's unflatten_tensor_state_dict (transformers' torchao integration)",
     "modelopt": (
@@ -1273,9 +1277,12 @@ def consumer_decode(
       float32 model the decoded bf16 weight then fails the model's forward (dtype mismatch). MXFP4
       (``mxfp4-pack-quantized``) likewise (an E2M1 value times a power of two is a bf16 value). NVFP4
       decodes in bf16 too (the same failure; its values: ``numerics`` of the export, the global scale).
-    * DeepSeek FP8: transformers 5.24 ``integrations/finegrained_fp8.py`` ``Fp8Dequantize``
-      (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's dtype: equal, but
-      it derives the block size as dims // grid, so both dims must be multiples of 128.
+    * DeepSeek FP8 and DeepSeek-V4: transformers 5.24 ``integrations/finegrained_fp8.py``
+      ``Fp8Dequantize`` (CPU, or a GPU without FP8) multiplies in fp32 and casts to the parameter's
+      dtype: equal, but it derives the block size as dims // grid, so an ``fp8_block`` weight's dims
+      must be multiples of 128 or at most 128 (one block). V4's E8M0 scales widen to fp32 exactly,
+      and its FP4 experts unpack low nibble first with a ``(M, K/32)`` grid, i.e. 1x32 blocks:
+      ``mxfp4`` is always equal (docs/producers.md 7.4).
     """
     data = tensors[fm.name(module, fm.data)]
     if lay.name == "compressed-tensors" and fm.format in ("fp8_tensor", "fp8_block"):
@@ -1309,9 +1316,10 @@ def consumer_decode(
                 f"the {dtype_to_str(dtype)} model's forward then fails (dtype mismatch)",
             )
         return ConsumerDecode("equal" if fm.format in ("mxfp8", "mxfp4") else "unchecked")
-    if lay.name == "deepseek-fp8":
+    if lay.name in ("deepseek-fp8", "deepseek-v4"):
         m, k = data.shape[-2:]
-        if m % 128 or k % 128:
+        # a dim of one block (<= 128) decodes right whatever its size; a longer one must be whole blocks
+        if fm.format == "fp8_block" and any(d > 128 and d % 128 for d in (m, k)):
             return ConsumerDecode(
                 "unloadable",
                 reason=f"transformers 5.24 Fp8Dequantize takes the block as the weight's dims over the scale "
