@@ -74,16 +74,10 @@ class NVFP4Tensor(QuantizedTensor):
     PER_TENSOR_OVERRIDES = frozenset({"amax"})
     SCALE_COMPONENT = "scale"
     COLUMNWISE_FROM_TRANSPOSE = {"columnwise_data": "data", "columnwise_scale": "scale"}
-    ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
-
-    @classmethod
-    def _recipe_to_json(cls, recipe) -> dict:
-        """ckptq's own convention is written as before the field existed (no ``per_tensor`` key:
-        ``amax``), so its descriptors are unchanged; a producer's convention is named."""
-        out = super()._recipe_to_json(recipe)
-        if out.get("per_tensor") == "amax":
-            del out["per_tensor"]
-        return out
+    # ``per_tensor`` (producer conventions) came after ckptq's own ``amax`` one: a descriptor of the
+    # default convention is written as before the field existed (no ``per_tensor`` key), a producer's
+    # convention is named.
+    ADDED_RECIPE_OPTIONS = frozenset({"columnwise", "per_tensor"})
 
     @classmethod
     def kernel_supports(cls, recipe: NVFP4Recipe) -> bool:
