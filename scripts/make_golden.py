@@ -16,6 +16,9 @@ Checkpoints (tiny tensors: 32x32, 64x32, 16x128 or 32x128; all from fixed seeds)
 * ``native-2rank``: 2 gloo ranks, each tensor a ``DTensor`` ``Shard(0)`` of a quantized tensor.
 * ``te-standin``: TransformerEngine tensors (the test stand-in ``tests/te_standin``) saved natively.
 * ``hf-compressed-tensors``: a Hugging Face compressed-tensors folder written by ``ckptq export``.
+* ``torchao-dcp``, ``torchao-pickle``: torchao 0.18 tensors (NVFP4Tensor, MXTensor MXFP8/MXFP4,
+  Float8Tensor) saved natively by ``dcp.save`` + ``QuantizedSavePlanner``, and as a ``torch.save``
+  file (``model.pt``); expected: their canonical ckptq forms (the torchao adapter's ``to_canonical``).
 
 ``tests/golden/manifest.json`` records, per checkpoint, the sha256 of every file and, per entry,
 the format, recipe, mode, logical shape/dtype and the sha256 of each component's bytes (elements
@@ -184,6 +187,27 @@ def te_state_dict() -> tuple[dict, dict]:
     return sd, canon
 
 
+def torchao_state_dict() -> tuple[dict, dict]:
+    """torchao 0.18 tensors, and their canonical ckptq forms."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    from torchao.quantization import Float8Tensor
+    from torchao.quantization.granularity import PerTensor
+
+    from ckptq import adapters
+
+    x = [values(80 + i, (32, 64)).to(torch.bfloat16) for i in range(4)]
+    sd = {
+        "ao_nvfp4": NVFP4Tensor.to_nvfp4(x[0], per_tensor_scale=per_tensor_amax_to_scale(x[0].float().abs().max())),
+        "ao_mxfp8": MXTensor.to_mx(x[1], torch.float8_e4m3fn, 32),
+        "ao_mxfp4_rceil": MXTensor.to_mx(x[2], torch.float4_e2m1fn_x2, 32, scaling_mode=ScaleCalculationMode.RCEIL),
+        "ao_fp8_tensor": Float8Tensor.from_hp(x[3], granularity=PerTensor()),
+    }
+    canon = {k: adapters.adapter_for(v).to_canonical(v, k)[0] for k, v in sd.items()}
+    return sd, canon
+
+
 def hf_export(root: Path) -> dict:
     """A compressed-tensors folder exported from a small native checkpoint; expected entries as read."""
     import ckptq
@@ -263,6 +287,20 @@ def main(argv=None) -> None:
         "producer": "transformer_engine (stand-in)",
         "entries": entries_of(canon, "native"),
     }
+
+    ao_sd, ao_canon = torchao_state_dict()
+    save(ao_sd, out / "torchao-dcp", "native", "atomic")
+    (out / "torchao-pickle").mkdir()
+    torch.save(ao_sd, out / "torchao-pickle" / "model.pt")
+    for name, kind, writer in (("torchao-dcp", "dcp", "atomic"), ("torchao-pickle", "file", "torch.save")):
+        manifest["checkpoints"][name] = {
+            "kind": kind,
+            "mode": "native",
+            "writer": writer,
+            "producer": "torchao 0.18",
+            "entries": entries_of(ao_canon, "native"),
+        }
+    manifest["checkpoints"]["torchao-pickle"]["file"] = "model.pt"
 
     manifest["checkpoints"]["hf-compressed-tensors"] = {
         "kind": "hf",
