@@ -130,3 +130,12 @@ def test_golden_writers_agree_through_ckptq_verify(a, b):
     rows = json.loads(res.stdout)["tensors"]
     assert {r["fqn"] for r in rows} >= {k for k, r in CKPTS[a]["entries"].items() if "object" not in r}
     assert all(r["bit_exact"] for r in rows), rows
+
+
+def test_golden_covers_every_format_in_both_modes():
+    # a new format needs its golden checkpoints (scripts/make_golden.py CASES; new folders, old ones kept)
+    from ckptq.formats import FORMATS
+
+    for mode in ("native", "high_precision"):
+        seen = {r["format"] for c in CKPTS.values() for r in c["entries"].values() if r.get("mode") == mode}
+        assert seen == set(FORMATS), (mode, seen)
