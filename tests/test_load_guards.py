@@ -68,9 +68,11 @@ def test_quantized_entry_into_float_targets_decodes(tmp_path, mode):
         assert torch.equal(out["w"], ref.to(dtype)), dtype
 
 
-def test_plain_int_or_bool_entry_refused_into_quantized_target(tmp_path):
-    _save(tmp_path, {"i": torch.ones(32, 64, dtype=torch.int32), "b": torch.ones(32, 64, dtype=torch.bool)})
-    for k, dtype in (("i", "torch.int32"), ("b", "torch.bool")):
+def test_plain_int_bool_float8_entry_refused_into_quantized_target(tmp_path):
+    ones = torch.ones(32, 64)
+    sd = {"i": ones.to(torch.int32), "b": ones.to(torch.bool), "f8": ones.to(torch.float8_e4m3fn)}
+    _save(tmp_path, sd)
+    for k, dtype in (("i", "torch.int32"), ("b", "torch.bool"), ("f8", "torch.float8_e4m3fn")):
         err = _load_error(tmp_path, {k: ckptq.quantize(X, "mxfp8")})
         assert isinstance(err, ckptq.UnsupportedFormatError) and f"'{k}'" in str(err) and dtype in str(err)
 

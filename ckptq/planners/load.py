@@ -382,8 +382,15 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             cuts a block of the global grid, re-encode its shard from the source values as a local
             tensor (its own blocks; per-tensor amax of the whole tensor) and record the SQNR in
             :attr:`requantized` (also logged).
-        strict_dtype: raise when a plain target's dtype differs from the saved dtype (DCP would
-            cast silently); ``False`` allows the cast.
+        strict_dtype: raise when a plain target's dtype differs from the saved dtype of a plain or
+            high-precision entry (DCP would cast silently); ``False`` allows DCP's cast. A native
+            quantized entry decodes into any float16/bfloat16/float32/float64 target either way.
+            Never allowed, whatever ``strict_dtype`` (:class:`ckptq.UnsupportedFormatError`, naming
+            the FQN, dtype and the allowed targets): a quantized entry (either mode) into a plain
+            integer, bool, float8, float4 or E8M0 target; a plain entry of another dtype into a
+            plain float8/float4/E8M0 target (a cast with no scale); a plain integer, bool or
+            float8/float4/E8M0 entry into a quantized target. docs/design.md ("Loading") lists
+            every cast.
         verify_checksums: check what is read against the checksums the checkpoint records
             (:mod:`ckptq.checksums`; written by :class:`ckptq.io.ChecksumFileSystemWriter`,
             ``AtomicFileSystemWriter`` and the offline tools). On by default; a mismatch raises
