@@ -162,6 +162,13 @@ class _Decode(_Route):
                 )
             if tuple(md.size) != t.global_shape:
                 raise _size_mismatch(t.fqn, md.size, t.global_shape)
+            if not md.properties.dtype.is_floating_point or md.properties.dtype in _NO_SCALE_DTYPES:
+                raise UnsupportedFormatError(
+                    f"tensor '{t.fqn}': checkpoint entry is {_describe_md(md)}, the target a quantized "
+                    f"{t.qt.FORMAT} tensor; a quantized target is encoded from values of a float entry "
+                    f"(float16, bfloat16, float32, float64, or a quantized one); load it into a plain "
+                    f"{md.properties.dtype} tensor"
+                )
             self.buffers["values"] = _Buffer(self.region[1], md.properties.dtype)
             items += self.read(t.fqn, self.region, self.buffers["values"])
         return items
@@ -319,6 +326,9 @@ class _Grouped(_Route):
                         f"checkpoint ({_describe_md(md) if md is not None else 'missing'}); a plain "
                         f"target reads plain members or stacks"
                     )
+                if e is not None:
+                    _check_plain_target_of(e, t.local.dtype, fqn)
+                _check_plain_cast(fqn, md.properties.dtype, t.local.dtype)
                 if p.strict_dtype and md.properties.dtype != t.local.dtype:
                     raise CheckpointFormatError(
                         f"tensor '{fqn}': grouped source '{src_fqn}' is {md.properties.dtype}, the "
@@ -372,8 +382,15 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             cuts a block of the global grid, re-encode its shard from the source values as a local
             tensor (its own blocks; per-tensor amax of the whole tensor) and record the SQNR in
             :attr:`requantized` (also logged).
-        strict_dtype: raise when a plain target's dtype differs from the saved dtype (DCP would
-            cast silently); ``False`` allows the cast.
+        strict_dtype: raise when a plain target's dtype differs from the saved dtype of a plain or
+            high-precision entry (DCP would cast silently); ``False`` allows DCP's cast. A native
+            quantized entry decodes into any float16/bfloat16/float32/float64 target either way.
+            Never allowed, whatever ``strict_dtype`` (:class:`ckptq.UnsupportedFormatError`, naming
+            the FQN, dtype and the allowed targets): a quantized entry (either mode) into a plain
+            integer, bool, float8, float4 or E8M0 target; a plain entry of another dtype into a
+            plain float8/float4/E8M0 target (a cast with no scale); a plain integer, bool or
+            float8/float4/E8M0 entry into a quantized target. docs/design.md ("Loading") lists
+            every cast.
         verify_checksums: check what is read against the checksums the checkpoint records
             (:mod:`ckptq.checksums`; written by :class:`ckptq.io.ChecksumFileSystemWriter`,
             ``AtomicFileSystemWriter`` and the offline tools). On by default; a mismatch raises
@@ -518,6 +535,10 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 continue
             if isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None:
                 continue
+            entry = self._entries.get(fqn)
+            if entry is not None:
+                _check_plain_target_of(entry, obj.dtype)
+            _check_plain_cast(fqn, md.properties.dtype, obj.dtype)
             if self.strict_dtype and md.properties.dtype != obj.dtype:
                 raise CheckpointFormatError(
                     f"tensor '{fqn}': saved as {md.properties.dtype}, the target is {obj.dtype}; "
@@ -570,6 +591,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     if not (self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box)):
                         return _Raw(self, t, entry)
         if t.qt is None:
+            _check_plain_target_of(entry, t.local.dtype)
             return _ToPlain(self, t, entry)
         if self.requantize_misaligned and not _aligned(t.qt, t.global_shape, t.box):
             return _LocalEncode(self, t, entry)
@@ -690,6 +712,64 @@ def _size_mismatch(fqn: str, saved, current, what: str = "") -> CheckpointFormat
         f"Size mismatch between saved {torch.Size(saved)} and current: {torch.Size(current)} for {fqn}"
         f"{f' ({what})' if what else ''}; load into a tensor of the saved size"
     )
+
+
+#: Plain target dtypes that hold a quantized entry's values: its decode (a native entry, in float32)
+#: or its high-precision values, rounded to nearest-even by ``Tensor.copy_`` where narrower.
+DECODE_TARGET_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Float dtypes of codes or scales: a cast into them has no scale (values past the largest finite
+#: one saturate, overflow to inf or wrap to NaN, depending on the dtype and torch version).
+_NO_SCALE_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in (
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, n)
+)
+
+
+def _check_plain_target_of(entry: Entry, dtype: torch.dtype, fqn: str | None = None) -> None:
+    """A plain target of a quantized entry (native components, or high-precision values with a
+    descriptor) must be a :data:`DECODE_TARGET_DTYPES` tensor, whatever ``strict_dtype``: casting
+    dequantized values to an integer or bool tensor (truncation), or into a float8/float4 tensor
+    (no scale), loses them without a word.
+
+    Raises:
+        UnsupportedFormatError: naming the target FQN, the entry's format, mode, shape and the
+            target's dtype, and the allowed targets.
+    """
+    if entry.descriptor is None or dtype in DECODE_TARGET_DTYPES:
+        return
+    d = entry.descriptor
+    name = fqn or entry.fqn
+    src = f" (source '{entry.fqn}')" if fqn and fqn != entry.fqn else ""
+    raise UnsupportedFormatError(
+        f"tensor '{name}'{src}: checkpoint entry is a {d.format} tensor of shape {tuple(entry.shape)} "
+        f"({d.mode}), the target a plain {dtype} tensor, which cannot hold its values; load it into "
+        f"a float tensor ({', '.join(str(x).removeprefix('torch.') for x in DECODE_TARGET_DTYPES)}) "
+        f"or a quantized tensor (ckptq.quantize(x, '{d.format}', ...) or a producer's)"
+    )
+
+
+def _check_plain_cast(fqn: str, saved: torch.dtype, dtype: torch.dtype) -> None:
+    """A plain entry of another dtype into a float8/float4/E8M0 plain target is refused even with
+    ``strict_dtype=False``: DCP's ``copy_`` would cast with no scale.
+
+    Raises:
+        UnsupportedFormatError: naming the FQN, both dtypes and what to do.
+    """
+    if dtype in _NO_SCALE_DTYPES and saved != dtype:
+        raise UnsupportedFormatError(
+            f"tensor '{fqn}': saved as {saved}, the target is a plain {dtype} tensor; a cast into "
+            f"{dtype} has no scale (values saturate, overflow or wrap); load into a {saved} tensor, "
+            f"or into a quantized tensor (ckptq.quantize) to re-encode"
+        )
 
 
 def _aligned(target: QuantizedTensor, global_shape, box) -> bool:
