@@ -77,11 +77,11 @@ class NVFP4Tensor(QuantizedTensor):
     ADDED_RECIPE_OPTIONS = frozenset({"columnwise"})
 
     @classmethod
-    def _recipe_to_json(cls, recipe) -> dict:
+    def _recipe_to_json(cls, recipe, *, every_option: bool = False) -> dict:
         """ckptq's own convention is written as before the field existed (no ``per_tensor`` key:
         ``amax``), so its descriptors are unchanged; a producer's convention is named."""
-        out = super()._recipe_to_json(recipe)
-        if out.get("per_tensor") == "amax":
+        out = super()._recipe_to_json(recipe, every_option=every_option)
+        if not every_option and out.get("per_tensor") == "amax":
             del out["per_tensor"]
         return out
 

@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..contract import Entry, fold_entries
+from ..contract import (
+    Entry,
+    check_digest,
+    fold_entries,
+    mark_verified,
+    merge_sidecar_checksums,
+    sidecar_ranks,
+)
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
 
@@ -77,6 +84,9 @@ def validate_metadata(
     """
     try:
         _check_fields(metadata)
+        check_digest(metadata, where=source)
+        if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
+            metadata = dataclasses.replace(metadata, planner_data=merge_sidecar_checksums(metadata.planner_data, root))
         _check_locations_inside(metadata, root, source)
         _check_layout(metadata, root, files=files, complete=complete)
     except CkptqError:
@@ -96,6 +106,7 @@ def validate_metadata(
             f"({type(e).__name__}: {e}); the data file is corrupt: restore it or re-save"
         ) from e
     _check_record_sizes(metadata, root)
+    mark_verified(metadata)
     return metadata, fold_entries(metadata, where=str(root))
 
 
