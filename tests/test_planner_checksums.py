@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist import run_distributed
 from _helpers import assert_same_bytes, assert_same_components
-from test_checksums import _empty_like, _flip, _load, _state
+from test_checksums import _empty_like, _flip, _load, _state, save_old
 from typer.testing import CliRunner
 
 import ckptq
@@ -178,23 +178,9 @@ def test_offline_tools_write_a_digest(tmp_path):
         read_metadata(tmp_path / "r2")
 
 
-def make_old_checkpoint(sd, path) -> None:
-    """A checkpoint as ckptq saved it through DCP's writer before checksums and digests: no
-    checksum table, no digest, no checksum files."""
-    _dcp_save(sd, path)
-
-    def strip(md):
-        for k in ("checksums", DIGEST_KEY):
-            md.planner_data[CKPTQ_KEY].pop(k)
-
-    _rewrite_metadata(path, strip)
-    for f in path.glob("*.ckptq-crc32c"):
-        f.unlink()
-
-
 def test_old_checkpoint_loads_with_the_notice(tmp_path, caplog):
     sd, ck = _state(), tmp_path / "old"
-    make_old_checkpoint(sd, ck)
+    save_old(sd, ck)
     for reader in (True, False):
         caplog.clear()
         out = _empty_like(sd)
