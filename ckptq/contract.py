@@ -329,7 +329,13 @@ def check_digest(metadata: Any, *, where: str = "checkpoint") -> bool:
     )
     if recorded is None:
         return False
-    if recorded != metadata_digest(metadata):
+    try:
+        digest = metadata_digest(metadata)
+    except Exception as e:  # values no writer produces (the structural checks name them first)
+        raise CheckpointFormatError(
+            f"{where}: the DCP metadata is malformed ({type(e).__name__}: {e}); restore it or re-save the checkpoint"
+        ) from e
+    if recorded != digest:
         raise CheckpointFormatError(
             f"{where}: the DCP metadata does not match its own digest (the '{CKPTQ_KEY}' record's "
             f"'{DIGEST_KEY}'): '.metadata' was edited or corrupted after it was written (an entry's "

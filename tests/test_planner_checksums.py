@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import warnings
 
 import pytest
@@ -100,6 +101,9 @@ def test_a_writer_without_a_local_directory_is_named_once(tmp_path, caplog):
         def storage_meta(self):
             return None
 
+    from ckptq.planners import save as save_planner
+
+    save_planner._WARNED.clear()  # once per process: forget earlier tests' saves
     sd, ck = _state(), tmp_path / "ck"
     with caplog.at_level(logging.WARNING, logger="ckptq"):
         dcp.save(sd, storage_writer=NoMetaWriter(ck), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
@@ -132,24 +136,23 @@ def test_two_rank_dcp_writer_save_has_every_chunks_checksum(tmp_path):
     assert check_integrity(ck)["summary"]["failed"] == 1
 
 
-def _descriptor_version(md):
+def _descriptor_version(md):  # no other version exists yet: refused as one from a newer ckptq
     md.planner_data[CKPTQ_KEY]["tensors"]["w_mx"]["version"] += 1
 
 
-def _component_dtype(md):  # both the entry and the descriptor: a consistent, valid checkpoint
+def _plain_dtype(md):  # a valid checkpoint that reads other values
     md.state_dict_metadata["norm"].properties.dtype = torch.float16
 
 
-def _chunk_offset(md):
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-
-    c = md.state_dict_metadata["norm"].chunks[0]
-    md.state_dict_metadata["norm"].chunks[0] = ChunkStorageMetadata(offsets=torch.Size([1]), sizes=c.sizes)
+def _logical_dtype(md):  # a valid checkpoint whose tensor dequantizes to another dtype
+    md.planner_data[CKPTQ_KEY]["tensors"]["w_mx"]["dtype"] = "float16"
 
 
-@pytest.mark.parametrize("edit", [_descriptor_version, _component_dtype, _chunk_offset])
+@pytest.mark.parametrize(
+    "edit, match", [(_descriptor_version, "newer|digest"), (_plain_dtype, "digest"), (_logical_dtype, "digest")]
+)
 @pytest.mark.parametrize("writer", ["dcp", "ckptq"])
-def test_metadata_edits_are_detected_by_every_reader(tmp_path, edit, writer):
+def test_metadata_edits_are_detected_by_every_reader(tmp_path, edit, match, writer):
     sd, ck = _state(), tmp_path / "ck"
     if writer == "dcp":
         _dcp_save(sd, ck)
@@ -162,10 +165,27 @@ def test_metadata_edits_are_detected_by_every_reader(tmp_path, edit, writer):
         lambda: _load(ck, _empty_like(sd), reader=True),
         lambda: _load(ck, _empty_like(sd), reader=False),
     ):
-        with pytest.raises(ckptq.CheckpointFormatError, match="digest"):
+        with pytest.raises(ckptq.CheckpointFormatError, match=match):
             read()
     bad = _verify_cli(ck)
-    assert bad.exit_code != 0 and "digest" in bad.output
+    assert bad.exit_code != 0 and re.search(match, bad.output)
+
+
+def test_swapped_chunk_locations_are_checksum_errors(tmp_path):
+    """Two chunks' storage locations swapped: a valid checkpoint with the halves exchanged. The
+    digest does not cover locations; each chunk's checksum (keyed by its offsets) catches it."""
+    sd = _state()
+    _dcp_save(sd, tmp_path / "src")
+    ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "r2", mesh="dp_shard=2", plan="fsdp2")
+
+    def swap(md):
+        a, b = sorted((i for i in md.storage_data if i.fqn == "norm"), key=lambda i: tuple(i.offset))
+        md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]
+
+    _rewrite_metadata(tmp_path / "r2", swap)
+    with pytest.raises(ckptq.ChecksumMismatchError, match="norm"):
+        open_checkpoint(tmp_path / "r2").read("norm")
+    assert _verify_cli(tmp_path / "r2").exit_code == 1
 
 
 def test_offline_tools_write_a_digest(tmp_path):
@@ -173,7 +193,7 @@ def test_offline_tools_write_a_digest(tmp_path):
     _dcp_save(sd, tmp_path / "src")
     ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "r2", mesh="dp_shard=2", plan="fsdp2")
     assert DIGEST_KEY in read_metadata(tmp_path / "r2").planner_data[CKPTQ_KEY]
-    _rewrite_metadata(tmp_path / "r2", _descriptor_version)
+    _rewrite_metadata(tmp_path / "r2", _logical_dtype)
     with pytest.raises(ckptq.CheckpointFormatError, match="digest"):
         read_metadata(tmp_path / "r2")
 

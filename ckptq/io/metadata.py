@@ -84,9 +84,6 @@ def validate_metadata(
     """
     try:
         _check_fields(metadata)
-        check_digest(metadata, where=source)
-        if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
-            metadata = dataclasses.replace(metadata, planner_data=merge_sidecar_checksums(metadata.planner_data, root))
         _check_locations_inside(metadata, root, source)
         _check_layout(metadata, root, files=files, complete=complete)
     except CkptqError:
@@ -96,6 +93,7 @@ def validate_metadata(
             f"{source}: the DCP metadata is malformed ({type(e).__name__}: {e}); restore the file or "
             f"re-save the checkpoint"
         ) from e
+    raw = metadata
     try:
         metadata = virtualize(metadata, root)
     except CkptqError:
@@ -106,8 +104,13 @@ def validate_metadata(
             f"({type(e).__name__}: {e}); the data file is corrupt: restore it or re-save"
         ) from e
     _check_record_sizes(metadata, root)
+    entries = fold_entries(metadata, where=str(root))
+    # Last, the edits that passed every check above: the digest, over the metadata as read.
+    check_digest(raw, where=source)
+    if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
+        metadata = dataclasses.replace(metadata, planner_data=merge_sidecar_checksums(metadata.planner_data, root))
     mark_verified(metadata)
-    return metadata, fold_entries(metadata, where=str(root))
+    return metadata, entries
 
 
 def _pickle_arg_lengths() -> dict[int, int]:
