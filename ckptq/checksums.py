@@ -216,15 +216,20 @@ def read_sidecar(directory: Any, rank: int) -> dict[tuple, int]:
         ) from e
     except (OSError, ValueError) as e:
         raise CheckpointFormatError(f"{path}: unreadable checksum file ({type(e).__name__}: {e}); {fix}") from e
+    bad = CheckpointFormatError(f"{path}: malformed checksum file (not rank {rank}'s crc32c table); {fix}")
+    rows = doc.get("chunks") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or doc.get("algorithm") != ALGORITHM or doc.get("rank") != rank:
+        raise bad
     out: dict[tuple, int] = {}
-    try:
-        assert isinstance(doc, dict) and doc.get("algorithm") == ALGORITHM and doc.get("rank") == rank
-        for fqn, off, value in doc["chunks"]:
-            assert isinstance(fqn, str) and type(value) is int and 0 <= value < 2**32
-            assert off is None or (isinstance(off, list) and all(type(o) is int for o in off))
-            out[(fqn, None if off is None else tuple(off))] = value
-    except (AssertionError, KeyError, TypeError, ValueError) as e:
-        raise CheckpointFormatError(f"{path}: malformed checksum file (not rank {rank}'s crc32c table); {fix}") from e
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3):
+            raise bad
+        fqn, off, value = row
+        if not (isinstance(fqn, str) and type(value) is int and 0 <= value < 2**32):
+            raise bad
+        if not (off is None or (isinstance(off, list) and all(type(o) is int for o in off))):
+            raise bad
+        out[(fqn, None if off is None else tuple(off))] = value
     return out
 
 

@@ -211,3 +211,12 @@ def test_old_checkpoint_loads_with_the_notice(tmp_path, caplog):
         assert_same_bytes(out["norm"], sd["norm"], "norm")
         assert_same_components(out["w_mx"], sd["w_mx"], "w_mx")
     assert _verify_cli(ck).exit_code == 0
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"algorithm": "crc32c", "rank": 0, "chunks": [["w", [0], -1]]}', "{"])
+def test_a_malformed_checksum_file_is_an_error(tmp_path, text):
+    sd, ck = _state(), tmp_path / "ck"
+    _dcp_save(sd, ck)
+    (ck / SIDECAR.format(rank=0)).write_text(text)
+    with pytest.raises(ckptq.CheckpointFormatError, match="checksum file"):
+        read_metadata(ck)
