@@ -64,7 +64,10 @@ def validate_metadata(
     Runs checks 1-3 and 5 of :func:`check_storage` (and refuses storage locations outside
     ``root``), then :func:`ckptq.io.foreign.virtualize` (entries of tensors another library
     pickled become the native component entries of their canonical format), then check 4 on the
-    result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries).
+    result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries),
+    then :func:`ckptq.contract.check_digest` (edits that passed all of these), and reads the
+    per-rank checksum files the record lists into its checksum table
+    (:func:`ckptq.contract.merge_sidecar_checksums`).
 
     Args:
         metadata: what ``.metadata`` unpickled to (a DCP ``Metadata``).
@@ -78,7 +81,8 @@ def validate_metadata(
         logical entries in the checkpoint's entry order, as :func:`~ckptq.contract.fold_entries` gives them.
 
     Raises:
-        CheckpointFormatError: a check fails, or a foreign record cannot be read.
+        CheckpointFormatError: a check fails (the metadata digest included), a foreign record
+            cannot be read, or a checksum file the record lists is missing or malformed.
         UnsafeCheckpointError: a storage location is absolute or leaves ``root``; a foreign record
             references a global nobody maps.
     """
