@@ -35,6 +35,10 @@ __all__ = [
     "Hasher",
     "safetensors_table",
     "read_safetensors_table",
+    "SIDECAR",
+    "write_sidecar",
+    "read_sidecar",
+    "PlanHasher",
 ]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
@@ -156,3 +160,110 @@ def read_safetensors_table(metadata: dict | None) -> dict | None:
         return {str(k): int(v, 16) for k, v in table.items() if isinstance(v, str) and len(v) == 8}
     except (ValueError, AttributeError):
         return None
+
+
+# ---------------------------------------------------------------- per-rank checksum files
+#: The file in which rank ``r`` of a ``dcp.save`` planned by :class:`ckptq.QuantizedSavePlanner`
+#: stores the checksums of the chunks it wrote, when the storage writer is not ckptq's
+#: (:class:`PlanHasher`); the ckptq record of ``.metadata`` lists which ranks wrote one.
+SIDECAR = "__{rank}_0.ckptq-crc32c"
+#: a checksum file bigger than this is refused unread (a chunk's entry takes < 1 KiB of JSON).
+_SIDECAR_LIMIT = 256 << 20
+
+
+def write_sidecar(directory: Any, rank: int, table: dict) -> None:
+    """Write rank ``rank``'s ``{(fqn, offsets or None): checksum}`` as :data:`SIDECAR` in
+    ``directory``, atomically (a temporary file, fsynced, renamed into place): JSON
+    ``{"algorithm": "crc32c", "rank": r, "chunks": [[fqn, offsets or null, checksum], ...]}``."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(directory) / SIDECAR.format(rank=rank)
+    rows = [[fqn, None if off is None else list(off), int(v)] for (fqn, off), v in table.items()]
+    data = json.dumps({"algorithm": ALGORITHM, "rank": int(rank), "chunks": rows}, separators=(",", ":"))
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_sidecar(directory: Any, rank: int) -> dict[tuple, int]:
+    """Rank ``rank``'s checksum table from :data:`SIDECAR` in ``directory``: ``{(fqn, offsets or
+    None): checksum}``.
+
+    Raises:
+        CheckpointFormatError: the file is missing (the checkpoint's metadata says rank ``rank``
+            wrote it), too big, or not a checksum table of that rank.
+    """
+    import json
+    from pathlib import Path
+
+    from .errors import CheckpointFormatError
+
+    path = Path(directory) / SIDECAR.format(rank=rank)
+    fix = "restore it from a copy, or re-save the checkpoint"
+    try:
+        if path.stat().st_size > _SIDECAR_LIMIT:
+            raise CheckpointFormatError(f"{path}: checksum file of {path.stat().st_size} bytes is too big; {fix}")
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError as e:
+        raise CheckpointFormatError(
+            f"{path}: missing; the checkpoint's metadata says rank {rank} wrote the checksums of its "
+            f"chunks there; {fix}"
+        ) from e
+    except (OSError, ValueError) as e:
+        raise CheckpointFormatError(f"{path}: unreadable checksum file ({type(e).__name__}: {e}); {fix}") from e
+    bad = CheckpointFormatError(f"{path}: malformed checksum file (not rank {rank}'s crc32c table); {fix}")
+    rows = doc.get("chunks") if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or doc.get("algorithm") != ALGORITHM or doc.get("rank") != rank:
+        raise bad
+    out: dict[tuple, int] = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3):
+            raise bad
+        fqn, off, value = row
+        if not (isinstance(fqn, str) and type(value) is int and 0 <= value < 2**32):
+            raise bad
+        if not (off is None or (isinstance(off, list) and all(type(o) is int for o in off))):
+            raise bad
+        out[(fqn, None if off is None else tuple(off))] = value
+    return out
+
+
+class PlanHasher:
+    """The checksums of one rank's writes in a ``dcp.save`` whose storage writer is not ckptq's.
+
+    The planner hands every value it resolves for the storage writer (``resolve_data``) to
+    :meth:`add`; when the last of the ``expected`` write items was added, :meth:`add` waits for
+    the hashing thread and writes the rank's :data:`SIDECAR` file before it returns, so the file
+    exists before the storage writer's ``write_data`` completes, and so before the coordinator
+    writes ``.metadata`` (DCP gathers every rank's write results first). Thread-safe (DCP's
+    ``FileSystemWriter`` resolves from several threads with ``thread_count > 1``).
+    """
+
+    def __init__(self, directory: Any, rank: int, expected: int) -> None:
+        import threading
+
+        self.directory, self.rank, self.expected = directory, rank, expected
+        self._hasher: Hasher | None = None
+        self._lock = threading.Lock()
+        self._added = 0
+
+    def add(self, index: Any, data: Any) -> None:
+        """Hash ``data`` (a tensor, or the ``io.BytesIO`` of a bytes entry) as write item ``index``'s."""
+        if isinstance(data, torch.Tensor):
+            data = data.detach()
+        else:
+            data = bytes(data.getbuffer())
+        with self._lock:
+            if self._hasher is None:
+                self._hasher = Hasher()
+            self._hasher.submit(checksum_key(index), data)
+            self._added += 1
+            if self._added != self.expected:
+                return
+            hasher, self._hasher = self._hasher, None
+        write_sidecar(self.directory, self.rank, hasher.results())

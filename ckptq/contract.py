@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import types
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,15 @@ __all__ = [
     "make_record",
     "with_checksums",
     "read_checksums",
+    "with_sidecar_checksums",
+    "sidecar_ranks",
+    "merge_sidecar_checksums",
+    "DIGEST_KEY",
+    "mark_verified",
+    "is_verified",
+    "metadata_digest",
+    "with_digest",
+    "check_digest",
     "Entry",
     "EntryTable",
     "fold_entries",
@@ -177,6 +187,163 @@ def with_checksums(planner_data: Any, checksums: Mapping[tuple, int]) -> dict:
     return data
 
 
+def with_sidecar_checksums(planner_data: Any, ranks: list[int]) -> dict:
+    """``planner_data`` (a copy) whose ckptq record says that ranks ``ranks`` store the checksums
+    of the chunks they wrote in their :data:`ckptq.checksums.SIDECAR` files:
+    ``record["checksums"] = {"algorithm": "crc32c", "ranks": [...]}`` (a save planned by
+    :class:`ckptq.QuantizedSavePlanner` through a storage writer that is not ckptq's)."""
+    from .checksums import ALGORITHM
+
+    data = dict(planner_data) if isinstance(planner_data, Mapping) else {}
+    record = dict(data.get(CKPTQ_KEY) or {"version": CONTRACT_VERSION, "world_size": None, "tensors": {}})
+    record["checksums"] = {"algorithm": ALGORITHM, "ranks": [int(r) for r in ranks]}
+    data[CKPTQ_KEY] = record
+    return data
+
+
+def sidecar_ranks(planner_data: Any) -> list[int] | None:
+    """The ranks whose checksum files hold the checksum table (:func:`with_sidecar_checksums`),
+    or None when the table (if any) is in the record itself.
+
+    Raises:
+        CheckpointFormatError: the list is malformed.
+    """
+    if not has_record(planner_data):
+        return None
+    table = read_record(planner_data).get("checksums")
+    if not isinstance(table, Mapping) or "ranks" not in table or "chunks" in table:
+        return None
+    ranks = table["ranks"]
+    if not isinstance(ranks, list) or len(ranks) > 1 << 20 or not all(_is_int(r) and r >= 0 for r in ranks):
+        raise CheckpointFormatError(
+            f"malformed checksum table in the '{CKPTQ_KEY}' record ({_short(table)}); restore the "
+            f"metadata or re-save the checkpoint"
+        )
+    return ranks
+
+
+def merge_sidecar_checksums(planner_data: Any, root: Any) -> Any:
+    """``planner_data`` with the checksum table of the per-rank checksum files of checkpoint
+    directory ``root`` stored in its record, as if the storage writer had written it there (the
+    same ``planner_data`` when the record names no such files).
+
+    Raises:
+        CheckpointFormatError: a file the record names is missing or malformed.
+    """
+    from .checksums import read_sidecar
+
+    ranks = sidecar_ranks(planner_data)
+    if ranks is None:
+        return planner_data
+    table: dict[tuple, int] = {}
+    for r in ranks:
+        table.update(read_sidecar(root, r))
+    return with_checksums(planner_data, table)
+
+
+# ------------------------------------------------------------------------------ metadata digest
+#: the record field holding :func:`metadata_digest` of the rest of the metadata.
+DIGEST_KEY = "metadata_sha256"
+_VERIFIED: dict[int, Any] = {}
+
+
+def mark_verified(metadata: Any) -> None:
+    """Remember (while it lives) that ``metadata``'s digest was checked and its per-rank checksum
+    files read in (``ckptq.io.metadata.validate_metadata``): the load planner need not redo it."""
+    key = id(metadata)
+    _VERIFIED[key] = weakref.ref(metadata, lambda _r: _VERIFIED.pop(key, None))
+
+
+def is_verified(metadata: Any) -> bool:
+    """Whether :func:`mark_verified` was called on this very object."""
+    ref = _VERIFIED.get(id(metadata))
+    return ref is not None and ref() is metadata
+
+
+def _canonical(x: Any) -> Any:
+    """A JSON-able, order-independent form of builtins (dict items sorted by their own JSON form)."""
+    import json
+
+    if isinstance(x, Mapping):
+        items = [[_canonical(k), _canonical(v)] for k, v in x.items()]
+        return {"d": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return {"r": repr(x)}  # torch.Size, dtypes: repr is their identity
+
+
+def metadata_digest(metadata: Any) -> str:
+    """SHA-256 (hex) of a canonical serialization of what a checkpoint's ``.metadata`` says about
+    its contents: every entry (its kind, dtype, global size and chunks' offsets and sizes) and the
+    whole ``planner_data`` except the ckptq record's checksum table and this digest. Not covered:
+    ``storage_data`` (the records' file locations, which the chunks' checksums cover: a moved
+    location reads other bytes) and ``storage_meta`` (ids of the save). Not over the pickle, whose
+    bytes would include the digest and vary with pickling details."""
+    import hashlib
+    import json
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = []
+    for fqn, md in (metadata.state_dict_metadata or {}).items():
+        if isinstance(md, TensorStorageMetadata):
+            chunks = sorted([list(map(int, c.offsets)), list(map(int, c.sizes))] for c in md.chunks)
+            entries.append([str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks])
+        else:
+            entries.append([str(fqn), type(md).__name__])
+    planner_data = dict(metadata.planner_data or {})
+    if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
+        planner_data[CKPTQ_KEY] = {
+            k: v for k, v in planner_data[CKPTQ_KEY].items() if k not in ("checksums", DIGEST_KEY)
+        }
+    doc = json.dumps([sorted(entries), _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(doc.encode()).hexdigest()
+
+
+def with_digest(metadata: Any) -> Any:
+    """``metadata`` (changed in place, and returned) whose ckptq record holds
+    :func:`metadata_digest` of the rest; call it once the entries and planner data are final."""
+    data = dict(metadata.planner_data or {})
+    if isinstance(data.get(CKPTQ_KEY), Mapping):
+        data[CKPTQ_KEY] = {**data[CKPTQ_KEY], DIGEST_KEY: metadata_digest(metadata)}
+        metadata.planner_data = data
+    return metadata
+
+
+def check_digest(metadata: Any, *, where: str = "checkpoint") -> bool:
+    """Check the digest the ckptq record holds against the metadata; False when it holds none (a
+    checkpoint saved before ckptq wrote digests, or without a ckptq record).
+
+    Raises:
+        CheckpointFormatError: the digest does not match: ``.metadata`` was edited or corrupted
+            after it was written.
+    """
+    if not has_record(metadata.planner_data):
+        return False
+    recorded = (
+        metadata.planner_data[CKPTQ_KEY].get(DIGEST_KEY)
+        if isinstance(metadata.planner_data[CKPTQ_KEY], Mapping)
+        else None
+    )
+    if recorded is None:
+        return False
+    try:
+        digest = metadata_digest(metadata)
+    except Exception as e:  # values no writer produces (the structural checks name them first)
+        raise CheckpointFormatError(
+            f"{where}: the DCP metadata is malformed ({type(e).__name__}: {e}); restore it or re-save the checkpoint"
+        ) from e
+    if recorded != digest:
+        raise CheckpointFormatError(
+            f"{where}: the DCP metadata does not match its own digest (the '{CKPTQ_KEY}' record's "
+            f"'{DIGEST_KEY}'): '.metadata' was edited or corrupted after it was written (an entry's "
+            f"dtype, size or chunks, or a descriptor). Restore it from a copy or re-save the checkpoint"
+        )
+    return True
+
+
 def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> dict[tuple, int] | None:
     """The checksum table of a checkpoint, ``{(fqn, offsets or None): checksum}``, or ``None`` when
     it has none (saved by an older ckptq, by another tool, or without ckptq's storage writer) or
@@ -190,8 +357,8 @@ def read_checksums(planner_data: Any, *, where: str = "checkpoint") -> dict[tupl
     if not has_record(planner_data):
         return None
     table = read_record(planner_data).get("checksums")
-    if table is None:
-        return None
+    if table is None or (isinstance(table, Mapping) and "ranks" in table and "chunks" not in table):
+        return None  # none, or in per-rank files not merged in (merge_sidecar_checksums)
     bad = CheckpointFormatError(
         f"{where}: malformed checksum table in the '{CKPTQ_KEY}' record ({_short(table)}); restore the "
         f"metadata or re-save the checkpoint"

@@ -5,10 +5,12 @@ One command: ``python scripts/bench_checksums.py [--gb 1.0] [--repeat 5] [--work
 A state dict of about ``--gb`` GB of ckptq tensors (4096x4096 weights, alternately MXFP8 and
 NVFP4, plus a bf16 norm per layer) is saved with ``dcp.save`` + ``QuantizedSavePlanner`` through
 
-* DCP's ``FileSystemWriter`` (the baseline: no checksums), and
+* DCP's ``FileSystemWriter`` with the planner's checksums turned off (the baseline: no checksums),
+* DCP's ``FileSystemWriter`` as users call it (the planner hashes every value it hands the writer on
+  a second thread and each rank writes a checksum file: ``save_planner_checksums``), and
 * ``ckptq.io.ChecksumFileSystemWriter`` (crc32c of every chunk, hashed on a second thread),
 
-alternating (ABBA order), ``--repeat`` times each, into fresh directories (each save fsyncs its files, as DCP
+in rotating order, ``--repeat`` times each, into fresh directories (each save fsyncs its files, as DCP
 does by default; the previous output is removed and ``--settle`` seconds pass before each save).
 The same is done for loads (``QuantizedLoadPlanner`` with
 ``SafeFileSystemReader``, ``verify_checksums`` on vs off) and for the hashing alone (``crc32c`` of
@@ -78,18 +80,25 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-bench-checksums-"))
     work.mkdir(parents=True, exist_ok=True)
     sd, nbytes = _state_dict(args.gb)
-    times: dict[str, list[float]] = {
-        k: [] for k in ("save_plain", "save_checksums", "load_unverified", "load_verified", "hash_only")
-    }
+    saves = ["save_plain", "save_planner_checksums", "save_checksums"]
+    times: dict[str, list[float]] = {k: [] for k in (*saves, "load_unverified", "load_verified", "hash_only")}
+
+    class NoChecksumsPlanner(ckptq.QuantizedSavePlanner):  # the baseline: the planner hashes nothing
+        def finish_plan(self, new_plan):
+            plan = super().finish_plan(new_plan)
+            self.checksums_by_writer()
+            return plan
+
     for r in range(args.repeat):
-        for kind in ("save_plain", "save_checksums") if r % 2 == 0 else ("save_checksums", "save_plain"):
+        for kind in saves[r % 3 :] + saves[: r % 3]:
             path = work / f"{kind}"
             shutil.rmtree(path, ignore_errors=True)
             os.sync()
             time.sleep(args.settle)  # let the host take back the freed pages before every save alike
             writer = ChecksumFileSystemWriter(path) if kind == "save_checksums" else dcp.FileSystemWriter(path)
+            planner = NoChecksumsPlanner() if kind == "save_plain" else ckptq.QuantizedSavePlanner()
             t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=writer, planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+            dcp.save(sd, storage_writer=writer, planner=planner, no_dist=True)
             times[kind].append(time.perf_counter() - t0)
         target = {k: torch.empty_like(v) for k, v in sd.items()}
         for kind, verify in (("load_unverified", False), ("load_verified", True)):
@@ -121,6 +130,7 @@ def main() -> None:
         "runs_s": times,
         "gb_per_s": {k: nbytes / v / 1e9 for k, v in med.items()},
         "save_overhead": med["save_checksums"] / med["save_plain"] - 1,
+        "save_overhead_planner_checksums": med["save_planner_checksums"] / med["save_plain"] - 1,
         "load_overhead": med["load_verified"] / med["load_unverified"] - 1,
         "hash_share_of_save_if_serial": med["hash_only"] / med["save_plain"],
     }

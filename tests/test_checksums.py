@@ -46,6 +46,22 @@ def _save(sd, path, writer=ChecksumFileSystemWriter):
     dcp.save(sd, storage_writer=writer(path), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
 
 
+def save_old(sd, path) -> None:
+    """A checkpoint as ckptq saved it through DCP's ``FileSystemWriter`` before it recorded
+    checksums and metadata digests for such saves: no checksum table, digest or checksum files."""
+    import pickle
+
+    from ckptq.contract import CKPTQ_KEY, DIGEST_KEY
+
+    dcp.save(sd, checkpoint_id=str(path), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    for k in ("checksums", DIGEST_KEY):
+        md.planner_data[CKPTQ_KEY].pop(k)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    for f in path.glob("*.ckptq-crc32c"):
+        f.unlink()
+
+
 def _flip(path, fqn: str) -> tuple[str, int, int]:
     """Flip one bit in the middle of ``fqn``'s first record; returns its (file, start, end)."""
     md = read_metadata(path)
@@ -115,7 +131,7 @@ def test_verification_can_be_turned_off(tmp_path):
 
 def test_checkpoint_without_checksums_loads_with_one_notice(tmp_path, caplog):
     sd = _state()
-    _save(sd, tmp_path / "ck", writer=dcp.FileSystemWriter)
+    save_old(sd, tmp_path / "ck")
     assert read_checksums(read_metadata(tmp_path / "ck").planner_data) is None
     with caplog.at_level(logging.WARNING, logger="ckptq"):
         _load(tmp_path / "ck", _empty_like(sd))
@@ -137,7 +153,7 @@ def test_verify_path_checks_integrity(tmp_path):
     bad = runner.invoke(app, ["verify", str(tmp_path / "ck")])
     assert bad.exit_code == 1
     assert "w_nv.data" in bad.output and f"{start}..{end}" in bad.output and "1 failed" in bad.output
-    _save(sd, tmp_path / "plain", writer=dcp.FileSystemWriter)
+    save_old(sd, tmp_path / "plain")
     old = runner.invoke(app, ["verify", str(tmp_path / "plain")])
     assert old.exit_code == 0 and f"0 verified, {n} without checksum" in old.output
     assert "no checksums" in old.output
@@ -145,7 +161,7 @@ def test_verify_path_checks_integrity(tmp_path):
 
 def test_offline_tools_write_checksums(tmp_path):
     sd = _state()
-    _save(sd, tmp_path / "src", writer=dcp.FileSystemWriter)  # no checksums in the source
+    save_old(sd, tmp_path / "src")  # no checksums in the source
     ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "bf16", to="bfloat16")
     ckptq.reshard_checkpoint(tmp_path / "src", tmp_path / "r2", mesh="dp_shard=2", plan="fsdp2")
     from ckptq.verify import check_integrity

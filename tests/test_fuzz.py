@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 import ckptq
 from ckptq.checkpoint import CheckpointView
+from ckptq.contract import with_digest
 from ckptq.errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from ckptq.inspect import inspect_checkpoint
 from ckptq.io import SafeFileSystemReader, check_storage, dcp_failure, read_metadata
@@ -104,9 +105,17 @@ def ck(tmp_path, base):
     return d
 
 
-def _edit(path: Path, fn) -> None:
+def _edit(path: Path, fn, *, reseal: bool = True) -> None:
+    """Apply ``fn`` to ``.metadata``. ``reseal``: store the digest of the edited metadata (as a
+    deliberate editor could), so the checks behind the digest are what the test reaches; the
+    digest itself is tested in tests/test_planner_checksums.py."""
     md = pickle.loads((path / ".metadata").read_bytes())
     fn(md)
+    if reseal:
+        try:
+            with_digest(md)
+        except Exception:  # values no digest can be made of: the structural checks refuse them first
+            pass
     (path / ".metadata").write_bytes(pickle.dumps(md))
 
 

@@ -182,6 +182,9 @@ def test_missing_component_is_reported(tmp_path):
     meta = os.path.join(tmp_path, ".metadata")
     md = _metadata(str(tmp_path))
     del md.state_dict_metadata["w.scale"]
+    from ckptq.contract import with_digest
+
+    with_digest(md)  # re-sealed, so that the missing entry, not the digest, is what the load reports
     with open(meta, "wb") as f:
         pickle.dump(md, f)
     msg = _load_error({"w": torch.empty_like(q)}, str(tmp_path))

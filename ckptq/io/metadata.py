@@ -31,7 +31,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..contract import Entry, fold_entries
+from ..contract import (
+    Entry,
+    check_digest,
+    fold_entries,
+    mark_verified,
+    merge_sidecar_checksums,
+    sidecar_ranks,
+)
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
 
@@ -57,7 +64,10 @@ def validate_metadata(
     Runs checks 1-3 and 5 of :func:`check_storage` (and refuses storage locations outside
     ``root``), then :func:`ckptq.io.foreign.virtualize` (entries of tensors another library
     pickled become the native component entries of their canonical format), then check 4 on the
-    result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries).
+    result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries),
+    then :func:`ckptq.contract.check_digest` (edits that passed all of these), and reads the
+    per-rank checksum files the record lists into its checksum table
+    (:func:`ckptq.contract.merge_sidecar_checksums`).
 
     Args:
         metadata: what ``.metadata`` unpickled to (a DCP ``Metadata``).
@@ -71,7 +81,8 @@ def validate_metadata(
         logical entries in the checkpoint's entry order, as :func:`~ckptq.contract.fold_entries` gives them.
 
     Raises:
-        CheckpointFormatError: a check fails, or a foreign record cannot be read.
+        CheckpointFormatError: a check fails (the metadata digest included), a foreign record
+            cannot be read, or a checksum file the record lists is missing or malformed.
         UnsafeCheckpointError: a storage location is absolute or leaves ``root``; a foreign record
             references a global nobody maps.
     """
@@ -86,6 +97,7 @@ def validate_metadata(
             f"{source}: the DCP metadata is malformed ({type(e).__name__}: {e}); restore the file or "
             f"re-save the checkpoint"
         ) from e
+    raw = metadata
     try:
         metadata = virtualize(metadata, root)
     except CkptqError:
@@ -96,7 +108,13 @@ def validate_metadata(
             f"({type(e).__name__}: {e}); the data file is corrupt: restore it or re-save"
         ) from e
     _check_record_sizes(metadata, root)
-    return metadata, fold_entries(metadata, where=str(root))
+    entries = fold_entries(metadata, where=str(root))
+    # Last, the edits that passed every check above: the digest, over the metadata as read.
+    check_digest(raw, where=source)
+    if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
+        metadata = dataclasses.replace(metadata, planner_data=merge_sidecar_checksums(metadata.planner_data, root))
+    mark_verified(metadata)
+    return metadata, entries
 
 
 def _pickle_arg_lengths() -> dict[int, int]:

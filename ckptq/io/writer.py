@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..checksums import Hasher, checksum, checksum_key
-from ..contract import with_checksums
+from ..contract import sidecar_ranks, with_checksums, with_digest
 from ..errors import CkptqError
 
 __all__ = [
@@ -346,11 +346,13 @@ class CheckpointDirWriter:
         for md in self._md.values():
             if isinstance(md, TensorStorageMetadata):
                 md.chunks.sort(key=lambda c: tuple(c.offsets))
-        metadata = Metadata(
-            state_dict_metadata=self._md,
-            planner_data=planner_data,
-            storage_data=self._storage,
-            storage_meta=StorageMeta(),
+        metadata = with_digest(
+            Metadata(
+                state_dict_metadata=self._md,
+                planner_data=planner_data,
+                storage_data=self._storage,
+                storage_meta=StorageMeta(),
+            )
         )
         metadata.version = self._version
         tmp = self.path / ".metadata.tmp"
@@ -419,6 +421,8 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     """
 
     def write_data(self, plan: Any, planner: Any) -> Future:
+        if hasattr(planner, "checksums_by_writer"):  # ckptq's planner: no checksum files of its own
+            planner.checksums_by_writer()
         hasher = Hasher()
         try:
             results = super().write_data(plan, _HashingPlanner(planner, hasher)).wait()
@@ -446,7 +450,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                         sums[checksum_key(r.index)] = info.checksum
                     info = info.info
                 plain[-1].append(dataclasses.replace(r, storage_data=info))
-        if sums:
+        if sums or sidecar_ranks(metadata.planner_data) is not None:  # the table replaces the planner's files
             metadata.planner_data = with_checksums(metadata.planner_data, sums)
         super().finish(metadata, plain)
 

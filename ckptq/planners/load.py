@@ -27,7 +27,19 @@ from torch.distributed.tensor import DTensor
 
 from .. import adapters, chunks
 from ..checksums import check, checksum_key
-from ..contract import Entry, fold_entries, read_checksums
+from ..contract import (
+    CKPTQ_KEY,
+    DIGEST_KEY,
+    RECORD_FOREIGN,
+    Entry,
+    check_digest,
+    fold_entries,
+    has_record,
+    is_verified,
+    merge_sidecar_checksums,
+    read_checksums,
+    sidecar_ranks,
+)
 from ..errors import CheckpointFormatError, MissingKeyError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box
@@ -339,6 +351,24 @@ class _Grouped(_Route):
         return items
 
 
+def _verify_metadata(metadata: Any) -> Any:
+    """What :class:`ckptq.io.SafeFileSystemReader` does to the metadata it reads, for metadata that
+    another storage reader (DCP's ``FileSystemReader``) read: check the ckptq record's digest, and
+    read in the per-rank checksum files from the directory the checkpoint was saved to (its
+    ``storage_meta.checkpoint_id``; if they are not there, e.g. the checkpoint was moved, the data
+    is loaded unverified with a notice: load with ``SafeFileSystemReader`` to verify it)."""
+    where = getattr(metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
+    check_digest(metadata, where=str(where))
+    if sidecar_ranks(metadata.planner_data) is None:
+        return metadata
+    try:
+        planner_data = merge_sidecar_checksums(metadata.planner_data, where)
+    except CheckpointFormatError as e:
+        logger.warning("ckptq: %s; its data is loaded unverified (load it with ckptq.io.SafeFileSystemReader)", e)
+        return metadata
+    return dataclasses.replace(metadata, planner_data=planner_data)
+
+
 class QuantizedLoadPlanner(DefaultLoadPlanner):
     """Load planner that restores quantized tensors from ckptq checkpoints.
 
@@ -451,12 +481,21 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         self._buffers: dict[tuple[str, tuple[int, ...]], _Buffer] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        if metadata is not None and not is_verified(metadata):
+            metadata = _verify_metadata(metadata)  # read by a storage reader that is not ckptq's
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self._entries = fold_entries(metadata) if metadata is not None else {}
         self._buffers = {}
         self.checksums_verified_by_reader = False
         self._partial_noticed = False
         self._checksums = read_checksums(metadata.planner_data) if metadata is not None else None
+        pd = metadata.planner_data if metadata is not None else None
+        record = pd[CKPTQ_KEY] if has_record(pd) else None
+        if isinstance(record, Mapping) and DIGEST_KEY not in record and not record.get(RECORD_FOREIGN):
+            logger.warning(
+                "ckptq: %s has no metadata digest (saved by an older ckptq), so edits of its .metadata go undetected",
+                getattr(metadata.storage_meta, "checkpoint_id", None) or "the checkpoint",
+            )
         if self.verify_checksums and metadata is not None and self._checksums is None:
             logger.warning(
                 "ckptq: %s has no checksums (saved by DCP's FileSystemWriter, an older ckptq or another "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +30,8 @@ from ..contract import (
     make_record,
     native_descriptor,
     validate_mode,
+    with_digest,
+    with_sidecar_checksums,
 )
 from ..errors import CheckpointFormatError, InconsistentScaleError, UnsupportedFormatError
 from ..formats.base import QuantizedTensor
@@ -146,10 +149,13 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         self._entries: dict[str, _SavedTensor] = {}
         self._objects: dict[str, Any] = {}
         self._local_plan_to_cache: SavePlan | None = None
+        self._checksum_dir: str | None = None
+        self._hashing: Any = None
 
     # ---------------------------------------------------------------- planning (every rank)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self._checksum_dir, self._hashing = _checksum_dir(storage_meta, is_coordinator), None
         if self.quantize:
             self.state_dict = quantize_state_dict(self.state_dict, self.quantize)
         self._entries, self._objects = {}, {}
@@ -260,6 +266,15 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         # set attributes on what it gets (ckptq's writers put the checksums into planner_data):
         # give it a copy, so that nothing of this save leaks into the next one.
         self.metadata = dataclasses.replace(metadata, planner_data=dict(metadata.planner_data or {}))
+        if self._checksum_dir is not None:
+            # Each rank that writes stores its checksums in its own file (resolve_data); ckptq's
+            # storage writers replace this with the table in the record (checksums_by_writer).
+            if len(plans) == 1:  # a save without collectives: this rank's own .metadata
+                ranks = [_rank()] if plans[0].items or not plans[0].usable else []
+            else:
+                ranks = [r for r, p in enumerate(plans) if p.items or not p.usable]
+            self.metadata.planner_data = with_sidecar_checksums(self.metadata.planner_data, ranks)
+        with_digest(self.metadata)
         return plans, self.metadata
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -285,7 +300,26 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if self._enable_plan_caching and self._local_plan_to_cache is not None:
             SavePlanner._cached_save_plan[self._cached_plans_key] = self._local_plan_to_cache
             self._local_plan_to_cache = None
+        if self._checksum_dir is not None and plan.items:
+            from ..checksums import PlanHasher
+
+            self._hashing = PlanHasher(self._checksum_dir, _rank(), len(plan.items))
         return plan
+
+    def checksums_by_writer(self) -> None:
+        """Called by ckptq's storage writers (:class:`ckptq.io.ChecksumFileSystemWriter`), which
+        hash what they write themselves: this save's planner then writes no checksum files."""
+        self._hashing = None
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """DCP's ``resolve_data``; with a storage writer that is not ckptq's, the value is also
+        handed to this rank's :class:`ckptq.checksums.PlanHasher` (hashed on a background thread;
+        the rank's checksum file is written when its last item was resolved)."""
+        data = super().resolve_data(write_item)
+        hashing = self._hashing
+        if hashing is not None:
+            hashing.add(write_item.index, data)
+        return data
 
     # ---------------------------------------------------------------- writing (every rank)
     def lookup_object(self, index: MetadataIndex) -> Any:
@@ -295,6 +329,34 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         if isinstance(obj, _SavedTensor):  # high precision: dequantize this shard now, not earlier
             return obj.values(self.dtype)
         return obj
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_WARNED: set = set()
+
+
+def _checksum_dir(storage_meta: Any, is_coordinator: bool) -> str | None:
+    """The local directory in which each rank's checksum file goes (the save's ``checkpoint_id``),
+    or None (with one warning) when the storage writer gives none: then only ckptq's storage
+    writers record checksums."""
+    cid = getattr(storage_meta, "checkpoint_id", None)
+    if isinstance(cid, (str, os.PathLike)) and "://" not in str(cid):
+        return os.fspath(cid)
+    if is_coordinator and str(cid) not in _WARNED:
+        _WARNED.add(str(cid))
+        logger.warning(
+            "ckptq: QuantizedSavePlanner cannot record checksums for this save: its storage writer reports "
+            "checkpoint_id %r, not a local directory (storage_meta %r), so the checkpoint will have none; pass "
+            "storage_writer=ckptq.io.ChecksumFileSystemWriter(path) (or AtomicFileSystemWriter) to get them",
+            cid,
+            storage_meta,
+        )
+    return None
 
 
 def _columnwise_on_grid(qt: QuantizedTensor, obj: torch.Tensor, fqn: str) -> QuantizedTensor:
