@@ -382,6 +382,24 @@ _HALF = (torch.bfloat16, torch.float16)
 LAYOUTS: dict[str, HFLayout] = {}
 
 
+def _ct_scheme(fmt: str, num_bits: int, strategy: str, **weights: Any) -> dict:
+    """A compressed-tensors ``config_groups`` scheme of one format: its ``format`` and the weights'
+    ``QuantizationArgs`` (float, symmetric, static, no observer) with ``strategy`` and the format's
+    other fields (``group_size``, ``block_structure``, ``scale_dtype``, ...)."""
+    return {
+        "format": fmt,
+        "weights": {
+            "num_bits": num_bits,
+            "type": "float",
+            "symmetric": True,
+            "strategy": strategy,
+            **weights,
+            "dynamic": False,
+            "observer": None,
+        },
+    }
+
+
 def _register(lay: HFLayout) -> HFLayout:
     LAYOUTS[lay.name] = lay
     return lay
@@ -442,39 +460,16 @@ _register(
                     HFTensor("weight_scale", "scale", E4M3, "rows16"),
                     HFTensor("weight_global_scale", "global_scale", _F32, "vec1"),
                 ),
-                {
-                    "format": "nvfp4-pack-quantized",
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "tensor_group",
-                        "group_size": 16,
-                        "dynamic": False,
-                        "observer": None,
-                        "scale_dtype": "torch.float8_e4m3fn",
-                    },
-                },
+                _ct_scheme("nvfp4-pack-quantized", 4, "tensor_group", group_size=16, scale_dtype="torch.float8_e4m3fn"),
                 k_multiple=16,
                 recipe={"per_tensor": "global_scale"},
             ),
             FormatMap(
                 "mxfp4",
                 (HFTensor("weight_packed", "data", U8), HFTensor("weight_scale", "scale", U8)),
-                {
-                    "format": "mxfp4-pack-quantized",
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 32,
-                        "dynamic": False,
-                        "observer": None,
-                        "scale_dtype": "torch.uint8",
-                        "zp_dtype": "torch.uint8",
-                    },
-                },
+                _ct_scheme(
+                    "mxfp4-pack-quantized", 4, "group", group_size=32, scale_dtype="torch.uint8", zp_dtype="torch.uint8"
+                ),
                 k_multiple=32,
                 e8m0_nan=False,  # decompress_mx_scale: 2^(255-127) = inf in bf16, not NaN
                 recipe={"scale_rule": "even"},  # generate_mx_scales: amax rounded at 1 mantissa bit
@@ -482,68 +477,25 @@ _register(
             FormatMap(
                 "mxfp8",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale", U8)),
-                {
-                    "format": "mxfp8-quantized",
-                    "weights": {
-                        "num_bits": 8,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 32,
-                        "dynamic": False,
-                        "observer": None,
-                        "scale_dtype": "torch.uint8",
-                    },
-                },
+                _ct_scheme("mxfp8-quantized", 8, "group", group_size=32, scale_dtype="torch.uint8"),
                 k_multiple=32,
             ),
             FormatMap(
                 "fp8_block",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
-                {
-                    "format": "float-quantized",
-                    "weights": {
-                        "num_bits": 8,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "block",
-                        "block_structure": [128, 128],
-                        "dynamic": False,
-                        "observer": None,
-                    },
-                },
+                _ct_scheme("float-quantized", 8, "block", block_structure=[128, 128]),
                 {"fp8_dtype": _FP8_E4M3, "block": (((128, 128),), "the scheme written is block [128, 128]")},
             ),
             FormatMap(  # one scale per row (M, 1): the channel strategy (compressed-tensors' FP8_DYNAMIC preset)
                 "fp8_block",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, accepts=_HALF)),
-                {
-                    "format": "float-quantized",
-                    "weights": {
-                        "num_bits": 8,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "channel",
-                        "dynamic": False,
-                        "observer": None,
-                    },
-                },
+                _ct_scheme("float-quantized", 8, "channel"),
                 {"fp8_dtype": _FP8_E4M3, "block": ((PER_ROW,), "the channel scheme has one scale per row")},
             ),
             FormatMap(
                 "fp8_tensor",
                 (HFTensor("weight", "data", E4M3), HFTensor("weight_scale", "scale_inv", _F32, "vec1", _HALF)),
-                {
-                    "format": "float-quantized",
-                    "weights": {
-                        "num_bits": 8,
-                        "type": "float",
-                        "symmetric": True,
-                        "strategy": "tensor",
-                        "dynamic": False,
-                        "observer": None,
-                    },
-                },
+                _ct_scheme("float-quantized", 8, "tensor"),
                 {"fp8_dtype": _FP8_E4M3},
             ),
         ),
