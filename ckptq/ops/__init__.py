@@ -35,6 +35,7 @@ __all__ = [
     "dequantize",
     "requantize",
     "amax",
+    "crc32c",
     "backend_name",
     "backend_report",
     "force",
@@ -253,3 +254,26 @@ def amax(src) -> torch.Tensor:
         return torch.ops.ckptq.amax(comps, s["format"], s["block"])
     hp = dequantize(src, torch.float32) if quantized else src
     return numerics._matrix_amax(hp)
+
+
+def crc32c(data: torch.Tensor, value: int = 0, *, segment: int = 0) -> torch.Tensor | None:
+    """The crc32c of ``data``'s bytes computed by the compiled kernel where ``data`` is
+    (``ckptq::crc32c``: the elements row-major as the little-endian bytes of the dtype, continued
+    from ``value``, the convention of :func:`ckptq.checksums.checksum`), as a 0-dim ``int64``
+    tensor on ``data``'s device, enqueued on its current stream (not waited for); or ``None``
+    when no kernel serves it: the extension is not built (or predates the op), no CUDA device, or
+    ``CKPTQ_BACKEND`` forces another backend. ``segment``: bytes per independently hashed piece
+    (0: chosen for the device; the value does not depend on it).
+
+    Only CUDA tensors are served by default (for a CPU tensor the ``crc32c`` package is faster);
+    the CPU kernel, the same code, runs when ``CKPTQ_BACKEND=cpu`` (tests).
+    """
+    dev = data.device.type
+    f = _backends.forced()
+    if dev not in ("cpu", "cuda") or f == "reference" or (f != dev and (dev == "cpu" or f is not None)):
+        return None
+    if not _backends.status(dev)[0]:
+        return None
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("ckptq::crc32c", _backends._DISPATCH_KEY[dev]):
+        return None
+    return torch.ops.ckptq.crc32c(data, int(value), int(segment))
