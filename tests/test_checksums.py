@@ -338,4 +338,5 @@ def test_the_kernels_split_and_combine_equal_crc32c_on_cpu():
                 assert int(ops.crc32c(t, 0xDEADBEEF)) == crc32c.crc32c(t.numpy().tobytes(), 0xDEADBEEF)
         x = torch.randn(33, 17, generator=g).to(torch.bfloat16).t()  # non-contiguous: row-major bytes
         assert int(ops.crc32c(x)) == checksum(x)
+        torch.library.opcheck(torch.ops.ckptq.crc32c.default, (buf[3:1000], 5, 64))  # schema, fake kernel
     assert ops.crc32c(buf) is None  # unforced, CPU tensors are left to the crc32c package

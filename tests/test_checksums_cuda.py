@@ -56,6 +56,7 @@ def test_gpu_crc32c_of_every_dtype_and_non_contiguous_tensors():
         assert int(ops.crc32c(t)) == _host_crc(t) == checksums.checksum(t.cpu()), dt
         assert int(ops.crc32c(t.t())) == _host_crc(t.t()), dt  # row-major bytes of the transpose
         assert int(ops.crc32c(t[3:, 5:77])) == _host_crc(t[3:, 5:77]), dt
+    torch.library.opcheck(torch.ops.ckptq.crc32c.default, (x.cuda()[1:], 7, 128))  # schema, fake kernel
 
 
 @requires_cuda
