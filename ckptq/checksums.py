@@ -118,18 +118,34 @@ def checksum_key(index: Any) -> tuple:
     return index.fqn, None if index.offset is None else tuple(int(o) for o in index.offset)
 
 
+_SIDE_STREAMS: dict = {}
+
+
 def _on_device(data: torch.Tensor, value: int = 0):
-    """Start the crc32c of CUDA tensor ``data`` on its GPU (the kernel, on the device's current
-    stream, then an 8-byte copy of the value to pinned host memory and an event); returns a function
-    that waits for the event and gives the checksum, or None where the kernel is not available."""
+    """Start the crc32c of CUDA tensor ``data`` on its GPU and return a function that waits for it
+    and gives the checksum, or None where the kernel is not available.
+
+    The kernel runs on a side stream of the device that first waits for the current one (so it
+    hashes the bytes as they are now, and does not delay what the caller enqueues next, e.g. DCP's
+    copy of the tensor to the host), followed by an 8-byte copy of the value to pinned host memory
+    and an event; ``data`` is recorded on the side stream, so its memory is not reused before the
+    kernel read it."""
     from .ops import crc32c as kernel
 
-    on_gpu = kernel(data.detach(), value)
-    if on_gpu is None:
-        return None
-    host = on_gpu.to("cpu", non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(data.device))
+    device = data.device
+    current = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        on_gpu = kernel(data.detach(), value)
+        if on_gpu is None:
+            return None
+        host = on_gpu.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    data.record_stream(side)
 
     def result() -> int:
         done.synchronize()
