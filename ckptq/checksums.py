@@ -131,8 +131,11 @@ def _on_device(data: torch.Tensor, value: int = 0):
     and an event; ``data`` is recorded on the side stream, so its memory is not reused before the
     kernel read it."""
     from .ops import crc32c as kernel
+    from .ops import crc32c_available
 
     device = data.device
+    if not crc32c_available(device):
+        return None
     current = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(device)
     if side is None:
@@ -140,8 +143,6 @@ def _on_device(data: torch.Tensor, value: int = 0):
     side.wait_stream(current)
     with torch.cuda.stream(side):
         on_gpu = kernel(data.detach(), value)
-        if on_gpu is None:
-            return None
         host = on_gpu.to("cpu", non_blocking=True)
         done = torch.cuda.Event()
         done.record(side)

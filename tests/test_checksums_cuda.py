@@ -99,3 +99,20 @@ def test_planner_checksums_of_a_cuda_state_dict_equal_those_of_the_same_cpu_one(
     out = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in cuda.items()}
     dcp.load(out, checkpoint_id=str(tmp_path / "cuda"), planner=ckptq.QuantizedLoadPlanner(), no_dist=True)
     assert torch.equal(out["norm"].cpu(), sd["norm"])
+
+
+@requires_cuda
+def test_the_gpu_hash_sees_what_the_callers_stream_wrote_before_it():
+    """The kernel runs on a side stream that waits for the caller's: bytes written on the caller's
+    (non-default) stream just before, behind a long GPU sleep, are what is hashed."""
+    _kernel_or_skip()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x = torch.zeros(32 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the write
+        x.fill_(7)
+        hasher = checksums.Hasher()
+        hasher.submit("x", x)
+        value = checksums.checksum(x)
+    want = _host_crc(torch.full((32 << 20,), 7, dtype=torch.uint8))
+    assert hasher.results() == {"x": want} and value == want
