@@ -43,6 +43,7 @@ from torch.futures import Future
 from ..checksums import Hasher, checksum, checksum_key
 from ..contract import sidecar_ranks, with_checksums, with_digest
 from ..errors import CkptqError
+from ..ops import crc32c_available
 
 __all__ = [
     "CheckpointDirWriter",
@@ -383,8 +384,10 @@ class _Checked:
 
 class _HashingPlanner:
     """Save-planner proxy for :class:`ChecksumFileSystemWriter`: every value the storage writer
-    resolves is handed to a :class:`~ckptq.checksums.Hasher` as it is returned (CUDA tensors are
-    copied to the CPU here, as DCP's loader would)."""
+    resolves is handed to a :class:`~ckptq.checksums.Hasher` as it is returned. A CUDA tensor is
+    hashed on its GPU and returned as is (DCP's loader copies it to the host, overlapped with the
+    writes); where the GPU kernel is not built it is copied to the host here and that copy is
+    hashed and returned (one copy, not two)."""
 
     def __init__(self, planner: Any, hasher: Hasher) -> None:
         self._planner, self._hasher = planner, hasher
@@ -396,7 +399,7 @@ class _HashingPlanner:
         data = self._planner.resolve_data(item)
         if isinstance(data, torch.Tensor):
             data = data.detach()
-            if data.device.type != "cpu":
+            if data.device.type != "cpu" and not crc32c_available(data.device):
                 data = data.cpu()
             self._hasher.submit(checksum_key(item.index), data)
         else:  # io.BytesIO of a bytes entry
