@@ -16,7 +16,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatErro
 from ..formats import FORMATS, format_class
 from ..formats.base import dtype_to_str
 from ..parse import HP_DTYPES
-from ..placement import MeshSpec, PlacementRules, format_placements, rank_boxes
+from ..placement import MeshSpec, PlacementRules, first_owner_boxes, format_placements, rank_boxes
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
 
@@ -59,18 +59,23 @@ class TensorJob:
 
 @dataclasses.dataclass
 class ReshardPlan:
-    """The full plan: jobs, bytes per target rank and alignment problems (nothing read yet)."""
+    """The plan: jobs, bytes per target rank and alignment problems (nothing read yet).
+
+    ``ranks`` None: the whole plan (every target rank). Else the part of the target ranks
+    ``ranks`` (increasing): the jobs with a box those ranks write, each with only those owners and
+    bytes, and the problems of those boxes -- the corresponding slice of the whole plan."""
 
     src: Path
     mesh: MeshSpec
     jobs: list[TensorJob]
+    ranks: tuple[int, ...] | None = None
 
     @property
     def problems(self) -> list[str]:
         return [j.problem for j in self.jobs if j.problem]
 
     def bytes_per_rank(self) -> dict[int, int]:
-        out: dict[int, int] = {r: 0 for r in range(self.mesh.world_size)}
+        out: dict[int, int] = {r: 0 for r in (range(self.mesh.world_size) if self.ranks is None else self.ranks)}
         for j in self.jobs:
             for r, b in j.bytes_per_rank.items():
                 out[r] += b
@@ -156,6 +161,7 @@ def plan_reshard(
     grouped: str | None = None,
     grouped_glob: str = "*weight",
     misaligned: str = "error",
+    ranks: Collection[int] | None = None,
 ) -> ReshardPlan:
     """Plan a reshard/convert of ``view`` onto ``mesh`` with ``placement_rules`` (reads metadata only).
 
@@ -170,9 +176,13 @@ def plan_reshard(
             ``X0..X{N-1}``. Per-member scales and amax become / come from the leading batch dim.
         misaligned: ``"error"`` (default: report and write nothing) or ``"high_precision"``
             (write those tensors dequantized).
+        ranks: plan only what these target ranks write (their files): the slice of the whole plan
+            with their boxes (:attr:`ReshardPlan.ranks`), each rank's box computed alone
+            (:func:`~ckptq.placement.first_owner_boxes`) rather than every rank's. None: every rank.
 
     Raises:
-        UnsupportedFormatError: bad options. CheckpointFormatError: inconsistent grouped members.
+        UnsupportedFormatError: bad options or a rank outside the mesh. CheckpointFormatError:
+            inconsistent grouped members.
     """
     if mode is not None and mode not in MODES:
         raise UnsupportedFormatError(f"mode '{mode}': expected {' or '.join(MODES)}")
@@ -184,6 +194,11 @@ def plan_reshard(
         raise UnsupportedFormatError(f"--to {to}: expected one of {sorted(FORMATS)} or {sorted(HP_DTYPES)}")
     if to in FORMATS:
         format_class(to).Recipe(**(to_recipe or {}))  # validate early
+    if ranks is not None:
+        ranks = tuple(sorted(set(ranks)))
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < mesh.world_size)]
+        if bad:
+            raise UnsupportedFormatError(f"ranks {bad[:4]}: mesh {mesh} has ranks 0..{mesh.world_size - 1}")
 
     units: list[tuple[str, list[Entry], int | None]] = []
     stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
@@ -198,19 +213,24 @@ def plan_reshard(
     units += [(stem, ms, None) for stem, ms in stacked.items()]
     units.sort(key=lambda u: u[0])
 
-    jobs = [
-        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned)
-        for fqn, sources, member in units
-    ]
     if grouped == "stack" and not stacked:
         raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
-    return ReshardPlan(view.path, mesh, jobs)
+    jobs = [
+        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
+        for fqn, sources, member in units
+    ]
+    if ranks is not None:
+        jobs = [j for j in jobs if j.owners]
+    return ReshardPlan(view.path, mesh, jobs, ranks)
 
 
-def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+def _plan_job(
+    fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks=None
+) -> TensorJob:
     src = sources[0]
     if src.kind == "bytes":
-        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
+        owners, sizes = ([(0, ((), ()))], {0: 0}) if ranks is None or 0 in ranks else ([], {})
+        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), owners, sizes)
     shape = tuple(src.shape)
     if len(sources) > 1:
         shape = (len(sources),) + shape
@@ -234,14 +254,17 @@ def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, t
     if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
         out, fmt, recipe, dtype = "tensor", None, None, src.dtype
     placements = placement_rules.placements(fqn, len(shape))
-    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
-    owners, seen = [], set()
-    for r, b in enumerate(boxes):
-        if b not in seen and math.prod(b[1]) > 0:
-            seen.add(b)
-            owners.append((r, b))
-    if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
-        owners = [(0, boxes[0])]
+    if ranks is not None:
+        owners = first_owner_boxes(shape, mesh, placements, ranks, fqn=fqn)
+    else:
+        boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
+        owners, seen = [], set()
+        for r, b in enumerate(boxes):
+            if b not in seen and math.prod(b[1]) > 0:
+                seen.add(b)
+                owners.append((r, b))
+        if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
+            owners = [(0, boxes[0])]
     job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
     if foreign_note:
         if misaligned == "error":
