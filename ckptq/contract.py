@@ -26,6 +26,7 @@ what goes into ``.metadata``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import weakref
@@ -262,16 +263,36 @@ def is_verified(metadata: Any) -> bool:
 
 def _canonical(x: Any) -> Any:
     """A JSON-able, order-independent form of builtins (dict items sorted by their own JSON form)."""
-    import json
-
+    if isinstance(x, str) or x is None or isinstance(x, (bool, int, float)):
+        return x
     if isinstance(x, Mapping):
         items = [[_canonical(k), _canonical(v)] for k, v in x.items()]
-        return {"d": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+        return {"d": sorted(items, key=_item_order)}
     if isinstance(x, (list, tuple)):
         return [_canonical(v) for v in x]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
     return {"r": repr(x)}  # torch.Size, dtypes: repr is their identity
+
+
+def _item_order(kv: list) -> str:
+    """How :func:`_canonical` orders a dict's items: by the JSON form of the canonical key."""
+    k = kv[0]
+    return _str_json(k) if type(k) is str else _json_dumps(k)
+
+
+def _json_dumps(x: Any) -> str:
+    import json
+
+    return json.dumps(x, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _str_json(k: str) -> str:
+    return _json_dumps(k)  # descriptors repeat the same few keys
+
+
+def _int_list(x: Any) -> list:
+    """``list(map(int, x))``; a ``torch.Size`` holds ints already."""
+    return list(x) if type(x) is torch.Size else list(map(int, x))
 
 
 def metadata_digest(metadata: Any) -> str:
@@ -289,7 +310,7 @@ def metadata_digest(metadata: Any) -> str:
     entries = []
     for fqn, md in (metadata.state_dict_metadata or {}).items():
         if isinstance(md, TensorStorageMetadata):
-            chunks = sorted([list(map(int, c.offsets)), list(map(int, c.sizes))] for c in md.chunks)
+            chunks = sorted([[_int_list(c.offsets), _int_list(c.sizes)] for c in md.chunks])
             entries.append([str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks])
         else:
             entries.append([str(fqn), type(md).__name__])
