@@ -231,18 +231,21 @@ def _numel(shape) -> int:
 # What runs in the measured process: times and VmHWM at each stage's end.
 MEASURE = r"""
 import json, sys, time
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.process_time()
 def hwm():
     return [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')][0] / 1024
+def stage(name, t, c):
+    out[name + "_s"], out[name + "_cpu_s"], out[name + "_mib"] = time.perf_counter() - t, time.process_time() - c, hwm()
+    return time.perf_counter(), time.process_time()
 sys.path.insert(0, {root!r})
 from ckptq.checkpoint import open_checkpoint
 from ckptq.placement import MeshSpec, PlacementRules
 from ckptq.parse import parse_placement
 from ckptq.reshard import plan_reshard
-out = {{"import_s": time.perf_counter() - t0, "import_mib": hwm()}}
-t1 = time.perf_counter()
+out = {{}}
+t, c = stage("import", t0, c0)
 view = open_checkpoint({path!r})
-out.update(open_s=time.perf_counter() - t1, open_mib=hwm())
+t, c = stage("open", t, c)
 mesh = MeshSpec(("ep", "dp_shard", "tp"), {mesh!r})
 P = lambda *s: [parse_placement(x) for x in s]
 rules = PlacementRules(mesh, "file", {{
@@ -255,9 +258,9 @@ rules = PlacementRules(mesh, "file", {{
 kw = {{"grouped": "stack", "grouped_glob": "*.experts.*"}} if {stack!r} else {{}}
 if {ranks!r} is not None:
     kw["ranks"] = {ranks!r}
-t2 = time.perf_counter()
 plan = plan_reshard(view, mesh, rules, **kw)
-out.update(plan_s=time.perf_counter() - t2, plan_mib=hwm(), total_s=time.perf_counter() - t0)
+stage("plan", t, c)
+out.update(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0)
 per_rank = plan.bytes_per_rank()
 out.update(jobs=len(plan.jobs), boxes=sum(len(j.owners) for j in plan.jobs), problems=len(plan.problems),
            target_ranks=mesh.world_size, planned_bytes=sum(per_rank.values()))
@@ -265,9 +268,9 @@ print(json.dumps(out))
 """
 
 
-def measure(path: Path, mesh: tuple, stack: bool, ranks: list[int] | None, env: dict) -> dict:
-    """One fresh process: import, open, plan (seconds and ``VmHWM`` MiB after each)."""
-    code = MEASURE.format(root=str(ROOT), path=str(path), mesh=tuple(mesh), stack=stack, ranks=ranks)
+def measure(path: Path, mesh: tuple, stack: bool, ranks: list[int] | None, env: dict, root=ROOT) -> dict:
+    """One fresh process: import, open, plan (wall and CPU seconds, ``VmHWM`` MiB after each)."""
+    code = MEASURE.format(root=str(root), path=str(path), mesh=tuple(mesh), stack=stack, ranks=ranks)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -277,11 +280,28 @@ def measure(path: Path, mesh: tuple, stack: bool, ranks: list[int] | None, env: 
     return out
 
 
+#: (name, label, model, layers (None: all), grouped 3-D experts, saving ep, fsdp, tp, target (ep, dp_shard, tp))
+CASES = [
+    ("dsv3-p", "DeepSeek-V3-671B, per-expert", "dsv3-671b", None, False, 64, 16, 8, (32, 32, 2)),
+    ("dsv3-g", "DeepSeek-V3-671B, grouped 3-D", "dsv3-671b", None, True, 64, 16, 8, (32, 32, 2)),
+    ("kimi-p", "Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 128, 16, 8, (64, 32, 2)),
+    ("kimi-g", "Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 128, 32, 8, (64, 32, 2)),
+    # the cost curve: DeepSeek-V3 shapes, per-expert tensors, fewer layers / saving ranks
+    ("1e4", "curve 10^4", "dsv3-671b", 4, False, 8, 4, 2, (4, 4, 1)),
+    ("1e5", "curve 10^5", "dsv3-671b", 8, False, 32, 8, 4, (16, 8, 2)),
+    ("1e6", "curve 10^6", "dsv3-671b", 20, False, 64, 32, 8, (32, 32, 4)),
+    ("1e7", "curve 10^7", "dsv3-671b", 61, False, 128, 64, 8, (64, 64, 4)),
+]
+MODEL_CASES = ("dsv3-p", "dsv3-g", "kimi-p", "kimi-g")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=None, help="keep the synthetic checkpoints here (reused when present)")
     ap.add_argument("--models", action="store_true", help="the 671B / 1T rows")
-    ap.add_argument("--curve", default="", help="comma list of curve points 1e4,1e5,1e6,1e7 (cheaper model)")
+    ap.add_argument("--curve", default="", help="comma list of curve points 1e4,1e5,1e6,1e7 (fewer layers / ranks)")
+    ap.add_argument("--case", default="", help="comma list of cases by name (dsv3-p, dsv3-g, kimi-p, kimi-g, 1e4..1e7)")
+    ap.add_argument("--before", default=None, help="a directory holding another ckptq package to measure too")
     ap.add_argument("--whole", action="store_true", help="also plan every target rank (the old cost)")
     ap.add_argument("--rank", type=int, default=None, help="the target rank planned (default: the middle one)")
     ap.add_argument("--json", default=None)
@@ -289,26 +309,10 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-planscale-"))
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
-    cases = []
-    # (label, model, layers, grouped, saver ep, saver fsdp, saver tp, target mesh (ep, dp_shard, tp))
-    if args.models:
-        cases += [
-            ("DeepSeek-V3-671B, per-expert", "dsv3-671b", None, False, 64, 16, 8, (32, 32, 2)),
-            ("DeepSeek-V3-671B, grouped 3-D", "dsv3-671b", None, True, 64, 16, 8, (32, 32, 2)),
-            ("Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 128, 16, 8, (64, 32, 2)),
-            ("Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 128, 32, 8, (64, 32, 2)),
-        ]
-    curve = {  # DeepSeek-V3 shapes, per-expert tensors, fewer layers / saving ranks
-        "1e4": (4, 8, 4, 2),
-        "1e5": (8, 32, 8, 4),
-        "1e6": (20, 64, 32, 8),
-        "1e7": (61, 128, 64, 8),
-    }
-    for point in filter(None, args.curve.split(",")):
-        layers, ep, fsdp, tp = curve[point]
-        cases.append((f"curve {point}", "dsv3-671b", layers, False, ep, fsdp, tp, (ep // 2, fsdp, tp // 2)))
+    cases = [c for c in CASES if (args.models and c[0] in MODEL_CASES) or c[0] in args.curve.split(",")]
+    cases += [c for c in CASES if c[0] in args.case.split(",") and c not in cases]
     results = []
-    for label, model, layers, grouped, ep, fsdp, tp, target in cases:
+    for _, label, model, layers, grouped, ep, fsdp, tp, target in cases:
         d = work / f"{model}-{layers}-{'g' if grouped else 'p'}-{ep}x{fsdp}x{tp}"
         info_file = d / "info.json"
         if not info_file.is_file():
@@ -324,27 +328,39 @@ def main() -> None:
         row["one_rank"]["rank"] = rank
         if args.whole:
             row["whole"] = measure(d, target, not grouped, None, env)
+        if args.before:
+            before_env = {**env, "PYTHONPATH": str(Path(args.before).absolute())}
+            row["before"] = measure(d, target, not grouped, None, before_env, root=args.before)
         results.append(row)
         print(json.dumps(row), file=sys.stderr)
     machine = f"{platform.node()}: {os.cpu_count()} CPU cores, Python {platform.python_version()}"
     import torch
 
     lines = [
-        f"Measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine}, torch {torch.__version__}.",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine}, torch {torch.__version__}. "
+        "Each cell: wall seconds (CPU seconds) / peak RSS MiB (`VmHWM` of the measuring process at the end of "
+        "the stage; it includes the stages before).",
         "",
-        "| checkpoint | saved chunks | `.metadata` MiB | target | import s / MiB | open s / MiB | "
-        "plan one rank s / MiB | total s, peak MiB | whole plan s / MiB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| checkpoint | saved chunks | `.metadata` MiB | planned for | import | open `.metadata` | plan one rank "
+        "| total | whole plan (every rank) | before: open + whole plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def cell(m: dict | None, stage: str) -> str:
+        if not m:
+            return ""
+        return f"{m[stage + '_s']:.2f} ({m[stage + '_cpu_s']:.2f}) / {m[stage + '_mib']:.0f}"
+
     for r in results:
-        o, w = r["one_rank"], r.get("whole")
+        o = r["one_rank"]
+        w, before = r.get("whole"), r.get("before")
         lines.append(
             f"| {r['label']} ({r['params'] / 1e9:.0f}B params, {r['logical_tensors']:,} tensors, saved by "
-            f"{r['saving_ranks']} ranks) | {r['saved_chunks']:,} | {r['metadata_mib']:.0f} | {r['target_mesh']} "
-            f"rank {o['rank']} ({o['jobs']:,} jobs, {o['boxes']:,} boxes) | {o['import_s']:.2f} / "
-            f"{o['import_mib']:.0f} | {o['open_s']:.2f} / {o['open_mib']:.0f} | {o['plan_s']:.2f} / "
-            f"{o['plan_mib']:.0f} | {o['total_s']:.2f}, {o['plan_mib']:.0f} | "
-            + (f"{w['plan_s']:.2f} / {w['plan_mib']:.0f} |" if w else "|")
+            f"{r['saving_ranks']} ranks) | {r['saved_chunks']:,} | {r['metadata_mib']:.0f} | {r['target_mesh']}, "
+            f"rank {o['rank']} ({o['jobs']:,} jobs, {o['boxes']:,} boxes) | {cell(o, 'import')} | {cell(o, 'open')} "
+            f"| {cell(o, 'plan')} | {o['total_s']:.2f} ({o['total_cpu_s']:.2f}) / {o['plan_mib']:.0f} "
+            f"| {cell(w, 'plan')} | "
+            + (f"{before['total_s']:.2f} ({before['total_cpu_s']:.2f}) / {before['plan_mib']:.0f} |" if before else "|")
         )
     text = "\n".join(lines)
     print(text)
