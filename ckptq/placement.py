@@ -40,6 +40,7 @@ __all__ = [
     "dtensor_box",
     "rank_boxes",
     "first_owner_boxes",
+    "dim_intervals",
     "PlacementRules",
     "PRESETS",
     "TP_RULES",
@@ -257,6 +258,21 @@ def rank_boxes(
         dims = [boxes_per_dim[d][tuple(coord[i] for i in relevant[d])] for d in range(len(global_shape))]
         out.append((tuple(o for o, _ in dims), tuple(s for _, s in dims)))
     return out
+
+
+def dim_intervals(
+    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: str | None = None
+) -> list[set[tuple[int, int]]]:
+    """Per tensor dim, the distinct non-empty ``(offset, size)`` intervals the ranks hold. The mesh
+    dims that shard different tensor dims are different, so every combination of one interval per
+    dim is some rank's box: the non-empty boxes are exactly the products of these (when the tensor
+    has elements).
+
+    Raises:
+        ShardingError: as :func:`rank_boxes`.
+    """
+    _, boxes_per_dim = _box_tables(global_shape, mesh, placements, fqn)
+    return [{iv for iv in table.values() if iv[1]} for table in boxes_per_dim]
 
 
 def first_owner_boxes(

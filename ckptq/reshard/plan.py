@@ -28,7 +28,7 @@ from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatErro
 from ..formats import FORMATS, format_class
 from ..formats.base import dtype_to_str
 from ..parse import HP_DTYPES
-from ..placement import MeshSpec, PlacementRules, first_owner_boxes, format_placements, rank_boxes
+from ..placement import MeshSpec, PlacementRules, dim_intervals, first_owner_boxes, format_placements, rank_boxes
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
 
@@ -63,7 +63,8 @@ class ReshardPlan:
 
     ``ranks`` None: the whole plan (every target rank). Else the part of the target ranks
     ``ranks`` (increasing): the jobs with a box those ranks write, each with only those owners and
-    bytes, and the problems of those boxes -- the corresponding slice of the whole plan."""
+    bytes -- the corresponding slice of the whole plan -- plus every job with a problem (decided
+    on every rank's boxes, as in the whole plan), so that :attr:`problems` is the whole plan's."""
 
     src: Path
     mesh: MeshSpec
@@ -219,8 +220,8 @@ def plan_reshard(
         _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
         for fqn, sources, member in units
     ]
-    if ranks is not None:
-        jobs = [j for j in jobs if j.owners]
+    if ranks is not None:  # the jobs these ranks write, and every problem (a run stops on any)
+        jobs = [j for j in jobs if j.owners or j.problem]
     return ReshardPlan(view.path, mesh, jobs, ranks)
 
 
@@ -254,17 +255,11 @@ def _plan_job(
     if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
         out, fmt, recipe, dtype = "tensor", None, None, src.dtype
     placements = placement_rules.placements(fqn, len(shape))
-    if ranks is not None:
-        owners = first_owner_boxes(shape, mesh, placements, ranks, fqn=fqn)
-    else:
-        boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
-        owners, seen = [], set()
-        for r, b in enumerate(boxes):
-            if b not in seen and math.prod(b[1]) > 0:
-                seen.add(b)
-                owners.append((r, b))
-        if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
-            owners = [(0, boxes[0])]
+    owners = (
+        _owners(shape, mesh, placements, fqn)
+        if ranks is None
+        else first_owner_boxes(shape, mesh, placements, ranks, fqn=fqn)
+    )
     job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
     if foreign_note:
         if misaligned == "error":
@@ -275,8 +270,15 @@ def _plan_job(
         cls = format_class(fmt)
         specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
         align = chunks.alignment(specs, len(shape))
+        # Every rank's boxes decide (the same decision in a per-rank plan): per dim, its intervals;
+        # if one is cut inside a block, the first such box in rank order names it.
+        aligned = (
+            all(chunks.is_aligned(align, shape, b) for _, b in owners)
+            if ranks is None
+            else _intervals_aligned(align, shape, dim_intervals(shape, mesh, placements, fqn=fqn))
+        )
         try:
-            for _, b in owners:
+            for _, b in owners if aligned else _owners(shape, mesh, placements, fqn):
                 if not chunks.is_aligned(align, shape, b):
                     chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)  # raises with details
         except ShardingError as e:
@@ -289,6 +291,34 @@ def _plan_job(
     for r, b in owners:
         job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b, key)
     return job
+
+
+def _owners(shape: tuple, mesh: MeshSpec, placements: tuple, fqn: str) -> list[tuple[int, chunks.Box]]:
+    """(rank, box) of the first rank holding each distinct non-empty box (rank order); an empty
+    tensor: rank 0's (empty) box, so that the entry exists."""
+    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
+    owners, seen = [], set()
+    for r, b in enumerate(boxes):
+        if b not in seen and math.prod(b[1]) > 0:
+            seen.add(b)
+            owners.append((r, b))
+    return owners or [(0, boxes[0])]
+
+
+def _intervals_aligned(align: tuple, shape: tuple, intervals: list) -> bool:
+    """Whether every non-empty box made of one interval of ``intervals[d]`` per dim is
+    block-aligned (:func:`ckptq.chunks.is_aligned` tests each dim alone)."""
+    if math.prod(shape) == 0:
+        return True  # its one box is empty
+    for d, ivs in enumerate(intervals):
+        for off, size in ivs:
+            box = (
+                tuple(off if i == d else 0 for i in range(len(shape))),
+                tuple(size if i == d else n for i, n in enumerate(shape)),
+            )
+            if not chunks.is_aligned(align, shape, box):
+                return False
+    return True
 
 
 def _box_bytes(job: TensorJob, box: chunks.Box, recipe_key: str) -> int:
