@@ -307,20 +307,34 @@ def metadata_digest(metadata: Any) -> str:
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entries = []
-    for fqn, md in (metadata.state_dict_metadata or {}).items():
+    def entry(fqn: Any, md: Any) -> list:
         if isinstance(md, TensorStorageMetadata):
             chunks = sorted([[_int_list(c.offsets), _int_list(c.sizes)] for c in md.chunks])
-            entries.append([str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks])
-        else:
-            entries.append([str(fqn), type(md).__name__])
+            return [str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks]
+        return [str(fqn), type(md).__name__]
+
     planner_data = dict(metadata.planner_data or {})
     if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
         planner_data[CKPTQ_KEY] = {
             k: v for k, v in planner_data[CKPTQ_KEY].items() if k not in ("checksums", DIGEST_KEY)
         }
-    doc = json.dumps([sorted(entries), _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(doc.encode()).hexdigest()
+    sdm = metadata.state_dict_metadata or {}
+    names = {str(fqn): fqn for fqn in sdm}
+    if len(names) != len(sdm):  # two keys of one spelling: sorted by the whole entry
+        entries = sorted(entry(fqn, md) for fqn, md in sdm.items())
+        doc = json.dumps([entries, _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(doc.encode()).hexdigest()
+    # The same document, hashed in pieces: the entries sorted by name (their first item, unique),
+    # a few thousand at a time, so that the whole document never exists at once.
+    h = hashlib.sha256(b"[[")
+    order = sorted(names)
+    for i in range(0, len(order), 4096):
+        part = [entry(names[k], sdm[names[k]]) for k in order[i : i + 4096]]
+        h.update((b"," if i else b"") + json.dumps(part, sort_keys=True, separators=(",", ":"))[1:-1].encode())
+    h.update(b"],")
+    h.update(json.dumps(_canonical(planner_data), sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"]")
+    return h.hexdigest()
 
 
 def with_digest(metadata: Any) -> Any:
@@ -723,7 +737,10 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
             f"{where}: descriptor version {desc['version']} is newer than this ckptq understands "
             f"({_DESCRIPTOR_VERSION}); upgrade ckptq"
         )
-    _check_recipe(where, fmt, desc.get("recipe", {}))
+    recipe_key = (fmt, repr(desc.get("recipe", {})))  # builtins from the record: repr tells them apart
+    if recipe_key not in _GOOD_RECIPES:
+        _check_recipe(where, fmt, desc.get("recipe", {}))
+        _remember(_GOOD_RECIPES, recipe_key, True)
     if mode == HIGH_PRECISION:
         entry = sdm.get(fqn)
         if not isinstance(entry, TensorStorageMetadata):
@@ -761,14 +778,17 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
             )
     cls = FORMATS.get(fmt)
     if cls is not None:  # an unknown format is reported where its values are needed
-        try:
-            specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
-            layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
-        except Exception as e:  # an invalid recipe or a shape the format cannot have
-            raise CheckpointFormatError(
-                f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
-                f"restore the metadata or re-save the checkpoint"
-            ) from e
+        layout = _LAYOUTS.get((*recipe_key, tuple(shape)))
+        if layout is None:
+            try:
+                specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
+                layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
+            except Exception as e:  # an invalid recipe or a shape the format cannot have
+                raise CheckpointFormatError(
+                    f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
+                    f"restore the metadata or re-save the checkpoint"
+                ) from e
+            _remember(_LAYOUTS, (*recipe_key, tuple(shape)), layout)
         if layout != {n: (d, s) for n, (_, d, s) in expected.items()}:
             raise CheckpointFormatError(
                 f"{where}: the descriptor's components {_components_text(expected)} do not match the "
@@ -776,6 +796,18 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
                 f"{layout}; the checkpoint or descriptor is inconsistent"
             )
     return typed, {name: cfqn for name, (cfqn, _, _) in expected.items()}
+
+
+#: (format, repr(recipe)) of recipes :func:`_check_recipe` passed; (..., shape) -> component layout.
+#: A model repeats a few recipes and shapes: each is checked once per process.
+_GOOD_RECIPES: dict = {}
+_LAYOUTS: dict = {}
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) > 4096:
+        cache.clear()
+    cache[key] = value
 
 
 def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:
