@@ -270,15 +270,14 @@ def _plan_job(
         cls = format_class(fmt)
         specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
         align = chunks.alignment(specs, len(shape))
-        # Every rank's boxes decide (the same decision in a per-rank plan): per dim, its intervals;
+        # Every rank's boxes decide, in a per-rank plan too: there by the per-dim intervals, and
         # if one is cut inside a block, the first such box in rank order names it.
-        aligned = (
-            all(chunks.is_aligned(align, shape, b) for _, b in owners)
-            if ranks is None
-            else _intervals_aligned(align, shape, dim_intervals(shape, mesh, placements, fqn=fqn))
-        )
+        checked = owners
+        if ranks is not None:
+            fine = _intervals_aligned(align, shape, dim_intervals(shape, mesh, placements, fqn=fqn))
+            checked = [] if fine else _owners(shape, mesh, placements, fqn)
         try:
-            for _, b in owners if aligned else _owners(shape, mesh, placements, fqn):
+            for _, b in checked:
                 if not chunks.is_aligned(align, shape, b):
                     chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)  # raises with details
         except ShardingError as e:
