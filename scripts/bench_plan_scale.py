@@ -286,6 +286,9 @@ CASES = [
     ("dsv3-g", "DeepSeek-V3-671B, grouped 3-D", "dsv3-671b", None, True, 64, 16, 8, (32, 32, 2)),
     ("kimi-p", "Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 128, 16, 8, (64, 32, 2)),
     ("kimi-g", "Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 128, 32, 8, (64, 32, 2)),
+    # Kimi-K2-1T saved by 1024 ranks: fits a 4-minute run (the 2048 / 4096-rank ones take longer)
+    ("kimi-p1k", "Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 64, 16, 8, (32, 32, 2)),
+    ("kimi-g1k", "Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 64, 16, 8, (32, 32, 2)),
     # the cost curve: DeepSeek-V3 shapes, per-expert tensors, fewer layers / saving ranks
     ("1e4", "curve 10^4", "dsv3-671b", 4, False, 8, 4, 2, (4, 4, 1)),
     ("1e5", "curve 10^5", "dsv3-671b", 8, False, 32, 8, 4, (16, 8, 2)),
@@ -300,7 +303,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="keep the synthetic checkpoints here (reused when present)")
     ap.add_argument("--models", action="store_true", help="the 671B / 1T rows")
     ap.add_argument("--curve", default="", help="comma list of curve points 1e4,1e5,1e6,1e7 (fewer layers / ranks)")
-    ap.add_argument("--case", default="", help="comma list of cases by name (dsv3-p, dsv3-g, kimi-p, kimi-g, 1e4..1e7)")
+    ap.add_argument("--case", default="", help="comma list of cases by name (CASES: dsv3-p, kimi-g1k, 1e4, ...)")
     ap.add_argument("--before", default=None, help="a directory holding another ckptq package to measure too")
     ap.add_argument("--whole", action="store_true", help="also plan every target rank (the old cost)")
     ap.add_argument("--rank", type=int, default=None, help="the target rank planned (default: the middle one)")
