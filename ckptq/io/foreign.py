@@ -167,6 +167,18 @@ def _per_tensor(qt) -> dict:
     }
 
 
+def _component_keys(descriptors: Mapping) -> set:
+    """The entries the ckptq record's native descriptors name as their components: ckptq wrote
+    them as plain tensors, so their records need no look for a foreign producer
+    (:func:`ckptq.contract.fold_entries` checks the descriptors themselves)."""
+    keys = set()
+    for desc in descriptors.values():
+        comps = desc.get("components") if isinstance(desc, Mapping) and desc.get("mode") == "native" else None
+        if isinstance(comps, Mapping):
+            keys.update(c["fqn"] for c in comps.values() if isinstance(c, Mapping) and isinstance(c.get("fqn"), str))
+    return keys
+
+
 def virtualize(metadata: Metadata, root: Path) -> Metadata:
     """``metadata`` with every foreign tensor entry presented through the ckptq contract (a copy;
     ``metadata`` itself is returned unchanged when it has none).
@@ -187,8 +199,9 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     new_storage = dict(storage)
     descriptors = dict(record["tensors"])
     found = 0
+    claimed = _component_keys(record["tensors"])
     for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or not md.chunks:
+        if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or fqn in claimed or not md.chunks:
             continue
         info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
         if info is None or not hasattr(info, "relative_path"):

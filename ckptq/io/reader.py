@@ -156,6 +156,7 @@ class SafeFileSystemReader(FileSystemReader):
                 data = f.read()
             check_pickle_memo(data, str(path))
             metadata = safe_load(io.BytesIO(data), source=str(path))
+            del data  # the file's bytes: not kept while the metadata is checked
         except CkptqError:
             raise
         except FileNotFoundError as e:
