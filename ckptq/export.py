@@ -40,7 +40,7 @@ from . import adapters
 from .adapters import hf
 from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
-from .distributed import Group, prepare_write_commit
+from .distributed import Group, expect_shared_dir, prepare_write_commit
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
@@ -512,6 +512,7 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
     files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     def write(tmp: Path) -> dict:
+        expect_shared_dir(tmp, group)
         mine = range(n) if group is None else sorted(group.assign({i: _shard_bytes(s) for i, s in enumerate(shards)}))
         return {i: _write_shard(view, tmp / files[i], shards[i], consumer, progress) for i in mine}
 
@@ -520,7 +521,8 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
         weight_map: dict[str, str] = {}
         numerics: dict[str, int] = {}
         for i in range(n):
-            names, _, shard_numerics, _ = done[i]
+            names, _, shard_numerics, _, size = done[i]
+            _check_shard_file(tmp / files[i], size)
             weight_map.update(dict.fromkeys(names, files[i]))
             numerics.update(shard_numerics)
         consumer.set_findings([done[i][3] for i in range(n)])
@@ -562,7 +564,7 @@ def _shard_bytes(shard: list[_ExportEntry]) -> int:
 def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consumer, progress) -> tuple:
     """Write one shard file (header from the plan, the tensors one at a time, then the header again
     with the checksums and amax records; fsynced). Returns ``(tensor names, payload bytes,
-    {fqn: max_ulps}, consumer findings)``: what the index and the report need from it."""
+    {fqn: max_ulps}, consumer findings, file size)``: what the index and the report need from it."""
     entries = [o for it in shard for o in it.out_names]
     meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
         hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
@@ -598,10 +600,22 @@ def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consume
         final = _header(entries, metadata)
         if len(final) != len(header):
             raise CkptqError("internal: shard header changed size")
+        size = f.seek(0, os.SEEK_END)
         f.seek(0)
         f.write(final)
         os.fsync(f.fileno())
-    return names, written, numerics, consumer.findings(since=before)
+    return names, written, numerics, consumer.findings(since=before), size
+
+
+def _check_shard_file(path: Path, size: int) -> None:
+    """The shard file a process wrote is in the staging folder with its ``size`` (by ``stat``: not read)."""
+    found = path.stat().st_size if path.exists() else -1
+    if found != size:
+        raise CkptqError(
+            f"{path} {'is missing' if found < 0 else f'has {found} bytes'}, the process that wrote it wrote "
+            f"{size}: with several hosts, the output must be on a file system every host sees at the same path "
+            f"(docs/design.md, offline tools); nothing was committed"
+        )
 
 
 def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written: int) -> dict:

@@ -19,7 +19,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import ckptq
+from ckptq.distributed import expect_shared_dir
+from ckptq.errors import CkptqError
 from ckptq.export import export_checkpoint
+from ckptq.io.writer import CheckpointDirWriter
 from ckptq.reshard import reshard_checkpoint
 from ckptq.verify import verify_checkpoints
 
@@ -173,3 +176,25 @@ def test_two_nodes_write_the_one_process_outputs(src, tmp_path):
     got = ranks[1]["export"]
     assert got == {k: json.loads(json.dumps(ref[k])) for k in ("files", "bytes", "tensors", "consumer")}
     assert sorted(os.listdir(two)) == ["convert", "export", "rank0.json", "rank1.json", "reshard"]  # no staging left
+
+
+def test_rank0_refuses_records_it_cannot_see(tmp_path):
+    """A process that wrote into a folder rank 0 does not see (a host-local path of the same name):
+    rank 0 stats every record's file before ``.metadata`` and refuses; a process other than rank 0
+    that cannot see the staging folder refuses before writing."""
+    other = CheckpointDirWriter(tmp_path / "host1")
+    other.add_chunk(1, "w", (4, 4), (0, 0), torch.ones(4, 4))
+    root = CheckpointDirWriter(tmp_path / "host0")
+    root.add_chunk(0, "v", (4,), (0,), torch.ones(4))
+    root.merge_local(other.close_local())
+    with pytest.raises(CkptqError, match=r"__1_0.distcp is missing.*file system every host sees"):
+        root.finish({})
+    assert not (tmp_path / "host0" / ".metadata").exists()
+
+    class Rank1:
+        rank = 1
+
+    with pytest.raises(CkptqError, match="rank 1 cannot see"):
+        expect_shared_dir(tmp_path / "elsewhere", Rank1())
+    expect_shared_dir(tmp_path / "host0", Rank1())
+    expect_shared_dir(tmp_path / "elsewhere", None)
