@@ -619,10 +619,8 @@ def _check_shard_file(path: Path, size: int) -> None:
 
 
 def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written: int) -> dict:
-    """Write ``model.safetensors.index.json``, ``config.json`` (``base`` + the layout's
-    ``quantization_config``) and the layout's other config files; returns the layout's config files."""
-    with open(tmp / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    """Write ``config.json`` (``base`` + the layout's ``quantization_config``), the layout's other
+    config files and, last, ``model.safetensors.index.json``; returns the layout's config files."""
     used = {it.module: it.fm for it in items if it.kind == "quantized"}
     ignored_modules = sorted(
         {
@@ -642,6 +640,8 @@ def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written:
     for name, content in {**cfg_files, "config.json": out_cfg}.items():
         with open(tmp / name, "w") as f:
             json.dump(content, f, indent=2, sort_keys=True)
+    with open(tmp / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
     return cfg_files
 
 
