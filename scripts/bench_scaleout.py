@@ -205,7 +205,9 @@ def _dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def timed_run(op: str, procs: int, src: Path, workdir: Path, cores: int, side: int, timeout: float | None) -> dict:
+def timed_run(
+    op: str, procs: int, src: Path, src_bytes: int, workdir: Path, cores: int, side: int, timeout: float | None
+) -> dict:
     dst = workdir / f"out-{op}-{procs}"
     shutil.rmtree(dst, ignore_errors=True)
     res = workdir / f"result-{op}-{procs}"
@@ -247,7 +249,7 @@ def timed_run(op: str, procs: int, src: Path, workdir: Path, cores: int, side: i
         "procs": procs,
         "wall_s": wall,
         "call_s": ranks[0]["seconds"],
-        "read_bytes": _dir_bytes(src),
+        "read_bytes": src_bytes,
         "written_bytes": written,
         "io_read_bytes": sum(r["read_bytes"] for r in ranks),  # fetched from storage, all processes
         "io_write_bytes": sum(r["write_bytes"] for r in ranks),
@@ -354,7 +356,7 @@ def main() -> None:
             if args.budget_s and left < max(10.0, durations.get(op, 0.0) * 1.1):
                 result["runs"].append({"op": op, "procs": n, "skipped": True})
                 continue
-            r = timed_run(op, n, src, args.workdir, cores, args.side, left if args.budget_s else None)
+            r = timed_run(op, n, src, source["bytes"], args.workdir, cores, args.side, left if args.budget_s else None)
             durations[op] = r["wall_s"] if n == 1 else min(durations.get(op, r["wall_s"]), r["wall_s"])
             result["runs"].append(r)
             print(json.dumps(r)[:400], flush=True)
