@@ -169,12 +169,13 @@ class Group:
 
 def expect_shared_dir(path: Path, group: Group | None) -> None:
     """On a process other than rank 0: ``path`` (the staging folder rank 0 made before the
-    broadcast) must be visible here, i.e. on a file system every host of the job sees.
+    broadcast; a :class:`~pathlib.Path`, other locations are not checked) must be visible here,
+    i.e. on a file system every host of the job sees.
 
     Raises:
         CkptqError: it is not (names the folder, the rank and what to do).
     """
-    if group is not None and group.rank != 0 and not path.is_dir():
+    if group is not None and group.rank != 0 and isinstance(path, Path) and not path.is_dir():
         raise CkptqError(
             f"rank {group.rank} cannot see {path}, the staging folder rank 0 made: with several hosts the "
             f"output must be on a file system every host sees at the same path (a shared file system)"

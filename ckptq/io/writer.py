@@ -373,6 +373,8 @@ class CheckpointDirWriter:
         Raises:
             CkptqError: a file is missing or shorter than its records (names it; nothing is committed).
         """
+        if not isinstance(self.path, Path):  # only a directory of a file system can be checked by stat
+            return
         ends: dict[str, int] = {}
         for info in self._storage.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
