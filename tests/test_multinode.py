@@ -3,7 +3,7 @@ rendezvous on 127.0.0.1, gloo), one process each, standing in for two hosts. ``r
 and ``export`` write the one-process output byte for byte, and no process opens for reading a file
 of the staging folder (its own or another's) before the end: rank 0 writes ``.metadata`` and the
 index from what the others sent it, not from their files (docs/design.md, "Several processes,
-several hosts")."""
+several hosts"). An export whose rank-1 process fails raises on both nodes and leaves nothing."""
 
 from __future__ import annotations
 
@@ -80,8 +80,19 @@ reports = {
     "export": export_checkpoint(src, os.path.join(out, "export"), distributed=True, **export),
 }
 rank = int(os.environ["RANK"])
+# A process that fails (rank 1's disk, say): every process raises, nothing is committed.
+import ckptq.export as ex
+if rank == 1:
+    def broken(f, t):
+        raise OSError("No space left on device (injected)")
+    ex._write_tensor = broken
+try:
+    export_checkpoint(src, os.path.join(out, "failed"), distributed=True, **export)
+    failure = None
+except Exception as e:
+    failure = f"{type(e).__name__}: {e}"
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump({"rank": rank, "node": os.environ["GROUP_RANK"], "opened": opened,
+    json.dump({"rank": rank, "node": os.environ["GROUP_RANK"], "opened": opened, "failure": failure,
                "processes": [reports[k]["processes"] for k in ("reshard", "convert")],
                "export": {k: reports["export"][k] for k in ("files", "bytes", "tensors", "consumer")}}, f)
 dist.destroy_process_group()
@@ -164,6 +175,8 @@ def test_two_nodes_write_the_one_process_outputs(src, tmp_path):
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["node"] for r in ranks] == ["0", "1"]
+    assert "rank 1: OSError: No space left on device (injected)" in ranks[0]["failure"], ranks[0]["failure"]
+    assert ranks[1]["failure"] is not None and "injected" in ranks[1]["failure"]
     assert all(r["processes"] == [2, 2] for r in ranks)
     # No process read a file of a staging folder: not its own, not another node's.
     assert [r["opened"] for r in ranks] == [[], []]
