@@ -33,6 +33,8 @@ disk-bound time ``read / disk read GB/s + written / disk write GB/s`` over the c
 (reads and writes counted as not overlapping on the device, so 1.0 is the disk's speed for that
 mix). ``--budget-s`` stops starting runs that the time left would not fit (they are listed as
 skipped) and kills a run still going at the end of it (listed with the error). GB = 1e9 bytes.
+``--combine A.json B.json ...`` merges the JSON of several calls on one machine (each a subset of
+the runs, ``--only`` / ``--procs``) into one table.
 """
 
 from __future__ import annotations
@@ -258,7 +260,8 @@ def timed_run(
 
 
 def summarize(runs: list[dict], disk: dict) -> None:
-    base = {r["op"]: r["call_s"] for r in runs if r["procs"] == 1 and "call_s" in r}
+    """Add GB/s and the fraction of the disk (``disk``: the probe of the run's own call) to each
+    measured run, and the speedup / efficiency against the same op's 1-process run in ``runs``."""
     for r in runs:
         if "call_s" not in r:
             continue
@@ -267,20 +270,56 @@ def summarize(runs: list[dict], disk: dict) -> None:
         disk_s = r["read_bytes"] / (disk["read_gbps"] * 1e9) + r["written_bytes"] / (disk["write_gbps"] * 1e9)
         r["disk_bound_s"] = disk_s
         r["of_disk"] = disk_s / r["call_s"]
-        if r["op"] in base:
+    _speedups(runs)
+
+
+def _speedups(runs: list[dict]) -> None:
+    base = {r["op"]: r["call_s"] for r in runs if r["procs"] == 1 and "call_s" in r}
+    for r in runs:
+        if "call_s" in r and r["op"] in base:
             r["speedup"] = base[r["op"]] / r["call_s"]
             r["efficiency"] = r["speedup"] / r["procs"]
 
 
+def combine(paths: list[Path]) -> dict:
+    """One result from several calls' JSON (the same machine; each a subset of the runs, e.g. the
+    4-minute requests): every op x processes measured once (a measured run beats a skipped one;
+    the first file wins otherwise), "of disk" against its own call's probe, speedups against the
+    1-process run of whichever call measured it."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    best: dict = {}
+    for res in results:
+        for r in res["runs"]:
+            r = {**r, "date": res["date"]}
+            key = (r["op"], r["procs"])
+            if key not in best or ("call_s" in r and "call_s" not in best[key]):
+                best[key] = r
+    runs = sorted(best.values(), key=lambda r: (OPS.index(r["op"]), r["procs"]))
+    _speedups(runs)
+    return {
+        **results[0],
+        "date": ", ".join(dict.fromkeys(res["date"] for res in results)),
+        "machines": sorted({res["machine"] for res in results}),
+        "probes": [{"date": res["date"], **res["disk"]} for res in results],
+        "combined_from": [str(p) for p in paths],
+        "runs": runs,
+    }
+
+
 def markdown(result: dict) -> str:
-    d = result["disk"]
     lines = [
-        f"Machine: {result['machine']}; {result['date']}; source {result['source']['bytes'] / 1e9:.1f} GB "
-        f"({result['source']['tensors']} FP8 tensors of {result['source']['side']}^2 bytes).",
+        f"Machine: {'; '.join(result.get('machines', [result['machine']]))}; {result['date']}; source "
+        f"{result['source']['bytes'] / 1e9:.1f} GB ({result['source']['tensors']} FP8 tensors of "
+        f"{result['source']['side']}^2 bytes).",
         "",
-        f"Disk probe ({d['bytes'] / 1e9:.1f} GB, fsync, page cache dropped before reading): write "
-        f"{d['write_gbps_1']:.2f} GB/s (1 stream) / {d['write_gbps_8']:.2f} (8 streams); read "
-        f"{d['read_gbps_1']:.2f} / {d['read_gbps_8']:.2f} GB/s.",
+    ]
+    for d in result.get("probes", [result["disk"]]):
+        lines.append(
+            f"Disk probe{' of ' + d['date'] if 'date' in d else ''} ({d['bytes'] / 1e9:.1f} GB, fsync, page cache "
+            f"dropped before reading): write {d['write_gbps_1']:.2f} GB/s (1 stream) / {d['write_gbps_8']:.2f} "
+            f"(8 streams); read {d['read_gbps_1']:.2f} / {d['read_gbps_8']:.2f} GB/s."
+        )
+    lines += [
         "",
         "| op | processes | call (s) | wall (s) | read + written (GB) | GB/s | speedup | efficiency | of disk |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -308,6 +347,9 @@ def main() -> None:
     ap.add_argument("--side", type=int, default=16384, help="each weight is side x side E4M3 (16384: 256 MiB)")
     ap.add_argument("--procs", default="1,8,2,4", help="process counts, in the order run (1 first: the baseline)")
     ap.add_argument("--only", default=",".join(OPS), help="ops to run, comma-separated")
+    ap.add_argument(
+        "--runs", help="op:procs pairs in the order run, e.g. export:1,export:8,convert:4 (instead of --only/--procs)"
+    )
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop starting runs past this many seconds (0: none)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
@@ -316,13 +358,26 @@ def main() -> None:
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--combine", type=Path, nargs="+", help="merge these calls' --json files (no runs)")
     args = ap.parse_args()
     if args.worker:
         worker(args.worker, args.src, args.dst, args.result, args.side)
         return
+    if args.combine:
+        result = combine(args.combine)
+        md = markdown(result)
+        print(md)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        if args.markdown:
+            args.markdown.write_text(md)
+        return
     t_start = time.perf_counter()
-    ops = [o for o in args.only.split(",") if o]
-    procs = [int(p) for p in args.procs.split(",")]
+    if args.runs:
+        todo = [(op, int(n)) for op, n in (pair.split(":") for pair in args.runs.split(","))]
+    else:  # every op's 1 and 8 first: what a budget cut leaves out is the middle
+        todo = [(op, int(n)) for n in args.procs.split(",") for op in args.only.split(",") if op]
+    ops = list(dict.fromkeys(op for op, _ in todo))
     assert set(ops) <= set(OPS), ops
     args.workdir.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0))
@@ -350,16 +405,15 @@ def main() -> None:
         "runs": [],
     }
     durations: dict[str, float] = {}  # op -> the last run's wall: the estimate for the next
-    for n in procs:  # every op's 1 and 8 first: what a budget cut leaves out is the middle
-        for op in ops:
-            left = args.budget_s - (time.perf_counter() - t_start)
-            if args.budget_s and left < max(10.0, durations.get(op, 0.0) * 1.1):
-                result["runs"].append({"op": op, "procs": n, "skipped": True})
-                continue
-            r = timed_run(op, n, src, source["bytes"], args.workdir, cores, args.side, left if args.budget_s else None)
-            durations[op] = r["wall_s"] if n == 1 else min(durations.get(op, r["wall_s"]), r["wall_s"])
-            result["runs"].append(r)
-            print(json.dumps(r)[:400], flush=True)
+    for op, n in todo:
+        left = args.budget_s - (time.perf_counter() - t_start)
+        if args.budget_s and left < max(10.0, durations.get(op, 0.0) * 1.1):
+            result["runs"].append({"op": op, "procs": n, "skipped": True})
+            continue
+        r = timed_run(op, n, src, source["bytes"], args.workdir, cores, args.side, left if args.budget_s else None)
+        durations[op] = r["wall_s"] if n == 1 else min(durations.get(op, r["wall_s"]), r["wall_s"])
+        result["runs"].append(r)
+        print(json.dumps(r)[:400], flush=True)
     result["runs"].sort(key=lambda r: (ops.index(r["op"]), r["procs"]))
     summarize(result["runs"], disk)
     result["total_s"] = time.perf_counter() - t_start
