@@ -40,6 +40,7 @@ from . import adapters
 from .adapters import hf
 from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
+from .distributed import Group, expect_shared_dir, prepare_write_commit
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
@@ -272,6 +273,22 @@ class _Consumer:
         self.unloadable: dict[str, str] = {}
         self.requantized: dict[str, float] = {}
 
+    def findings(self, since: tuple | None = None) -> tuple[dict, dict, dict]:
+        """What the check found so far (``inexact``, ``unloadable``, ``requantized``; picklable), or
+        only what it found after ``since`` (an earlier :meth:`findings`)."""
+        now = (dict(self.inexact), dict(self.unloadable), dict(self.requantized))
+        if since is None:
+            return now
+        return tuple({k: v for k, v in d.items() if k not in old} for d, old in zip(now, since, strict=True))
+
+    def set_findings(self, parts: list[tuple[dict, dict, dict]]) -> None:
+        """Replace what the check found with ``parts`` (:meth:`findings` of each shard, in shard order)."""
+        self.inexact, self.unloadable, self.requantized = {}, {}, {}
+        for inexact, unloadable, requantized in parts:
+            self.inexact.update(inexact)
+            self.unloadable.update(unloadable)
+            self.requantized.update(requantized)
+
     def report(self) -> dict:
         return {
             "loaders": hf.CONSUMERS.get(self.layout.name, ""),
@@ -383,6 +400,7 @@ def export_checkpoint(
     on_inexact: str = "refuse",
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
+    distributed: bool = False,
 ) -> dict:
     """Write checkpoint ``src`` as a Hugging Face safetensors folder ``dst`` in ``layout``.
 
@@ -418,6 +436,13 @@ def export_checkpoint(
             ``"keep"`` (write it; the difference is reported). See docs/producers.md.
         overwrite: replace an existing ``dst``.
         progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
+        distributed: split the shard files over the processes of the default ``torch.distributed``
+            process group (initialized from torchrun's environment with gloo if it is not yet): every
+            process plans the same shards, writes whole shard files of its own (balanced by bytes;
+            at most as many processes work as there are files) into one staging folder, and rank 0
+            writes the index and config files and renames the folder once every process succeeded.
+            The files are the same bytes as one process's. Every process must call this with the
+            same arguments; the result is returned on every process. Not for ``layout="torchao"``.
 
     Returns:
         ``{"path", "layout", "files", "bytes", "tensors", "quantized": {fqn: format}, "requantized":
@@ -432,9 +457,12 @@ def export_checkpoint(
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix), or the
             consumer's default loader would decode differently and ``on_inexact`` is ``"refuse"``.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
+            In distributed mode, on every process, when any process failed (naming the ranks).
     """
     flat = adapters.flattening(layout)
     if flat is not None:
+        if distributed:
+            raise UsageError(f"--layout {layout} is written by one process; run it without torchrun")
         if format is not None:
             raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
         return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
@@ -460,108 +488,161 @@ def export_checkpoint(
     shards = _shards(items, max_bytes)
     n = len(shards)
     total = sum(it.nbytes for it in items)
-    if progress is True:
-        from tqdm import tqdm
-
-        with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False) as bar:
-            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update)
-    else:
-        result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None)
-    return {**result, "config_from": config_from, "consumer": consumer.report()}
-
-
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress) -> dict:
-    tmp = staging_dir(dst)
-    weight_map: dict[str, str] = {}
-    numerics: dict[str, int] = {}
-    files = []
-    written = 0
+    group = Group.default() if distributed else None
     try:
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            files.append(fname)
-            entries = [o for it in shard for o in it.out_names]
-            meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
-                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
-                for it in shard
-                if it.kind == "quantized"
-                for name in hf.amax_record_names(it.fm, it.module, it.recipe)
-            }
-            metadata = {
-                "format": "pt",
-                **meta_keys,
-                SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries}),
-            }
-            header = _header(entries, metadata)
-            hasher = Hasher()
-            with open(tmp / fname, "wb", buffering=0) as f:
-                f.write(header)
-                for it in shard:
-                    tensors, meta, info = _values(view, it, consumer)
-                    for name, dtype, shape in it.out_names:
-                        t = tensors[name]
-                        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                            raise CkptqError(
-                                f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}"
-                            )
-                        written += _write_tensor(f, t)
-                        hasher.submit(name, t)
-                        weight_map[name] = fname
-                    metadata.update(meta)
-                    if "max_ulps" in info:
-                        numerics[it.fqn] = info["max_ulps"]
-                    if progress:
-                        progress(it.nbytes)
-                    del tensors
-                metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
-                final = _header(entries, metadata)
-                if len(final) != len(header):
-                    raise CkptqError("internal: shard header changed size")
-                f.seek(0)
-                f.write(final)
+        if progress is True:
+            from tqdm import tqdm
+
+            show = group is None or group.rank == 0
+            with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False, disable=not show) as bar:
+                result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, group)
+        else:
+            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, group)
+    finally:
+        if group is not None:
+            group.close()
+    return {**result, "config_from": config_from}
+
+
+def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress, group) -> dict:
+    """Write ``shards`` into a staging folder and rename it to ``dst``: alone, or with the shard files
+    split over the processes of ``group`` (:func:`ckptq.distributed.prepare_write_commit`: each
+    process writes whole files of its own; rank 0 merges what they report, writes the index and the
+    config files last and renames the folder once every process succeeded)."""
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def write(tmp: Path) -> dict:
+        expect_shared_dir(tmp, group)
+        mine = range(n) if group is None else sorted(group.assign({i: _shard_bytes(s) for i, s in enumerate(shards)}))
+        return {i: _write_shard(view, tmp / files[i], shards[i], consumer, progress) for i in mine}
+
+    def commit(tmp: Path, parts: list[dict]) -> dict:
+        done = {i: part for p in parts for i, part in p.items()}  # shard order: the one-process report
+        weight_map: dict[str, str] = {}
+        numerics: dict[str, int] = {}
+        for i in range(n):
+            names, _, shard_numerics, _, size = done[i]
+            _check_shard_file(tmp / files[i], size)
+            weight_map.update(dict.fromkeys(names, files[i]))
+            numerics.update(shard_numerics)
+        consumer.set_findings([done[i][3] for i in range(n)])
         problem = consumer.problem()
         if problem:
             raise UnsupportedFormatError(f"export to {lay.name}: {problem}; nothing was written")
-        with open(tmp / "model.safetensors.index.json", "w") as f:
-            json.dump(
-                {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
-            )
-        used = {it.module: it.fm for it in items if it.kind == "quantized"}
-        ignored_modules = sorted(
-            {
-                name[: -len(".weight")]
-                for it in items
-                if it.kind == "tensor"
-                for name, _, shape in it.out_names
-                if name.endswith(".weight")
-            }
-        )
-        cfg_files = lay.write_config(used, ignored_modules)
-        out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
-        if "dtype" not in out_cfg and "torch_dtype" not in out_cfg:
-            out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
-            out_cfg["torch_dtype"] = "bfloat16"
-        out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
-        for name, content in {**cfg_files, "config.json": out_cfg}.items():
-            with open(tmp / name, "w") as f:
-                json.dump(content, f, indent=2, sort_keys=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    commit_dir(tmp, dst)
-    return {
-        "path": str(dst),
-        "layout": lay.name,
-        "files": files,
-        "bytes": written,
-        "tensors": len(weight_map),
-        "quantized": {it.fqn: it.fmt for it in items if it.kind == "quantized"},
-        "requantized": [it.fqn for it in items if it.kind == "quantized" and it.requant],
-        "high_precision": [it.fqn for it in items if it.kind == "tensor"],
-        "skipped": skipped,
-        "numerics": numerics,
-        "config_files": sorted({*cfg_files, "config.json"}),
+        written = sum(done[i][1] for i in range(n))
+        cfg_files = _write_configs(tmp, lay, base, items, weight_map, written)
+        commit_dir(tmp, dst)
+        return {
+            "path": str(dst),
+            "layout": lay.name,
+            "files": files,
+            "bytes": written,
+            "tensors": len(weight_map),
+            "quantized": {it.fqn: it.fmt for it in items if it.kind == "quantized"},
+            "requantized": [it.fqn for it in items if it.kind == "quantized" and it.requant],
+            "high_precision": [it.fqn for it in items if it.kind == "tensor"],
+            "skipped": skipped,
+            "numerics": numerics,
+            "config_files": sorted({*cfg_files, "config.json"}),
+            "consumer": consumer.report(),
+        }
+
+    return prepare_write_commit(
+        group,
+        prepare=lambda: staging_dir(dst),
+        write=write,
+        commit=commit,
+        abort=lambda: None,  # each shard file is closed as it is written
+        discard=lambda tmp: shutil.rmtree(tmp, ignore_errors=True),
+    )
+
+
+def _shard_bytes(shard: list[_ExportEntry]) -> int:
+    return max(1, sum(it.nbytes for it in shard))
+
+
+def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consumer, progress) -> tuple:
+    """Write one shard file (header from the plan, the tensors one at a time, then the header again
+    with the checksums and amax records; fsynced). Returns ``(tensor names, payload bytes,
+    {fqn: max_ulps}, consumer findings, file size)``: what the index and the report need from it."""
+    entries = [o for it in shard for o in it.out_names]
+    meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
+        hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
+        for it in shard
+        if it.kind == "quantized"
+        for name in hf.amax_record_names(it.fm, it.module, it.recipe)
     }
+    metadata = {"format": "pt", **meta_keys, SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
+    header = _header(entries, metadata)
+    hasher = Hasher()
+    names: list[str] = []
+    numerics: dict[str, int] = {}
+    before = consumer.findings()
+    written = 0
+    with open(path, "wb", buffering=0) as f:
+        f.write(header)
+        for it in shard:
+            tensors, meta, info = _values(view, it, consumer)
+            for name, dtype, shape in it.out_names:
+                t = tensors[name]
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+                written += _write_tensor(f, t)
+                hasher.submit(name, t)
+                names.append(name)
+            metadata.update(meta)
+            if "max_ulps" in info:
+                numerics[it.fqn] = info["max_ulps"]
+            if progress:
+                progress(it.nbytes)
+            del tensors
+        metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+        final = _header(entries, metadata)
+        if len(final) != len(header):
+            raise CkptqError("internal: shard header changed size")
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        f.write(final)
+        os.fsync(f.fileno())
+    return names, written, numerics, consumer.findings(since=before), size
+
+
+def _check_shard_file(path: Path, size: int) -> None:
+    """The shard file a process wrote is in the staging folder with its ``size`` (by ``stat``: not read)."""
+    found = path.stat().st_size if path.exists() else -1
+    if found != size:
+        raise CkptqError(
+            f"{path} {'is missing' if found < 0 else f'has {found} bytes'}, the process that wrote it wrote "
+            f"{size}: with several hosts, the output must be on a file system every host sees at the same path "
+            f"(docs/design.md, offline tools); nothing was committed"
+        )
+
+
+def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written: int) -> dict:
+    """Write ``config.json`` (``base`` + the layout's ``quantization_config``), the layout's other
+    config files and, last, ``model.safetensors.index.json``; returns the layout's config files."""
+    used = {it.module: it.fm for it in items if it.kind == "quantized"}
+    ignored_modules = sorted(
+        {
+            name[: -len(".weight")]
+            for it in items
+            if it.kind == "tensor"
+            for name, _, shape in it.out_names
+            if name.endswith(".weight")
+        }
+    )
+    cfg_files = lay.write_config(used, ignored_modules)
+    out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
+    if "dtype" not in out_cfg and "torch_dtype" not in out_cfg:
+        out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
+        out_cfg["torch_dtype"] = "bfloat16"
+    out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
+    for name, content in {**cfg_files, "config.json": out_cfg}.items():
+        with open(tmp / name, "w") as f:
+            json.dump(content, f, indent=2, sort_keys=True)
+    with open(tmp / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return cfg_files
 
 
 def export_flattened(

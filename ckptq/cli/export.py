@@ -3,6 +3,7 @@ Hugging Face safetensors folder (torchao: torchao's own flattened safetensors fo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -23,6 +24,7 @@ __all__ = ["export"]
         "ckptq export ckpt hf-ct --layout compressed-tensors --max-shard-size 2GB",
         "ckptq export ckpt hf-fp8 --layout deepseek-fp8 --format fp8_block --rename '*=model.*'",
         "ckptq export moe-ckpt hf-gpt-oss --layout gpt-oss --config gpt-oss-config.json",
+        "torchrun --nproc-per-node 8 -m ckptq export ckpt hf --layout modelopt --max-shard-size 2GB  # 8 processes",
     ],
 )
 def export(
@@ -106,8 +108,11 @@ def export(
     overwrite: OverwriteOpt = False,
     json_output: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded)."""
+    """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded).
+
+    Under torchrun (more than one process) the shard files are split over the processes."""
     from ..adapters.hf import DEFAULT_IGNORE
+    from ..distributed import torchrun_world_size
     from ..export import export_checkpoint
 
     result = export_checkpoint(
@@ -122,7 +127,10 @@ def export(
         on_inexact=on_inexact,
         overwrite=overwrite,
         progress=out.progress_enabled(),
+        distributed=torchrun_world_size() > 1,
     )
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under torchrun, rank 0 reports for the job
     if json_output:
         out.echo_json(result)
         return

@@ -343,6 +343,7 @@ class CheckpointDirWriter:
         """Close the data files (fsync) and write ``.metadata`` with ``planner_data`` and the
         records' checksums; returns it."""
         self.close_local()
+        self._check_files()
         planner_data = with_checksums(planner_data, self._sums)
         for md in self._md.values():
             if isinstance(md, TensorStorageMetadata):
@@ -363,6 +364,34 @@ class CheckpointDirWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.path / ".metadata")
         return metadata
+
+    def _check_files(self) -> None:
+        """Every record's file is in the directory and holds its records (by size: nothing is read).
+        Records other processes wrote (:meth:`merge_local`) are only here when the directory is one
+        file system every process sees; a host that wrote into a local folder of the same name
+        leaves its files out.
+
+        Raises:
+            CkptqError: a file is missing or shorter than its records (names it; nothing is committed).
+        """
+        if not isinstance(self.path, Path):  # only a directory of a file system can be checked by stat
+            return
+        ends: dict[str, int] = {}
+        for info in self._storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            try:
+                size = os.stat(self.path / name).st_size
+            except FileNotFoundError:
+                size = -1
+            if size < end:
+                found = "is missing" if size < 0 else f"has {size} bytes"
+                raise CkptqError(
+                    f"{self.path / name} {found}, its records end at byte {end}: the processes that wrote it "
+                    f"did not write into this directory. With several hosts, the output must be on a file "
+                    f"system every host sees at the same path (docs/design.md, offline tools); nothing was "
+                    f"committed"
+                )
 
     def abort(self) -> None:
         """Close the data files without writing ``.metadata`` (the directory is then incomplete)."""

@@ -34,7 +34,7 @@ from ..contract import (
     make_record,
     native_descriptor,
 )
-from ..distributed import Group, prepare_write_commit
+from ..distributed import Group, expect_shared_dir, prepare_write_commit
 from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
@@ -174,6 +174,7 @@ class _Run:
         """Lay every record out, write this process's jobs' records into ``tmp``; returns what
         :meth:`commit` needs from this process."""
         view, plan, group = self.view, self.plan, self.group
+        expect_shared_dir(tmp, group)
         self.writer = CheckpointDirWriter(tmp)
         try:
             file_map = _file_map(view, plan)
