@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
+from .io import storage
 from .io.writer import check_destination, commit_dir, staging_dir
 from .metrics import sqnr_db
 
@@ -221,6 +221,26 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
+def _open_out(path: Any) -> Any:
+    """A shard file opened for writing: unbuffered locally (its header is rewritten in place),
+    a streamed multipart upload on an object store."""
+    return storage.open_file(path, "wb") if storage.is_url(path) else open(path, "wb", buffering=0)
+
+
+def _final_header(view, shard, consumer: _Consumer, entries, metadata: dict, hasher: Hasher) -> bytes:
+    """The shard's header with its checksums and amax records, from computing its values once
+    without writing them (for outputs that cannot be rewritten in place: the values are computed
+    again as they are written, deterministically)."""
+    for it in shard:
+        tensors, meta, _ = _values(view, it, consumer)
+        for name, _, _ in it.out_names:
+            hasher.submit(name, tensors[name])
+        metadata.update(meta)
+        del tensors
+    metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+    return _header(entries, metadata)
+
+
 def _values(view, it: _ExportEntry, consumer: _Consumer):
     x = view.read(it.fqn)
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
@@ -328,10 +348,11 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     if isinstance(config, dict):
         cfg, where = dict(config), "config="
     elif config is not None:
-        cfg, where = _read_config(Path(config)), str(config)
+        cfg, where = _read_config(config if storage.is_url(config) else Path(config)), str(config)
     else:
-        folder = src if src.is_dir() else src.parent
-        found = [p for p in (folder / "config.json", folder.parent / "config.json") if p.is_file()]
+        folder = src if storage.is_url(src) or src.is_dir() else src.parent
+        candidates = (storage.join(folder, "config.json"), storage.join(storage.parent_of(folder), "config.json"))
+        found = [p for p in candidates if storage.file_size(p) is not None]
         usable = [(p, c) for p, c in ((p, _read_config(p)) for p in found) if "model_type" in c]
         if not usable:
             seen = f" ({', '.join(str(p) for p in found)} has no model_type)" if found else ""
@@ -349,9 +370,9 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     return cfg, where
 
 
-def _read_config(p: Path) -> dict:
+def _read_config(p: Any) -> dict:
     try:
-        with open(p) as f:
+        with storage.open_file(p, "r") as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{p}: cannot read the model config ({e}); pass --config a valid config.json") from e
@@ -449,8 +470,8 @@ def export_checkpoint(
         raise UsageError(f"--rename: {e}") from None
     ignore = tuple(ignore or ())
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    srcp = Path(view.path).absolute()
+    dst = storage.location(dst)
+    srcp = storage.location(view.path)
     check_destination(srcp, dst, overwrite)
     base, config_from = _base_config(srcp, config)
     items, skipped = _plan(view, lay, fmt, ignore, rules, _model_dtype(base))
@@ -470,8 +491,9 @@ def export_checkpoint(
     return {**result, "config_from": config_from, "consumer": consumer.report()}
 
 
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress) -> dict:
+def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consumer, progress) -> dict:
     tmp = staging_dir(dst)
+    remote = storage.is_url(dst)  # an object store: no staging folder, no rewriting in place
     weight_map: dict[str, str] = {}
     numerics: dict[str, int] = {}
     files = []
@@ -494,7 +516,9 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
             }
             header = _header(entries, metadata)
             hasher = Hasher()
-            with open(tmp / fname, "wb", buffering=0) as f:
+            if remote:  # an object cannot be rewritten: the final header (checksums, amax) from a first pass
+                header = _final_header(view, shard, consumer, entries, metadata, hasher)
+            with _open_out(storage.join(tmp, fname)) as f:
                 f.write(header)
                 for it in shard:
                     tensors, meta, info = _values(view, it, consumer)
@@ -505,7 +529,8 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
                                 f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}"
                             )
                         written += _write_tensor(f, t)
-                        hasher.submit(name, t)
+                        if not remote:
+                            hasher.submit(name, t)
                         weight_map[name] = fname
                     metadata.update(meta)
                     if "max_ulps" in info:
@@ -513,16 +538,17 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
                     if progress:
                         progress(it.nbytes)
                     del tensors
-                metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
-                final = _header(entries, metadata)
-                if len(final) != len(header):
-                    raise CkptqError("internal: shard header changed size")
-                f.seek(0)
-                f.write(final)
+                if not remote:
+                    metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+                    final = _header(entries, metadata)
+                    if len(final) != len(header):
+                        raise CkptqError("internal: shard header changed size")
+                    f.seek(0)
+                    f.write(final)
         problem = consumer.problem()
         if problem:
             raise UnsupportedFormatError(f"export to {lay.name}: {problem}; nothing was written")
-        with open(tmp / "model.safetensors.index.json", "w") as f:
+        with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump(
                 {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
             )
@@ -542,11 +568,14 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
             out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
             out_cfg["torch_dtype"] = "bfloat16"
         out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
-        for name, content in {**cfg_files, "config.json": out_cfg}.items():
-            with open(tmp / name, "w") as f:
+        # config.json last: on an object store, the folder is a loadable model once it exists
+        for name, content in sorted(
+            {**cfg_files, "config.json": out_cfg}.items(), key=lambda kv: kv[0] == "config.json"
+        ):
+            with storage.open_file(storage.join(tmp, name), "w") as f:
                 json.dump(content, f, indent=2, sort_keys=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
         raise
     commit_dir(tmp, dst)
     return {
@@ -585,7 +614,7 @@ def export_flattened(
     """
     import json as _json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     from .checksums import checksum
 
@@ -595,8 +624,8 @@ def export_flattened(
     except ValueError as e:
         raise UsageError(f"--rename: {e}") from None
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    check_destination(Path(view.path).absolute(), dst, overwrite)
+    dst = storage.location(dst)
+    check_destination(storage.location(view.path), dst, overwrite)
     if progress is True:
         progress = None  # one pass over whole tensors; the caller's callable still gets the bytes
     tmp = staging_dir(dst)
@@ -640,14 +669,18 @@ def export_flattened(
                 "tensor_names": _json.dumps(list(meta)),
                 SAFETENSORS_KEY: safetensors_table({n: checksum(t) for n, t in data.items()}),
             }
-            save_file(data, str(tmp / fname), metadata=metadata)
+            if storage.is_url(tmp):  # the shard is in memory already: one upload
+                with storage.open_file(storage.join(tmp, fname), "wb") as f:
+                    f.write(save(data, metadata=metadata))
+            else:
+                save_file(data, str(tmp / fname), metadata=metadata)
             files.append(fname)
             weight_map.update(dict.fromkeys(data, fname))
         if len(files) > 1:
-            with open(tmp / "model.safetensors.index.json", "w") as f:
+            with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
                 _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
         raise
     commit_dir(tmp, dst)
     return {

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import os
 import pickle
 import re
 from collections.abc import Mapping
@@ -146,9 +145,13 @@ def _only_ours(globs: list):
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
     """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
     location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
-    path = root / str(info.relative_path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    from .storage import file_size, join, open_file
+
+    path = join(root, str(info.relative_path))
+    size = file_size(path)
+    if size is None:
+        raise CheckpointFormatError(f"{root}: data file '{info.relative_path}' is missing; copy the whole checkpoint")
+    with open_file(path, "rb") as f:
         start, want = int(info.offset), int(info.length)
         if start < 0 or want < 0 or start + want > size:
             raise CheckpointFormatError(

@@ -49,6 +49,7 @@ from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
 from .safe_pickle import load_pickled_object, safe_load
+from .storage import dcp_filesystem, file_size, is_url, join, list_names, location, name_of, parent_of
 
 __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries", "load_entries", "dcp_failure"]
 
@@ -114,6 +115,8 @@ class SafeFileSystemReader(FileSystemReader):
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
+        if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
+            self.fs, self.path = dcp_filesystem(str(path))
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
@@ -126,9 +129,11 @@ class SafeFileSystemReader(FileSystemReader):
         self.entries: dict[str, Entry] | None = None
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
-        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+        if checkpoint_id and location(checkpoint_id) != location(self.path):
             self._cached_metadata = None
         super().reset(checkpoint_id)
+        if checkpoint_id and is_url(checkpoint_id):
+            self.fs, self.path = dcp_filesystem(str(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -141,7 +146,7 @@ class SafeFileSystemReader(FileSystemReader):
         previous = getattr(_LAST_METADATA_ERROR, "error", None)
         if rank is None:
             _LAST_METADATA_ERROR.error = None
-        elif previous is not None and not os.path.exists(str(path)):
+        elif previous is not None and file_size(path) is None:
             raise previous  # dcp.load's fallback to per-rank metadata after a failed global read
         try:
             return self._read_checked(path, rank)
@@ -176,12 +181,16 @@ class SafeFileSystemReader(FileSystemReader):
             )
         # per-rank metadata (use_collectives=False) lists only that rank's chunks: no coverage check
         metadata, self.entries = validate_metadata(
-            metadata, Path(self.path), source=str(path), files=self._verify_storage, complete=rank is None
+            metadata, self._root(), source=str(path), files=self._verify_storage, complete=rank is None
         )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _root(self) -> str | Path:
+        """The checkpoint's folder: a URL string or a ``Path``."""
+        return str(self.path) if is_url(str(self.path)) else Path(self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -197,7 +206,7 @@ class SafeFileSystemReader(FileSystemReader):
         foreign = [it for it in plan.items if isinstance(self.storage_data.get(it.storage_index), ForeignLocation)]
         if foreign:  # entries of a checkpoint another library wrote (see ckptq.io.foreign)
             try:
-                read_foreign_items(Path(self.path), self.storage_data, foreign, planner)
+                read_foreign_items(self._root(), self.storage_data, foreign, planner)
             except CkptqError:
                 raise
             except Exception as e:
@@ -230,7 +239,9 @@ class SafeFileSystemReader(FileSystemReader):
         for rel, reqs in per_file.items():
             file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
+                size = file_size(file)
+                if size is None:
+                    raise FileNotFoundError(f"no file {rel}")
                 stream_cm = self.fs.create_stream(file, "rb")
             except OSError as e:
                 raise CheckpointFormatError(
@@ -363,7 +374,9 @@ class SafeFileSystemReader(FileSystemReader):
             indices = sorted(per_file[rel], key=lambda i: int(self.storage_data[i].offset))
             file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
+                size = file_size(file)
+                if size is None:
+                    raise FileNotFoundError(f"no file {rel}")
                 stream_cm = self.fs.create_stream(file, "rb")
             except OSError as e:
                 for index in indices:
@@ -522,6 +535,23 @@ def read_metadata_and_entries(path: PathLike, *, verify_storage: bool = True) ->
         UnsafeCheckpointError: the metadata pickle references a global outside the allow-list, or a
             storage location points outside the checkpoint directory.
     """
+    if is_url(path):
+        url = str(path).rstrip("/")
+        if name_of(url) == METADATA_FILE:
+            url = str(parent_of(url))
+        if file_size(join(url, METADATA_FILE)) is None:
+            names = list_names(url)
+            raise CheckpointFormatError(
+                f"{url}: no '{METADATA_FILE}' object"
+                + (
+                    f" but {len(names)} other object(s): the save was probably interrupted (ckptq and DCP "
+                    f"write '{METADATA_FILE}' last); re-save the checkpoint"
+                    if names
+                    else "; nothing is stored under this prefix"
+                )
+            )
+        reader = SafeFileSystemReader(url, verify_storage=verify_storage)
+        return reader.read_metadata(), reader.entries
     p = Path(path)
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory")
