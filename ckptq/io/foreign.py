@@ -143,23 +143,21 @@ def _only_ours(globs: list):
 
 
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
-    """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
-    location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
-    from .storage import file_size, join, open_file
+    """The bytes of a record (its first ``length`` bytes), never reading past its file's end (one
+    ranged read: :func:`ckptq.io.storage.read_range`): a location beyond the file is a
+    CheckpointFormatError, not an allocation of its claimed length."""
+    from .storage import join, read_range
 
+    start, want = int(info.offset), int(info.length)
+    n = want if length is None else min(length, want)
     path = join(root, str(info.relative_path))
-    size = file_size(path)
-    if size is None:
-        raise CheckpointFormatError(f"{root}: data file '{info.relative_path}' is missing; copy the whole checkpoint")
-    with open_file(path, "rb") as f:
-        start, want = int(info.offset), int(info.length)
-        if start < 0 or want < 0 or start + want > size:
-            raise CheckpointFormatError(
-                f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the "
-                f"file's {size} bytes; the file is truncated or the metadata corrupt: restore them or re-save"
-            )
-        f.seek(start)
-        return f.read(want if length is None else min(length, want))
+    data = read_range(path, start, start + n).getvalue() if start >= 0 and n >= 0 else b""
+    if start < 0 or want < 0 or len(data) < n:
+        raise CheckpointFormatError(
+            f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the end of "
+            f"the file; the file is truncated or the metadata corrupt: restore them or re-save"
+        )
+    return data
 
 
 def _per_tensor(qt) -> dict:

@@ -49,7 +49,7 @@ from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
 from .safe_pickle import load_pickled_object, safe_load
-from .storage import dcp_filesystem, file_size, is_url, join, list_names, location, name_of, parent_of
+from .storage import dcp_filesystem, file_size, is_url, join, list_names, location, name_of, parent_of, read_range
 
 __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries", "load_entries", "dcp_failure"]
 
@@ -242,14 +242,29 @@ class SafeFileSystemReader(FileSystemReader):
                 size = file_size(file)
                 if size is None:
                     raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self.fs.create_stream(file, "rb")
+                stream_cm = self._open_data(file)
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
             with stream_cm as stream:
                 for req in reqs:
-                    self._read_item(stream, rel, size, req, planner)
+                    self._read_item(stream(req.storage_index), rel, size, req, planner)
+
+    def _open_data(self, file: Any) -> Any:
+        """A context manager giving ``index -> stream`` of a data file: one open stream for every
+        record of a local file; for a URL, each record's byte range fetched by itself (one ranged
+        GET: fsspec's read-ahead cache would fetch again on each backward seek)."""
+        import contextlib
+
+        if not is_url(str(file)):
+            return contextlib.closing(_SameStream(self.fs.create_stream(file, "rb")))
+
+        def fetch(index: MetadataIndex) -> Any:
+            info = self.storage_data[index]
+            return read_range(file, int(info.offset), int(info.offset) + int(info.length))
+
+        return contextlib.nullcontext(fetch)
 
     def _read_item(self, stream: Any, rel: str, size: int, req: Any, planner: Any) -> None:
         where = self._where(req.storage_index, rel)
@@ -377,7 +392,7 @@ class SafeFileSystemReader(FileSystemReader):
                 size = file_size(file)
                 if size is None:
                     raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self.fs.create_stream(file, "rb")
+                stream_cm = self._open_data(file)
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
@@ -398,7 +413,7 @@ class SafeFileSystemReader(FileSystemReader):
                         progress(int(info.length))
                     is_bytes = not isinstance(self._md.get(index.fqn), TensorStorageMetadata)
                     try:
-                        self._load_record(stream, rel, size, index, is_bytes, verify=True)
+                        self._load_record(stream(index), rel, size, index, is_bytes, verify=True)
                     except CkptqError as e:
                         where = self._where(index, rel) + ": "
                         problems.append(
@@ -416,6 +431,20 @@ class SafeFileSystemReader(FileSystemReader):
                     else:
                         unchecked += 1
         return problems, checked, unchecked
+
+
+class _SameStream:
+    """``index -> stream`` giving one open stream for every record (closed by :meth:`close`)."""
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+        self._stream = cm.__enter__()
+
+    def __call__(self, index: Any) -> Any:
+        return self._stream
+
+    def close(self) -> None:
+        self._cm.__exit__(None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,10 @@ What object stores change (and what ckptq does about it):
   one is written. Between the two, there is no checkpoint at that prefix. To keep the old one until
   the new one is complete, save each version under a new prefix (``.../step-1000``) and delete old
   prefixes after.
-* **Ranged reads.** Records are read by byte range from files opened with fsspec's read-ahead
-  cache (:data:`READ_BLOCK` bytes a request), so a tool reads only the records it needs and never
-  copies a whole checkpoint to local disk.
+* **Ranged reads.** Each record (or each payload a tool copies) is fetched by its exact byte range
+  (one ranged GET: :func:`read_range`, :meth:`RangeReader.readinto`); record headers through a
+  small block cache (:data:`READ_BLOCK`). A tool reads only the records it needs and never copies a
+  whole checkpoint to local disk.
 * **Multipart writes.** Data files are written as a stream; s3fs uploads each :data:`WRITE_BLOCK`
   bytes as one part of a multipart upload (and a smaller file with one PUT at close).
 
@@ -34,6 +35,7 @@ roles), from fsspec's configuration (``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fss
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 from pathlib import Path
@@ -51,6 +53,7 @@ __all__ = [
     "file_size",
     "open_file",
     "RangeReader",
+    "read_range",
     "list_names",
     "remove_tree",
     "set_storage_options",
@@ -60,8 +63,9 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-#: Bytes fsspec fetches per read request of a data file (its read-ahead block).
-READ_BLOCK = 16 << 20
+#: Bytes per request of a data file opened for small structural reads (record headers and zip
+#: directories; fsspec's block cache keeps the blocks read). Payloads are read by exact byte range.
+READ_BLOCK = 256 << 10
 #: Bytes per part of a multipart upload of a data file (S3 needs parts of at least 5 MiB).
 WRITE_BLOCK = 64 << 20
 
@@ -156,8 +160,44 @@ def open_file(path: PathLike, mode: str = "rb", *, block_size: int | None = None
         return open(path, mode)
     fs, p = filesystem(str(path))
     if "r" in mode:
-        return fs.open(p, mode, block_size=block_size or READ_BLOCK, cache_type="readahead")
+        return fs.open(p, mode, block_size=block_size or READ_BLOCK, cache_type="blockcache")
     return fs.open(p, mode, block_size=block_size or WRITE_BLOCK)
+
+
+class _Range(io.BytesIO):
+    """Bytes ``base ..`` of a file, held in memory, addressed by their offsets in the file."""
+
+    def __init__(self, data: bytes, base: int) -> None:
+        super().__init__(data)
+        self._base = base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return super().seek(pos - self._base if whence == 0 else pos, whence) + self._base
+
+    def tell(self) -> int:
+        return super().tell() + self._base
+
+
+def read_range(path: PathLike, start: int, end: int) -> io.BytesIO:
+    """Bytes ``start .. end`` of file ``path`` (fewer if it ends first: never more memory than the
+    file holds), fetched at once (one ranged GET for URLs), as a seekable stream addressed by file
+    offsets (``seek(start)`` is its first byte).
+
+    Raises:
+        OSError (FileNotFoundError): no such file."""
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        try:  # the server sends what the object holds of the range
+            data = fs.cat_file(p, start=start, end=end) if end > start else b""
+        except OSError:
+            if file_size(path) is None:
+                raise
+            data = b""  # a range starting at or past the end
+    else:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = os.pread(f.fileno(), max(0, min(end, size) - start), start)
+    return _Range(data, start)
 
 
 def discard(f: Any) -> None:
@@ -202,11 +242,10 @@ class RangeReader:
     def readinto(self, rel: str, into: memoryview, pos: int) -> int:
         """Read up to ``len(into)`` bytes at byte ``pos`` of ``rel`` into ``into``; returns how many
         (0: end of file)."""
-        f = self.handle(rel)
         if not self.remote:
-            return os.preadv(f, [into], pos)
-        f.seek(pos)
-        data = f.read(len(into))
+            return os.preadv(self.fd(rel), [into], pos)
+        fs, p = filesystem(str(join(self.root, rel)))
+        data = fs.cat_file(p, start=pos, end=pos + len(into))  # one ranged GET, no cache
         into[: len(data)] = data
         return len(data)
 
