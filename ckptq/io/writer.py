@@ -514,8 +514,8 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
     system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
     under the final prefix and ``.metadata`` last (readers see no checkpoint before it exists; a
-    save killed midway leaves none). An existing checkpoint there is refused (DCP's
-    ``RuntimeError``, wrapped in ``CheckpointException``) unless ``overwrite=True``, which deletes
+    save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
+    in DCP's ``CheckpointException``: :func:`ckptq.io.dcp_failure`) unless ``overwrite=True``, which deletes
     its ``.metadata`` first and its other objects next, before any rank writes: from then until the
     new ``.metadata`` is written there is no checkpoint at that prefix (save versions under new
     prefixes to keep the old one meanwhile). Objects left by an interrupted save are removed then

@@ -157,7 +157,8 @@ class QuantizedSavePlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self._checksum_dir, self._hashing = _checksum_dir(storage_meta), None
         # no local directory for checksum files: warned at the first write unless the storage writer is ckptq's
-        self._unrecorded = storage_meta if self._checksum_dir is None and is_coordinator else None
+        self._unrecorded = self._checksum_dir is None and is_coordinator
+        self._storage_meta = storage_meta
         if self.quantize:
             self.state_dict = quantize_state_dict(self.state_dict, self.quantize)
         self._entries, self._objects = {}, {}
@@ -311,16 +312,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def checksums_by_writer(self) -> None:
         """Called by ckptq's storage writers (:class:`ckptq.io.ChecksumFileSystemWriter`), which
         hash what they write themselves: this save's planner then writes no checksum files."""
-        self._hashing = self._unrecorded = None
+        self._hashing, self._unrecorded = None, False
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """DCP's ``resolve_data``; with a storage writer that is not ckptq's, the value is also
         handed to this rank's :class:`ckptq.checksums.PlanHasher` (hashed on a background thread;
         the rank's checksum file is written when its last item was resolved)."""
         data = super().resolve_data(write_item)
-        if getattr(self, "_unrecorded", None) is not None:
-            _warn_unrecorded(self._unrecorded)
-            self._unrecorded = None
+        if getattr(self, "_unrecorded", False):
+            _warn_unrecorded(self._storage_meta)
+            self._unrecorded = False
         hashing = self._hashing
         if hashing is not None:
             hashing.add(write_item.index, data)
