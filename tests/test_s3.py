@@ -282,15 +282,15 @@ def _killed_reshard(src, dst, midway):
 
 
 def _kill_midway(target, *args) -> None:
-    """Run ``target(*args, midway)`` in a forked process (no imports to repeat) and kill -9 it
-    once it sets ``midway``."""
+    """Run ``target(*args, midway)`` in a new process (spawned: a fork of this one, with fsspec's
+    and torch's threads running, can hang) and kill -9 it once it sets ``midway``."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")
     midway = ctx.Event()
     proc = ctx.Process(target=target, args=(*args, midway), daemon=True)
     proc.start()
-    reached = midway.wait(120)
+    reached = midway.wait(300)
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
     assert reached, "the child did not reach its midpoint"
