@@ -54,6 +54,8 @@ __all__ = [
     "open_file",
     "RangeReader",
     "read_range",
+    "discard",
+    "dcp_filesystem",
     "list_names",
     "remove_tree",
     "set_storage_options",
@@ -135,7 +137,11 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 def file_size(path: PathLike) -> int | None:
-    """Bytes of the file (object) ``path``, or None if there is none."""
+    """Bytes of the file (object) ``path``, or None if there is none.
+
+    Raises:
+        CkptqError: the object store refused or failed the request (credentials, endpoint, network);
+            the message names the URL and the server's error, never the credentials."""
     if not is_url(path):
         try:
             st = os.stat(path)
@@ -147,15 +153,21 @@ def file_size(path: PathLike) -> int | None:
     fs, p = filesystem(str(path))
     try:
         info = fs.info(p)
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CkptqError(
+            f"{path}: the object store refused or failed the request ({type(e).__name__}: {e}); check the "
+            f"endpoint and credentials (for s3://: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... or fsspec's options)"
+        ) from None
     return int(info["size"]) if info.get("type") == "file" else None
 
 
 def open_file(path: PathLike, mode: str = "rb", *, block_size: int | None = None) -> Any:
     """Open ``path`` (``"rb"``, ``"wb"``, ``"r"``, ``"w"``). For URLs, a read-only file reads by
-    byte range (:data:`READ_BLOCK` read-ahead), and a file opened for writing uploads as it goes
-    (multipart parts of :data:`WRITE_BLOCK`): the object appears when it is closed."""
+    byte range in blocks of :data:`READ_BLOCK` (kept in fsspec's block cache: for small reads such
+    as record headers; fetch payloads with :func:`read_range`), and a file opened for writing
+    uploads as it goes (multipart parts of :data:`WRITE_BLOCK`): the object appears when it is closed."""
     if not is_url(path):
         return open(path, mode)
     fs, p = filesystem(str(path))
@@ -212,8 +224,8 @@ def discard(f: Any) -> None:
 
 
 class RangeReader:
-    """Reads byte ranges of the files of one checkpoint into caller buffers (``pread`` locally,
-    ranged GETs through fsspec's read-ahead cache for URLs); keeps each file open until :meth:`close`.
+    """Reads byte ranges of the files of one checkpoint into caller buffers (``pread`` locally, one
+    ranged GET each for URLs); keeps each local file open until :meth:`close`.
 
     Not thread-safe."""
 
