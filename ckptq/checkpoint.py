@@ -111,8 +111,8 @@ class CheckpointView(EntryTable):
     @property
     def files(self) -> list[Any]:
         """The data files the metadata names (sorted; ``Path`` s, or URL strings)."""
-        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
-        rels = {str(getattr(i, "relative_path", "")) for i in storage.values()} - {""}
+        locations = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        rels = {str(getattr(i, "relative_path", "")) for i in locations.values()} - {""}
         return [storage.join(self.path, rel) for rel in sorted(rels)]
 
     def entries_in_order(self) -> dict[str, Entry]:
