@@ -184,6 +184,8 @@ def test_tools_on_buckets_match_local_runs(s3, tmp_path):
     assert check_integrity(r_s3)["summary"]["unverified"] == 0
     reshard_checkpoint(src, tmp_path / "r_from_s3", **opts)  # s3 -> local
     same(tmp_path / "r", tmp_path / "r_from_s3")
+    with pytest.raises(ckptq.CkptqError, match="exists; pass --overwrite"):
+        reshard_checkpoint(src, tmp_path / "r_from_s3", **opts)
     with pytest.raises(ckptq.CkptqError, match="pass --overwrite"):
         reshard_checkpoint(src, r_s3, **opts)
 

@@ -636,7 +636,13 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         s, d = str(storage.location(src)) + "/", str(storage.location(dst)) + "/"
         if s.startswith(d) or d.startswith(s):
             raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate prefix")
-        names = storage.list_names(dst) if storage.is_url(dst) and not overwrite else []
+        if overwrite:
+            return
+        if not storage.is_url(dst):
+            if Path(dst).exists():
+                raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+            return
+        names = storage.list_names(dst)
         if names:
             what = "a checkpoint" if METADATA_FILE in names else f"{len(names)} object(s) (an interrupted run's?)"
             raise CkptqError(f"destination {dst} holds {what}; pass --overwrite to replace it")
