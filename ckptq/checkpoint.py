@@ -31,7 +31,7 @@ from .contract import Entry, EntryTable, fold_entries, read_checksums, read_reco
 from .errors import CheckpointFormatError
 from .formats import from_components
 from .formats.base import QuantizedTensor
-from .io import safetensors, torchsave
+from .io import safetensors, storage, torchsave
 from .io.foreign import ForeignLocation
 from .io.metadata import METADATA_FILE
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
@@ -77,7 +77,8 @@ class CheckpointView(EntryTable):
     """Read-only logical view of a DCP checkpoint directory (a :class:`ckptq.io.source.CheckpointSource`).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an fsspec URL of one (``s3://bucket/prefix``; records
+            are then read by byte range, never the whole object: :mod:`ckptq.io.storage`).
         metadata: use this already-read ``Metadata`` (planning from metadata alone; reads of
             tensor data still go to ``path``). It must be one :func:`ckptq.io.read_metadata` or
             ``SafeFileSystemReader`` returned: those checked it (:func:`ckptq.io.check_storage`)
@@ -90,7 +91,7 @@ class CheckpointView(EntryTable):
     source = "dcp"
 
     def __init__(self, path: PathLike, *, metadata: Metadata | None = None):
-        self.path = Path(path)
+        self.path: Any = storage.location(path) if storage.is_url(path) else Path(path)
         if metadata is None:  # the reader validated the entries as it read the metadata
             self.metadata, self._entries = read_metadata_and_entries(self.path)
         else:
@@ -98,7 +99,7 @@ class CheckpointView(EntryTable):
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
-        self._fds: dict[str, int] = {}
+        self._ranges = storage.RangeReader(self.path)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
 
@@ -108,11 +109,11 @@ class CheckpointView(EntryTable):
         return saved_world_size(self.metadata)[0]
 
     @property
-    def files(self) -> list[Path]:
-        """The data files the metadata names (sorted)."""
-        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
-        rels = {str(getattr(i, "relative_path", "")) for i in storage.values()} - {""}
-        return [self.path / rel for rel in sorted(rels)]
+    def files(self) -> list[Any]:
+        """The data files the metadata names (sorted; ``Path`` s, or URL strings)."""
+        locations = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        rels = {str(getattr(i, "relative_path", "")) for i in locations.values()} - {""}
+        return [storage.join(self.path, rel) for rel in sorted(rels)]
 
     def entries_in_order(self) -> dict[str, Entry]:
         """The logical entries in the checkpoint's entry order (FQN -> entry), as
@@ -151,7 +152,7 @@ class CheckpointView(EntryTable):
         info = (self.metadata.storage_data or {}).get(MetadataIndex(fqn))
         if info is None or not hasattr(info, "relative_path"):
             raise CheckpointFormatError(f"{self.path}: no storage location for '{fqn}'")
-        with open(self.path / info.relative_path, "rb") as f:
+        with self._record_file(str(info.relative_path)) as f:
             f.seek(info.offset)
             blob = f.read(info.length)
         descriptors = getattr(info, "transform_descriptors", None)
@@ -204,7 +205,7 @@ class CheckpointView(EntryTable):
                 f"{start}..{start + length}"
             )
             try:
-                with open(self.path / rel, "rb") as f:
+                with self._record_file(str(rel)) as f:
                     at = locate_payload(f, start, length, where, md.properties.dtype, tuple(c.sizes))
             except OSError as e:
                 raise CheckpointFormatError(
@@ -304,30 +305,37 @@ class CheckpointView(EntryTable):
             self._verify(c, running)
         return running, (c.crc32 if c.crc32 is not None else crc)
 
+    @property
+    def local(self) -> bool:
+        """Whether the data files are local (have file descriptors: :meth:`data_fd`), not an object store's."""
+        return not self._ranges.remote
+
     def data_fd(self, c: SavedChunk) -> int:
-        """A read-only file descriptor of ``c``'s data file (open until :meth:`close`)."""
-        return self._fd(c.file)
+        """A read-only file descriptor of ``c``'s data file (open until :meth:`close`; local
+        checkpoints only: :attr:`local`)."""
+        return self._ranges.fd(c.file)
 
     def close(self) -> None:
         """Close the data files :meth:`read_box` opened (it reopens them when called again)."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._ranges.close()
         self._staging = None
 
-    def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
-        return fd
+    def _record_file(self, rel: str) -> Any:
+        """A context manager giving data file ``rel`` open for reading (remote: the shared handle,
+        left open; local: a new file object, closed on exit)."""
+        if self._ranges.remote:
+            import contextlib
+
+            return contextlib.nullcontext(self._ranges.handle(rel))
+        return open(self.path / rel, "rb")
 
     def _pread(self, c: SavedChunk, into: memoryview, at: int) -> None:
         """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at``."""
-        fd, pos, n = self._fd(c.file), c.payload + at, len(into)
+        pos, n = c.payload + at, len(into)
         done = 0
         try:
             while done < n:
-                got = os.preadv(fd, [into[done:]], pos + done)
+                got = self._ranges.readinto(c.file, into[done:], pos + done)
                 if got <= 0:
                     raise CheckpointFormatError(
                         f"{c.where}: the data file ends inside the record; it is truncated: restore it or re-save"
@@ -480,6 +488,9 @@ def open_checkpoint(path: PathLike) -> CheckpointSource:
         CheckpointFormatError: nothing recognizes ``path`` (names what was tried), or it is
             malformed; UnsafeCheckpointError: it would run code.
     """
+    if storage.is_url(path):  # object stores: DCP checkpoints (the other sources read local files)
+        url = str(storage.location(path))
+        return CheckpointView(storage.parent_of(url) if storage.name_of(url) == METADATA_FILE else url)
     p = Path(path)
     refuse_data_file(p)
     for kind in _SOURCES:

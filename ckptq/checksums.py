@@ -339,11 +339,12 @@ class PlanHasher:
 
     The planner hands every value it resolves for the storage writer (``resolve_data``) to
     :meth:`add` (hashed by :class:`Hasher`: CPU values on its thread, CUDA values on their GPU,
-    so the writer's own copy to the host is the only one); when the last of the ``expected`` write items was added, :meth:`add` waits for
-    the hashing thread and writes the rank's :data:`SIDECAR` file before it returns, so the file
-    exists before the storage writer's ``write_data`` completes, and so before the coordinator
-    writes ``.metadata`` (DCP gathers every rank's write results first). Thread-safe (DCP's
-    ``FileSystemWriter`` resolves from several threads with ``thread_count > 1``).
+    so the writer's own copy to the host is the only one); when the last of the ``expected`` write
+    items was added, :meth:`add` waits for the hashing thread and writes the rank's :data:`SIDECAR`
+    file before it returns, so the file exists before the storage writer's ``write_data``
+    completes, and so before the coordinator writes ``.metadata`` (DCP gathers every rank's write
+    results first). Thread-safe (DCP's ``FileSystemWriter`` resolves from several threads with
+    ``thread_count > 1``).
     """
 
     def __init__(self, directory: Any, rank: int, expected: int) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from .distributed import Group, expect_shared_dir, prepare_write_commit
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
+from .io import storage
 from .io.writer import check_destination, commit_dir, staging_dir
 from .metrics import sqnr_db
 
@@ -222,6 +222,26 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
+def _open_out(path: Any) -> Any:
+    """A shard file opened for writing: unbuffered locally (its header is rewritten in place),
+    a streamed multipart upload on an object store."""
+    return storage.open_file(path, "wb") if storage.is_url(path) else open(path, "wb", buffering=0)
+
+
+def _final_header(view, shard, consumer: _Consumer, entries, metadata: dict, hasher: Hasher) -> bytes:
+    """The shard's header with its checksums and amax records, from computing its values once
+    without writing them (for outputs that cannot be rewritten in place: the values are computed
+    again as they are written, deterministically)."""
+    for it in shard:
+        tensors, meta, _ = _values(view, it, consumer)
+        for name, _, _ in it.out_names:
+            hasher.submit(name, tensors[name])
+        metadata.update(meta)
+        del tensors
+    metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+    return _header(entries, metadata)
+
+
 def _values(view, it: _ExportEntry, consumer: _Consumer):
     x = view.read(it.fqn)
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
@@ -345,10 +365,11 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     if isinstance(config, dict):
         cfg, where = dict(config), "config="
     elif config is not None:
-        cfg, where = _read_config(Path(config)), str(config)
+        cfg, where = _read_config(config if storage.is_url(config) else Path(config)), str(config)
     else:
-        folder = src if src.is_dir() else src.parent
-        found = [p for p in (folder / "config.json", folder.parent / "config.json") if p.is_file()]
+        folder = src if storage.is_url(src) or src.is_dir() else src.parent
+        candidates = (storage.join(folder, "config.json"), storage.join(storage.parent_of(folder), "config.json"))
+        found = [p for p in candidates if storage.file_size(p) is not None]
         usable = [(p, c) for p, c in ((p, _read_config(p)) for p in found) if "model_type" in c]
         if not usable:
             seen = f" ({', '.join(str(p) for p in found)} has no model_type)" if found else ""
@@ -366,9 +387,9 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     return cfg, where
 
 
-def _read_config(p: Path) -> dict:
+def _read_config(p: Any) -> dict:
     try:
-        with open(p) as f:
+        with storage.open_file(p, "r") as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{p}: cannot read the model config ({e}); pass --config a valid config.json") from e
@@ -477,8 +498,8 @@ def export_checkpoint(
         raise UsageError(f"--rename: {e}") from None
     ignore = tuple(ignore or ())
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    srcp = Path(view.path).absolute()
+    dst = storage.location(dst)
+    srcp = storage.location(view.path)
     check_destination(srcp, dst, overwrite)
     base, config_from = _base_config(srcp, config)
     items, skipped = _plan(view, lay, fmt, ignore, rules, _model_dtype(base))
@@ -504,25 +525,25 @@ def export_checkpoint(
     return {**result, "config_from": config_from}
 
 
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress, group) -> dict:
+def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consumer, progress, group) -> dict:
     """Write ``shards`` into a staging folder and rename it to ``dst``: alone, or with the shard files
     split over the processes of ``group`` (:func:`ckptq.distributed.prepare_write_commit`: each
     process writes whole files of its own; rank 0 merges what they report, writes the index and the
     config files last and renames the folder once every process succeeded)."""
     files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
-    def write(tmp: Path) -> dict:
+    def write(tmp: Any) -> dict:
         expect_shared_dir(tmp, group)
         mine = range(n) if group is None else sorted(group.assign({i: _shard_bytes(s) for i, s in enumerate(shards)}))
-        return {i: _write_shard(view, tmp / files[i], shards[i], consumer, progress) for i in mine}
+        return {i: _write_shard(view, storage.join(tmp, files[i]), shards[i], consumer, progress) for i in mine}
 
-    def commit(tmp: Path, parts: list[dict]) -> dict:
+    def commit(tmp: Any, parts: list[dict]) -> dict:
         done = {i: part for p in parts for i, part in p.items()}  # shard order: the one-process report
         weight_map: dict[str, str] = {}
         numerics: dict[str, int] = {}
         for i in range(n):
             names, _, shard_numerics, _, size = done[i]
-            _check_shard_file(tmp / files[i], size)
+            _check_shard_file(storage.join(tmp, files[i]), size)
             weight_map.update(dict.fromkeys(names, files[i]))
             numerics.update(shard_numerics)
         consumer.set_findings([done[i][3] for i in range(n)])
@@ -553,7 +574,7 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
         write=write,
         commit=commit,
         abort=lambda: None,  # each shard file is closed as it is written
-        discard=lambda tmp: shutil.rmtree(tmp, ignore_errors=True),
+        discard=storage.remove_tree,
     )
 
 
@@ -561,10 +582,12 @@ def _shard_bytes(shard: list[_ExportEntry]) -> int:
     return max(1, sum(it.nbytes for it in shard))
 
 
-def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consumer, progress) -> tuple:
+def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer, progress) -> tuple:
     """Write one shard file (header from the plan, the tensors one at a time, then the header again
-    with the checksums and amax records; fsynced). Returns ``(tensor names, payload bytes,
-    {fqn: max_ulps}, consumer findings, file size)``: what the index and the report need from it."""
+    with the checksums and amax records; fsynced). On an object store (``path`` a URL: an object
+    cannot be rewritten) the final header comes from a first pass over the values instead. Returns
+    ``(tensor names, payload bytes, {fqn: max_ulps}, consumer findings, file size)``: what the index
+    and the report need from it."""
     entries = [o for it in shard for o in it.out_names]
     meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
         hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
@@ -575,11 +598,14 @@ def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consume
     metadata = {"format": "pt", **meta_keys, SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
     header = _header(entries, metadata)
     hasher = Hasher()
+    remote = storage.is_url(path)
+    if remote:
+        header = _final_header(view, shard, consumer, entries, metadata, hasher)
     names: list[str] = []
     numerics: dict[str, int] = {}
     before = consumer.findings()
     written = 0
-    with open(path, "wb", buffering=0) as f:
+    with _open_out(path) as f:
         f.write(header)
         for it in shard:
             tensors, meta, info = _values(view, it, consumer)
@@ -588,7 +614,8 @@ def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consume
                 if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                     raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
                 written += _write_tensor(f, t)
-                hasher.submit(name, t)
+                if not remote:
+                    hasher.submit(name, t)
                 names.append(name)
             metadata.update(meta)
             if "max_ulps" in info:
@@ -596,19 +623,23 @@ def _write_shard(view, path: Path, shard: list[_ExportEntry], consumer: _Consume
             if progress:
                 progress(it.nbytes)
             del tensors
-        metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
-        final = _header(entries, metadata)
-        if len(final) != len(header):
-            raise CkptqError("internal: shard header changed size")
-        size = f.seek(0, os.SEEK_END)
-        f.seek(0)
-        f.write(final)
-        os.fsync(f.fileno())
+        size = f.tell()
+        if not remote:
+            metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+            final = _header(entries, metadata)
+            if len(final) != len(header):
+                raise CkptqError("internal: shard header changed size")
+            f.seek(0)
+            f.write(final)
+            os.fsync(f.fileno())
     return names, written, numerics, consumer.findings(since=before), size
 
 
-def _check_shard_file(path: Path, size: int) -> None:
-    """The shard file a process wrote is in the staging folder with its ``size`` (by ``stat``: not read)."""
+def _check_shard_file(path: Any, size: int) -> None:
+    """The shard file a process wrote is in the staging folder with its ``size`` (by ``stat``: not read;
+    local folders only: an object store's listing is the same from every host)."""
+    if storage.is_url(path):
+        return
     found = path.stat().st_size if path.exists() else -1
     if found != size:
         raise CkptqError(
@@ -618,9 +649,10 @@ def _check_shard_file(path: Path, size: int) -> None:
         )
 
 
-def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written: int) -> dict:
-    """Write ``config.json`` (``base`` + the layout's ``quantization_config``), the layout's other
-    config files and, last, ``model.safetensors.index.json``; returns the layout's config files."""
+def _write_configs(tmp: Any, lay, base: dict, items, weight_map: dict, written: int) -> dict:
+    """Write the layout's config files, ``model.safetensors.index.json`` and, last, ``config.json``
+    (``base`` + the layout's ``quantization_config``; on an object store the folder is a loadable
+    model once it exists); returns the layout's config files."""
     used = {it.module: it.fm for it in items if it.kind == "quantized"}
     ignored_modules = sorted(
         {
@@ -637,11 +669,14 @@ def _write_configs(tmp: Path, lay, base: dict, items, weight_map: dict, written:
         out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
         out_cfg["torch_dtype"] = "bfloat16"
     out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
-    for name, content in {**cfg_files, "config.json": out_cfg}.items():
-        with open(tmp / name, "w") as f:
-            json.dump(content, f, indent=2, sort_keys=True)
-    with open(tmp / "model.safetensors.index.json", "w") as f:
+    for name, content in cfg_files.items():
+        if name != "config.json":
+            with storage.open_file(storage.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2, sort_keys=True)
+    with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with storage.open_file(storage.join(tmp, "config.json"), "w") as f:
+        json.dump(out_cfg, f, indent=2, sort_keys=True)
     return cfg_files
 
 
@@ -666,7 +701,7 @@ def export_flattened(
     """
     import json as _json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     from .checksums import checksum
 
@@ -676,8 +711,8 @@ def export_flattened(
     except ValueError as e:
         raise UsageError(f"--rename: {e}") from None
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    check_destination(Path(view.path).absolute(), dst, overwrite)
+    dst = storage.location(dst)
+    check_destination(storage.location(view.path), dst, overwrite)
     if progress is True:
         progress = None  # one pass over whole tensors; the caller's callable still gets the bytes
     tmp = staging_dir(dst)
@@ -721,14 +756,18 @@ def export_flattened(
                 "tensor_names": _json.dumps(list(meta)),
                 SAFETENSORS_KEY: safetensors_table({n: checksum(t) for n, t in data.items()}),
             }
-            save_file(data, str(tmp / fname), metadata=metadata)
+            if storage.is_url(tmp):  # the shard is in memory already: one upload
+                with storage.open_file(storage.join(tmp, fname), "wb") as f:
+                    f.write(save(data, metadata=metadata))
+            else:
+                save_file(data, str(tmp / fname), metadata=metadata)
             files.append(fname)
             weight_map.update(dict.fromkeys(data, fname))
         if len(files) > 1:
-            with open(tmp / "model.safetensors.index.json", "w") as f:
+            with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
                 _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
         raise
     commit_dir(tmp, dst)
     return {

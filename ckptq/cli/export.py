@@ -29,7 +29,7 @@ __all__ = ["export"]
 )
 def export(
     src: Annotated[
-        Path,
+        str,
         typer.Argument(
             help="Source checkpoint (DCP directory, safetensors folder or file; only read).",
             metavar="SRC",
@@ -37,7 +37,7 @@ def export(
         ),
     ],
     dst: Annotated[
-        Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
+        str, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
     layout: Annotated[
         str,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import os
 import pickle
 import re
 from collections.abc import Mapping
@@ -144,19 +143,21 @@ def _only_ours(globs: list):
 
 
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
-    """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
-    location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
-    path = root / str(info.relative_path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        start, want = int(info.offset), int(info.length)
-        if start < 0 or want < 0 or start + want > size:
-            raise CheckpointFormatError(
-                f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the "
-                f"file's {size} bytes; the file is truncated or the metadata corrupt: restore them or re-save"
-            )
-        f.seek(start)
-        return f.read(want if length is None else min(length, want))
+    """The bytes of a record (its first ``length`` bytes), never reading past its file's end (one
+    ranged read: :func:`ckptq.io.storage.read_range`): a location beyond the file is a
+    CheckpointFormatError, not an allocation of its claimed length."""
+    from .storage import join, read_range
+
+    start, want = int(info.offset), int(info.length)
+    n = want if length is None else min(length, want)
+    path = join(root, str(info.relative_path))
+    data = read_range(path, start, start + n).getvalue() if start >= 0 and n >= 0 else b""
+    if start < 0 or want < 0 or len(data) < n:
+        raise CheckpointFormatError(
+            f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the end of "
+            f"the file; the file is truncated or the metadata corrupt: restore them or re-save"
+        )
+    return data
 
 
 def _per_tensor(qt) -> dict:

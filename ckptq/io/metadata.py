@@ -42,6 +42,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
+from .storage import file_size, is_url, join
 
 __all__ = [
     "METADATA_FILE",
@@ -256,7 +257,7 @@ def check_storage(metadata: Metadata, path: PathLike, *, files: bool = True, com
     Raises:
         CheckpointFormatError: what failed, naming the checkpoint, the entry (FQN) and the file.
     """
-    root = Path(path)
+    root = path if is_url(path) else Path(path)
     _check_fields(metadata)
     _check_layout(metadata, root, files=files, complete=complete)
     _check_record_sizes(metadata, root)
@@ -418,12 +419,11 @@ def _check_locations(root: Path, sdm: Mapping, storage: Mapping, chunk_keys: set
         if not files:
             continue
         end, fqn = max((s[1], s[2]) for s in spans)
-        target = root / rel
-        if not target.is_file():
+        size = file_size(join(root, rel))
+        if size is None:
             raise CheckpointFormatError(
                 f"{root}: data file '{rel}' (holding '{fqn}') is missing; copy the whole checkpoint directory"
             )
-        size = target.stat().st_size
         if size < end:
             raise CheckpointFormatError(
                 f"{root}: data file '{rel}' is truncated: {size} bytes, but the metadata places "

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +37,7 @@ from ..distributed import Group, expect_shared_dir, prepare_write_commit
 from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
+from ..io import storage
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
 from . import transform
@@ -94,7 +94,7 @@ def run_reshard(
             mode, on every process, when any process failed (naming the ranks and their errors).
     """
     t_start = time.perf_counter()
-    dst = Path(dst).absolute()
+    dst = storage.location(dst)
     group = Group.default() if distributed else None
     try:
         run = _Run(view, plan, dst, overwrite, progress, group)
@@ -175,7 +175,7 @@ class _Run:
         :meth:`commit` needs from this process."""
         view, plan, group = self.view, self.plan, self.group
         expect_shared_dir(tmp, group)
-        self.writer = CheckpointDirWriter(tmp)
+        self.writer = CheckpointDirWriter(tmp, part=0 if group is None else group.rank)
         try:
             file_map = _file_map(view, plan)
             copies = [_copy_source(view, job) for job in plan.jobs]
@@ -208,7 +208,7 @@ class _Run:
             self.writer.abort()
 
     def discard(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
 
 
 @contextlib.contextmanager
@@ -328,10 +328,14 @@ def _execute(
     ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`)."""
     work = []
     biggest = 0
+    kernel_copy = getattr(view, "local", False) and not writer.remote  # copy_file_range needs two local files
     for i in sorted(mine):
         job, outs, copy = plan.jobs[i], file_map[i], copies[i]
         if copy:
-            biggest = max([biggest] + [o.nbytes for o in outs if view.whole_chunk(_src_key(job, o), o.box) is None])
+            biggest = max(
+                [biggest]
+                + [o.nbytes for o in outs if not kernel_copy or view.whole_chunk(_src_key(job, o), o.box) is None]
+            )
         work.append((job, outs, copy))
     with WriterThread(writer, buffers=2, buffer_bytes=biggest) as pipe:
         for job, outs, copy in work:
@@ -340,7 +344,7 @@ def _execute(
                 continue
             for o in outs:
                 src_key = _src_key(job, o)
-                whole = view.whole_chunk(src_key, o.box)
+                whole = view.whole_chunk(src_key, o.box) if kernel_copy else None
                 if whole is not None:  # a saved chunk verbatim: hashed here, copied by the kernel there
                     sums = view.hash_chunk(whole)
                     pipe.add_copy(o, view.data_fd(whole), whole.payload, *sums)
