@@ -598,12 +598,12 @@ def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer
     metadata = {"format": "pt", **meta_keys, SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
     header = _header(entries, metadata)
     hasher = Hasher()
+    before = consumer.findings()
     remote = storage.is_url(path)
     if remote:
         header = _final_header(view, shard, consumer, entries, metadata, hasher)
     names: list[str] = []
     numerics: dict[str, int] = {}
-    before = consumer.findings()
     written = 0
     with _open_out(path) as f:
         f.write(header)

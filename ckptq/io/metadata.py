@@ -325,16 +325,15 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
         _raise_unlocated(root, sdm, storage)
     n_bytes = sum(1 for md in sdm.values() if not isinstance(md, TensorStorageMetadata))
     ends = _locations_fine(storage, stored, len(chunk_keys) + n_bytes)
-    if ends is not None and (not files or all(_holds(root / rel, end) for rel, end in ends.items())):
+    if ends is not None and (not files or all(_holds(join(root, rel), end) for rel, end in ends.items())):
         return
     _check_locations(root, sdm, storage, chunk_keys, files)  # names the first failure
 
 
-def _holds(path: Path, end: int) -> bool:
-    try:
-        return path.is_file() and path.stat().st_size >= end
-    except OSError:
-        return False
+def _holds(path: Any, end: int) -> bool:
+    """``path`` (a local path or URL) is a file of at least ``end`` bytes."""
+    size = file_size(path)
+    return size is not None and size >= end
 
 
 def _locations_fine(storage: Mapping, stored: set, expected: int) -> dict[str, int] | None:
