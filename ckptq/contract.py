@@ -222,15 +222,21 @@ def sidecar_ranks(planner_data: Any) -> list[int] | None:
     return ranks
 
 
-def merge_sidecar_checksums(planner_data: Any, root: Any) -> Any:
+def merge_sidecar_checksums(planner_data: Any, root: Any, records: Any = None) -> Any:
     """``planner_data`` with the checksum table of the per-rank checksum files of checkpoint
     directory ``root`` stored in its record, as if the storage writer had written it there (the
     same ``planner_data`` when the record names no such files).
 
+    ``records``: the checksum keys (:func:`ckptq.checksums.checksum_key`) of every record the
+    metadata locates. The planner's files hold the checksum of every record the save wrote, so
+    each must be there: a record missing from them (a row lost or its key damaged) would otherwise
+    be read unverified, as if the checkpoint had no checksums.
+
     Raises:
-        CheckpointFormatError: a file the record names is missing or malformed.
+        CheckpointFormatError: a file the record names is missing or malformed, or (``records``)
+            lacks the checksum of a record.
     """
-    from .checksums import read_sidecar
+    from .checksums import SIDECAR, read_sidecar
 
     ranks = sidecar_ranks(planner_data)
     if ranks is None:
@@ -238,6 +244,17 @@ def merge_sidecar_checksums(planner_data: Any, root: Any) -> Any:
     table: dict[tuple, int] = {}
     for r in ranks:
         table.update(read_sidecar(root, r))
+    missing = [k for k in records or () if k not in table]
+    if missing:
+        fqn, offsets = missing[0]
+        files = ", ".join(SIDECAR.format(rank=r) for r in ranks) or "(none)"
+        raise CheckpointFormatError(
+            f"{root}: the checksum files ({files}) hold no checksum for '{fqn}'"
+            + (f" (chunk at offsets {list(offsets)})" if offsets is not None else "")
+            + (f" nor for {len(missing) - 1} more records" if len(missing) > 1 else "")
+            + "; the planner wrote one for every record, so a checksum file is damaged: restore it from a copy, "
+            "or re-save the checkpoint"
+        )
     return with_checksums(planner_data, table)
 
 
