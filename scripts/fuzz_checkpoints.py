@@ -588,7 +588,8 @@ def _replace_record(ck: Path, md: Any, rng: random.Random) -> tuple[str, str] | 
     else:
         torch.save(v, buf)
     _append_at(ck, md, key, buf.getvalue())
-    same = same and torch.equal(v.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    flat = [x.contiguous().reshape(-1).view(torch.uint8) for x in (v, t)]
+    same = same and torch.equal(*flat)
     return ("bytes" if same else "data"), f"record {how} for {key.fqn} {list(key.offset)}"
 
 
