@@ -294,7 +294,8 @@ def _canonical(x: Any) -> Any:
 def metadata_digest(metadata: Any) -> str:
     """SHA-256 (hex) of a canonical serialization of what a checkpoint's ``.metadata`` says about
     its contents: every entry (its kind, dtype, global size and chunks' offsets and sizes) and the
-    whole ``planner_data`` except the ckptq record's checksum table and this digest. Not covered:
+    whole ``planner_data`` except the ckptq record's checksum table (only whether it has one) and
+    this digest. Not covered:
     ``storage_data`` (the records' file locations, which the chunks' checksums cover: a moved
     location reads other bytes) and ``storage_meta`` (ids of the save). Not over the pickle, whose
     bytes would include the digest and vary with pickling details."""
@@ -312,9 +313,11 @@ def metadata_digest(metadata: Any) -> str:
             entries.append([str(fqn), type(md).__name__])
     planner_data = dict(metadata.planner_data or {})
     if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
-        planner_data[CKPTQ_KEY] = {
-            k: v for k, v in planner_data[CKPTQ_KEY].items() if k not in ("checksums", DIGEST_KEY)
-        }
+        record = planner_data[CKPTQ_KEY]
+        planner_data[CKPTQ_KEY] = {k: v for k, v in record.items() if k not in ("checksums", DIGEST_KEY)}
+        # whether the checkpoint has checksums (not the table, which the storage writer may fill in
+        # after the digest): removing them must not turn it silently into a checkpoint without any
+        planner_data[CKPTQ_KEY]["checksums"] = record.get("checksums") is not None
     doc = json.dumps([sorted(entries), _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(doc.encode()).hexdigest()
 

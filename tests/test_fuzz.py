@@ -451,6 +451,15 @@ def test_dcp_writer_checksum_file_missing_or_short_is_an_error(ck):
     _all_paths_fail(ck, "malformed checksum file")
 
 
+def test_removing_the_checksum_table_is_a_digest_mismatch(ck):
+    """The metadata digest covers whether the record has checksums: an edit that drops them (the
+    per-rank file list of a DCP-writer save) does not leave a checkpoint that reads unverified."""
+    from ckptq.contract import CKPTQ_KEY
+
+    _edit(ck, lambda md: md.planner_data[CKPTQ_KEY].pop("checksums"), reseal=False)
+    _all_paths_fail(ck, "digest")
+
+
 @pytest.mark.parametrize("component", ["w.scale", "n.scale", "n.amax", "m4.data"])
 def test_dcp_writer_payload_flip_is_a_checksum_mismatch(ck, component):
     """One flipped bit in a stored value (scales included) of a DCP-writer save is a
