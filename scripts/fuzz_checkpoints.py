@@ -1,8 +1,12 @@
 """Fuzz ckptq's reader paths with mutated real checkpoints.
 
-Builds real checkpoints (every format, 1 and 2 ranks, native and high precision, a
-TransformerEngine-shaped one through the stand-in in ``tests/te_standin``), mutates copies of them
-and runs every reader path on each mutant, in worker processes with a time limit per case:
+Builds real checkpoints (:data:`BASES`: every format, 1 and 2 ranks, native and high precision,
+saved by ckptq's ``ChecksumFileSystemWriter``, by ``ckptq reshard``, and by DCP's own
+``FileSystemWriter`` + ``QuantizedSavePlanner`` with the planner's per-rank checksum files; and a
+TransformerEngine-shaped one through the stand-in in ``tests/te_standin``, saved with DCP's planner),
+checks that the bases of one mode read the same values as the quantized source
+(:func:`check_ground_truth`), mutates copies of them and runs every reader path on each mutant, in
+worker processes (``--jobs``) with a time limit per case:
 
 * ``read_metadata``: :func:`ckptq.io.read_metadata`;
 * ``view``: :func:`ckptq.checkpoint.open_checkpoint` + ``read`` of every tensor (``load_entries``)
@@ -15,39 +19,41 @@ and runs every reader path on each mutant, in worker processes with a time limit
   ``CheckpointException`` counts as a ckptq error only when what it wraps is one
   (:func:`ckptq.io.dcp_failure`).
 
-Mutations: byte flips in ``.distcp`` and ``.metadata`` files, zeroed ranges, truncation, deleted
-files, garbage appended; edits of the unpickled ``Metadata`` (entry sizes and dtypes, chunk offsets
-and sizes, dropped or duplicated chunks, storage offsets, lengths and files, descriptors and the
-ckptq record) re-pickled; foreign records (a tensor of another dtype or shape, a pickle that runs
-code) appended and pointed at; a ``.metadata`` carrying a code-running pickle. Code-running pickles
-``touch`` a canary file: if it ever exists, code ran.
+Mutations: byte flips anywhere, in tensor payloads, in scale components; zeroed ranges,
+truncation, deleted files, garbage appended; records replaced by another ``torch.save`` of the
+chunk (a transposed or strided view of the same values, re-pickled, the legacy format, or other
+values: the transpose's bytes, reversed, a bit flipped); edits of the unpickled ``Metadata`` (entry
+sizes and dtypes, chunk offsets and sizes, dropped or duplicated chunks, storage offsets, lengths
+and files, descriptors and the ckptq record) re-pickled; edits that leave a structurally valid
+checkpoint (a descriptor's version, dtype or mode, a component's dtype in its descriptor and entry
+together, the ckptq record removed); per-rank checksum files deleted, emptied, flipped or edited
+(a checksum, a row dropped or doubled, the rank, the algorithm, a row's key); foreign records (a
+tensor of another dtype or shape, a pickle that runs code) appended and pointed at; a
+``.metadata`` carrying a code-running pickle. Code-running pickles ``touch`` a canary file: if it
+ever exists, code ran.
 
-Each mutant is classified (worst first):
+Each mutant is classified (worst first); the result a path returns is compared with the unmutated
+base's (the ground truth):
 
 * ``CODE_EXECUTED``: the canary exists;
 * ``HANG``: the case ran past ``--timeout``;
 * ``BIG_ALLOC``: a reader path raised the worker's peak memory by more than ``--max-alloc-mb``;
 * ``UNCAUGHT``: a path raised something other than a ckptq error;
-* ``SILENT_WRONG``: a path returned a different result from the original's without an error;
-* ``DATA_FLIP``: the same, for a mutation that only changed stored values (tensor payload bytes,
-  or the record of a non-tensor entry, which ``read_raw_bytes`` copies verbatim) of a base
-  *without* checksums (``plain1``, saved with DCP's own writer, and the TE-written ``te1``):
-  undetectable there, counted apart. On the checksummed bases (``native1``/``hp1`` saved with
-  :class:`ckptq.io.ChecksumFileSystemWriter`, ``native2``/``hp2`` written by ``ckptq reshard``)
-  such a mutant is ``SILENT_WRONG`` unless a path reports it;
-* ``METADATA_VALID``: an edit of the ckptq record or a descriptor (``planner_data``), or a byte
-  flip in ``.metadata``, that leaves another valid checkpoint over the same files (the logical
-  dtype, an encoder-only recipe option such as ``eps``, no ckptq record at all: a plain DCP
-  checkpoint of the components; an entry renamed consistently): the paths report the edited
-  description faithfully and ``load`` reads the stored bytes or refuses a target that no longer
-  fits (it never returns other values silently); undetectable without a checksum of the metadata
-  itself, counted apart;
+* ``SILENT_WRONG``: a path returned a different result from the original's without an error (on
+  the bases ckptq planned, :data:`PLANNED`, whatever was mutated);
+* ``DATA_FLIP``: the same, on ``te1`` (not planned by ckptq: no checksums), for a mutation that only
+  changed stored values: undetectable there, counted apart;
+* ``METADATA_VALID``: the same, on ``te1`` (no metadata digest), for an edit of ``.metadata`` into
+  another valid description that ``load`` does not read differently: counted apart;
+* ``RECORD_REMOVED``: on a planned base, a ``.metadata`` that no longer has a ckptq record at all: it
+  then describes a plain DCP checkpoint of the stored components, which the paths report; counted
+  apart when ``load`` (of the saved state_dict) returns nothing different;
 * ``CKPTQ_ERROR`` (good): at least one path raised a ckptq error, none returned a different result;
 * ``SAME`` (good): every path returned the original's result (e.g. a flip in unused bytes).
 
 Usage::
 
-    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--workers 2] [--timeout 60]
+    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--json F] [--md F]
 
 Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J`` reruns cases and prints their paths.
 """
