@@ -1258,7 +1258,8 @@ def summary_table(result: dict) -> str:
     )
     lines.append(
         "RECORD_REMOVED: a planned base whose .metadata lost the whole ckptq record: every path reports the "
-        "plain DCP checkpoint of the stored components it now describes, and no load of the saved state_dict succeeds"
+        "plain DCP checkpoint of the stored components it now describes; a load of the saved state_dict returns "
+        "nothing different"
     )
     planned = [c for c in cases if c["base"] in PLANNED]
     lines.append(
@@ -1380,7 +1381,9 @@ def main(argv: list | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         cases = result["cases"] if args.all_cases else [c for c in result["cases"] if c["class"] not in GOOD]
-        args.json.write_text(json.dumps({"summary": summary, "cases": cases}, indent=1, default=str))
+        # every case in brief ([index, base, kind, class, mutation]), the others in full
+        brief = [[c["index"], c["base"], c["kind"], c["class"], c["mutation"][:80]] for c in result["cases"]]
+        args.json.write_text(json.dumps({"summary": summary, "cases": cases, "brief": brief}, default=str))
     if args.md:
         args.md.parent.mkdir(parents=True, exist_ok=True)
         m = summary["machine"]
