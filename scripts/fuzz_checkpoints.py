@@ -247,7 +247,7 @@ def build_corpus(root: Path, names: list | None = None) -> dict[str, Path]:
 
     warnings.filterwarnings("ignore")
     want = set(names or BASES)
-    need = want | {"native1" for n in want if n == "native2"} | {"hp1" for n in want if n == "hp2"}
+    need = want | {src for src, name in (("native1", "native2"), ("hp1", "hp2")) if name in want}  # reshard sources
     bases = {}
     for mode, name in (("native", "native1"), ("high_precision", "hp1")):
         if name in need:
