@@ -330,7 +330,9 @@ def read_sidecar(directory: Any, rank: int) -> dict[tuple, int]:
             raise bad
         if not (off is None or (isinstance(off, list) and all(type(o) is int for o in off))):
             raise bad
-        out[(fqn, None if off is None else tuple(off))] = value
+        key = (fqn, None if off is None else tuple(off))
+        if out.setdefault(key, value) != value:  # one chunk, two checksums: which one is damaged?
+            raise bad
     return out
 
 

@@ -223,15 +223,21 @@ def sidecar_ranks(planner_data: Any) -> list[int] | None:
     return ranks
 
 
-def merge_sidecar_checksums(planner_data: Any, root: Any) -> Any:
+def merge_sidecar_checksums(planner_data: Any, root: Any, records: Any = None) -> Any:
     """``planner_data`` with the checksum table of the per-rank checksum files of checkpoint
     directory ``root`` stored in its record, as if the storage writer had written it there (the
     same ``planner_data`` when the record names no such files).
 
+    ``records``: the checksum keys (:func:`ckptq.checksums.checksum_key`) of every record the
+    metadata locates. The planner's files hold the checksum of every record the save wrote, so
+    each must be there: a record missing from them (a row lost or its key damaged) would otherwise
+    be read unverified, as if the checkpoint had no checksums.
+
     Raises:
-        CheckpointFormatError: a file the record names is missing or malformed.
+        CheckpointFormatError: a file the record names is missing or malformed, or (``records``)
+            lacks the checksum of a record.
     """
-    from .checksums import read_sidecar
+    from .checksums import SIDECAR, read_sidecar
 
     ranks = sidecar_ranks(planner_data)
     if ranks is None:
@@ -239,6 +245,17 @@ def merge_sidecar_checksums(planner_data: Any, root: Any) -> Any:
     table: dict[tuple, int] = {}
     for r in ranks:
         table.update(read_sidecar(root, r))
+    missing = [k for k in records or () if k not in table]
+    if missing:
+        fqn, offsets = missing[0]
+        files = ", ".join(SIDECAR.format(rank=r) for r in ranks) or "(none)"
+        raise CheckpointFormatError(
+            f"{root}: the checksum files ({files}) hold no checksum for '{fqn}'"
+            + (f" (chunk at offsets {list(offsets)})" if offsets is not None else "")
+            + (f" nor for {len(missing) - 1} more records" if len(missing) > 1 else "")
+            + "; the planner wrote one for every record, so a checksum file is damaged: restore it from a copy, "
+            "or re-save the checkpoint"
+        )
     return with_checksums(planner_data, table)
 
 
@@ -298,7 +315,8 @@ def _int_list(x: Any) -> list:
 def metadata_digest(metadata: Any) -> str:
     """SHA-256 (hex) of a canonical serialization of what a checkpoint's ``.metadata`` says about
     its contents: every entry (its kind, dtype, global size and chunks' offsets and sizes) and the
-    whole ``planner_data`` except the ckptq record's checksum table and this digest. Not covered:
+    whole ``planner_data`` except the ckptq record's checksum table (only whether it has one) and
+    this digest. Not covered:
     ``storage_data`` (the records' file locations, which the chunks' checksums cover: a moved
     location reads other bytes) and ``storage_meta`` (ids of the save). Not over the pickle, whose
     bytes would include the digest and vary with pickling details."""
@@ -315,9 +333,11 @@ def metadata_digest(metadata: Any) -> str:
 
     planner_data = dict(metadata.planner_data or {})
     if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
-        planner_data[CKPTQ_KEY] = {
-            k: v for k, v in planner_data[CKPTQ_KEY].items() if k not in ("checksums", DIGEST_KEY)
-        }
+        record = planner_data[CKPTQ_KEY]
+        planner_data[CKPTQ_KEY] = {k: v for k, v in record.items() if k not in ("checksums", DIGEST_KEY)}
+        # whether the checkpoint has checksums (not the table, which the storage writer may fill in
+        # after the digest): removing them must not turn it silently into a checkpoint without any
+        planner_data[CKPTQ_KEY]["checksums"] = record.get("checksums") is not None
     sdm = metadata.state_dict_metadata or {}
     names = {str(fqn): fqn for fqn in sdm}
     if len(names) != len(sdm):  # two keys of one spelling: sorted by the whole entry

@@ -1,8 +1,12 @@
 """Fuzz ckptq's reader paths with mutated real checkpoints.
 
-Builds real checkpoints (every format, 1 and 2 ranks, native and high precision, a
-TransformerEngine-shaped one through the stand-in in ``tests/te_standin``), mutates copies of them
-and runs every reader path on each mutant, in worker processes with a time limit per case:
+Builds real checkpoints (:data:`BASES`: every format, 1 and 2 ranks, native and high precision,
+saved by ckptq's ``ChecksumFileSystemWriter``, by ``ckptq reshard``, and by DCP's own
+``FileSystemWriter`` + ``QuantizedSavePlanner`` with the planner's per-rank checksum files; and a
+TransformerEngine-shaped one through the stand-in in ``tests/te_standin``, saved with DCP's planner),
+checks that the bases of one mode read the same values as the quantized source
+(:func:`check_ground_truth`), mutates copies of them and runs every reader path on each mutant, in
+worker processes (``--jobs``) with a time limit per case:
 
 * ``read_metadata``: :func:`ckptq.io.read_metadata`;
 * ``view``: :func:`ckptq.checkpoint.open_checkpoint` + ``read`` of every tensor (``load_entries``)
@@ -15,41 +19,43 @@ and runs every reader path on each mutant, in worker processes with a time limit
   ``CheckpointException`` counts as a ckptq error only when what it wraps is one
   (:func:`ckptq.io.dcp_failure`).
 
-Mutations: byte flips in ``.distcp`` and ``.metadata`` files, zeroed ranges, truncation, deleted
-files, garbage appended; edits of the unpickled ``Metadata`` (entry sizes and dtypes, chunk offsets
-and sizes, dropped or duplicated chunks, storage offsets, lengths and files, descriptors and the
-ckptq record) re-pickled; foreign records (a tensor of another dtype or shape, a pickle that runs
-code) appended and pointed at; a ``.metadata`` carrying a code-running pickle. Code-running pickles
-``touch`` a canary file: if it ever exists, code ran.
+Mutations: byte flips anywhere, in tensor payloads, in scale components; zeroed ranges,
+truncation, deleted files, garbage appended; records replaced by another ``torch.save`` of the
+chunk (a transposed or strided view of the same values, re-pickled, the legacy format, or other
+values: the transpose's bytes, reversed, a bit flipped); edits of the unpickled ``Metadata`` (entry
+sizes and dtypes, chunk offsets and sizes, dropped or duplicated chunks, storage offsets, lengths
+and files, descriptors and the ckptq record) re-pickled; edits that leave a structurally valid
+checkpoint (a descriptor's version, dtype or mode, a component's dtype in its descriptor and entry
+together, the ckptq record removed); per-rank checksum files deleted, emptied, flipped or edited
+(a checksum, a row dropped or doubled, the rank, the algorithm, a row's key); foreign records (a
+tensor of another dtype or shape, a pickle that runs code) appended and pointed at; a
+``.metadata`` carrying a code-running pickle. Code-running pickles ``touch`` a canary file: if it
+ever exists, code ran.
 
-Each mutant is classified (worst first):
+Each mutant is classified (worst first); the result a path returns is compared with the unmutated
+base's (the ground truth):
 
 * ``CODE_EXECUTED``: the canary exists;
 * ``HANG``: the case ran past ``--timeout``;
 * ``BIG_ALLOC``: a reader path raised the worker's peak memory by more than ``--max-alloc-mb``;
 * ``UNCAUGHT``: a path raised something other than a ckptq error;
-* ``SILENT_WRONG``: a path returned a different result from the original's without an error;
-* ``DATA_FLIP``: the same, for a mutation that only changed stored values (tensor payload bytes,
-  or the record of a non-tensor entry, which ``read_raw_bytes`` copies verbatim) of a base
-  *without* checksums (``plain1``, saved with DCP's own writer, and the TE-written ``te1``):
-  undetectable there, counted apart. On the checksummed bases (``native1``/``hp1`` saved with
-  :class:`ckptq.io.ChecksumFileSystemWriter`, ``native2``/``hp2`` written by ``ckptq reshard``)
-  such a mutant is ``SILENT_WRONG`` unless a path reports it;
-* ``METADATA_VALID``: an edit of the ckptq record or a descriptor (``planner_data``), or a byte
-  flip in ``.metadata``, that leaves another valid checkpoint over the same files (the logical
-  dtype, an encoder-only recipe option such as ``eps``, no ckptq record at all: a plain DCP
-  checkpoint of the components; an entry renamed consistently): the paths report the edited
-  description faithfully and ``load`` reads the stored bytes or refuses a target that no longer
-  fits (it never returns other values silently); undetectable without a checksum of the metadata
-  itself, counted apart;
+* ``SILENT_WRONG``: a path returned a different result from the original's without an error (on
+  the bases ckptq planned, :data:`PLANNED`, whatever was mutated);
+* ``DATA_FLIP``: the same, on ``te1`` (not planned by ckptq: no checksums), for a mutation that only
+  changed stored values: undetectable there, counted apart;
+* ``METADATA_VALID``: the same, on ``te1`` (no metadata digest), for an edit of ``.metadata`` into
+  another valid description that ``load`` does not read differently: counted apart;
+* ``RECORD_REMOVED``: on a planned base, a ``.metadata`` that no longer has a ckptq record at all: it
+  then describes a plain DCP checkpoint of the stored components, which the paths report; counted
+  apart when ``load`` (of the saved state_dict) returns nothing different;
 * ``CKPTQ_ERROR`` (good): at least one path raised a ckptq error, none returned a different result;
 * ``SAME`` (good): every path returned the original's result (e.g. a flip in unused bytes).
 
 Usage::
 
-    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--workers 2] [--timeout 60]
+    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--json F] [--md F]
 
-Each case is reproducible from ``(seed, index)``: ``--only INDEX`` reruns one and prints its paths.
+Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J`` reruns cases and prints their paths.
 """
 
 from __future__ import annotations
@@ -88,10 +94,13 @@ CLASSES = [
     "SILENT_WRONG",
     "DATA_FLIP",
     "METADATA_VALID",
+    "RECORD_REMOVED",
     "CKPTQ_ERROR",
     "SAME",
 ]
 GOOD = {"CKPTQ_ERROR", "SAME"}
+#: classes that are no defect (counted apart): see the module docstring.
+APART = {"DATA_FLIP", "METADATA_VALID", "RECORD_REMOVED"}
 PATHS = ["read_metadata", "view", "inspect", "verify", "load"]
 SHAPE = (256, 128)  # 2 rank cuts at row 128: on every format's block grid (fp8_block: 128)
 
@@ -135,41 +144,180 @@ def _te_state() -> dict:
     }
 
 
-def build_corpus(root: Path) -> dict[str, Path]:
-    """The base checkpoints: name -> directory."""
+def _quantized_state_2rank(rank: int, world: int) -> dict:
+    """Rank ``rank``'s share of :func:`_quantized_state` on a 1-D mesh of ``world`` CPU ranks: the
+    matrices (and ``ids``) as DTensors sharded on dim 0, quantized per shard by
+    ``ckptq.quantize_state_dict`` (which equals, byte for byte, the box of the whole tensor's
+    quantization), ``norm`` and ``step`` replicated plain values."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckptq
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(SHAPE, generator=g) * 3
+    full = {
+        "layers.0.nv": (x, "nvfp4"),
+        "layers.0.nv2d": (x * 2, {"format": "nvfp4", "two_d": True}),
+        "layers.0.mx": (x, "mxfp8"),
+        "layers.0.mxc": (x / 5, {"format": "mxfp8", "columnwise": True}),
+        "layers.0.fb": (x, "fp8_block"),
+        "layers.0.ft": (x.bfloat16(), "fp8_tensor"),
+        "layers.0.m4": (x, {"format": "mxfp4", "scale_rule": "rceil"}),
+    }
+    sd = ckptq.quantize_state_dict(
+        {k: distribute_tensor(v, mesh, [Shard(0)]) for k, (v, _) in full.items()},
+        {k: rule for k, (_, rule) in full.items()},
+    )
+    sd["layers.0.norm"] = torch.randn(SHAPE[1], generator=g).bfloat16()
+    sd["layers.0.ids"] = distribute_tensor(torch.arange(12, dtype=torch.int64) - 3, mesh, [Shard(0)])
+    sd["step"] = 7
+    return sd
+
+
+def _save_2rank(rank: int, world: int, store: str, targets: list, errors: Any) -> None:
+    """On rank ``rank`` of a gloo group: ``dcp.save`` with DCP's own ``FileSystemWriter`` +
+    ``QuantizedSavePlanner(mode)``, for each ``(mode, directory)`` of ``targets``."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        import ckptq
+
+        warnings.filterwarnings("ignore")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        try:
+            for mode, path in targets:
+                sd = _quantized_state_2rank(rank, world)
+                dcp.save(sd, checkpoint_id=path, planner=ckptq.QuantizedSavePlanner(mode=mode))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def _run_2rank(targets: list) -> None:
+    """:func:`_save_2rank` on 2 spawned processes (gloo, a FileStore in a temporary directory)."""
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [
+            ctx.Process(target=_save_2rank, args=(r, 2, os.path.join(d, "store"), targets, errors)) for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        if any(p.exitcode != 0 for p in procs):
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+            raise RuntimeError("the 2-rank dcp.save failed: " + (errors.get(timeout=5) if not errors.empty() else "?"))
+
+
+#: every base checkpoint: name -> how it was written.
+BASES = {
+    "native1": "dcp.save, ChecksumFileSystemWriter + QuantizedSavePlanner(native), 1 rank",
+    "hp1": "dcp.save, ChecksumFileSystemWriter + QuantizedSavePlanner(high_precision), 1 rank",
+    "native2": "ckptq reshard of native1 to 2 ranks (ckptq's writer)",
+    "hp2": "ckptq reshard of hp1 to 2 ranks (ckptq's writer)",
+    "dcp_native1": "dcp.save, DCP's FileSystemWriter + QuantizedSavePlanner(native), 1 rank (checksum file)",
+    "dcp_hp1": "dcp.save, DCP's FileSystemWriter + QuantizedSavePlanner(high_precision), 1 rank (checksum file)",
+    "dcp_native2": "dcp.save on 2 gloo ranks, DCP's FileSystemWriter + QuantizedSavePlanner(native) (2 checksum files)",
+    "dcp_hp2": "dcp.save on 2 gloo ranks, DCP's FileSystemWriter + QuantizedSavePlanner(high_precision) "
+    "(2 checksum files)",
+    "te1": "dcp.save with DCP's planner and writer of TransformerEngine-shaped tensors (not planned by ckptq)",
+}
+#: the bases ckptq's planner planned (every one but the TE-written): a changed stored value, or a
+#: .metadata that reads as another checkpoint, must be detected there.
+PLANNED = {k for k in BASES if k != "te1"}
+
+
+def build_corpus(root: Path, names: list | None = None) -> dict[str, Path]:
+    """The base checkpoints (:data:`BASES`, or those of ``names``): name -> directory. The bases
+    of one mode hold the same values: checked here (:func:`check_ground_truth`)."""
     import torch.distributed.checkpoint as dcp
 
     import ckptq
     from ckptq.io import ChecksumFileSystemWriter
 
     warnings.filterwarnings("ignore")
+    want = set(names or BASES)
+    need = want | {src for src, name in (("native1", "native2"), ("hp1", "hp2")) if name in want}  # reshard sources
     bases = {}
     for mode, name in (("native", "native1"), ("high_precision", "hp1")):
-        bases[name] = root / name
-        dcp.save(
-            _quantized_state(),
-            storage_writer=ChecksumFileSystemWriter(bases[name]),
-            planner=ckptq.QuantizedSavePlanner(mode=mode),
-            no_dist=True,
-        )
-    bases["plain1"] = root / "plain1"  # DCP's own writer: no checksums (data flips load unverified)
-    dcp.save(_quantized_state(), checkpoint_id=str(bases["plain1"]), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+        if name in need:
+            bases[name] = root / name
+            dcp.save(
+                _quantized_state(),
+                storage_writer=ChecksumFileSystemWriter(bases[name]),
+                planner=ckptq.QuantizedSavePlanner(mode=mode),
+                no_dist=True,
+            )
+    for mode, name in (("native", "dcp_native1"), ("high_precision", "dcp_hp1")):
+        if name in need:  # DCP's own writer: the planner writes the checksum file __0_0.ckptq-crc32c
+            bases[name] = root / name
+            dcp.save(
+                _quantized_state(),
+                checkpoint_id=str(bases[name]),
+                planner=ckptq.QuantizedSavePlanner(mode=mode),
+                no_dist=True,
+            )
+    two = [(mode, name) for mode, name in (("native", "dcp_native2"), ("high_precision", "dcp_hp2")) if name in need]
+    if two:
+        for _, name in two:
+            bases[name] = root / name
+        _run_2rank([(mode, str(bases[name])) for mode, name in two])
     for src, name in (("native1", "native2"), ("hp1", "hp2")):
-        bases[name] = root / name
-        ckptq.reshard_checkpoint(bases[src], bases[name], mesh="2")
-    bases["te1"] = root / "te1"
-    dcp.save(_te_state(), checkpoint_id=str(bases["te1"]), no_dist=True)  # DCP's planner: pickled TE records
-    return bases
+        if name in need:
+            bases[name] = root / name
+            ckptq.reshard_checkpoint(bases[src], bases[name], mesh="2")
+    if "te1" in need:
+        bases["te1"] = root / "te1"
+        dcp.save(_te_state(), checkpoint_id=str(bases["te1"]), no_dist=True)  # DCP's planner: pickled TE records
+    check_ground_truth(bases)
+    return {k: v for k, v in bases.items() if k in want}
+
+
+def check_ground_truth(bases: dict) -> None:
+    """The unmutated bases of one mode read (``view``: every tensor and non-tensor entry) the same
+    values as each other, and the native ones as ``ckptq.quantize`` of the source in memory: the
+    reference each mutant is compared with is the truth, not just what the base happens to read.
+
+    Raises:
+        RuntimeError: a base reads other values.
+    """
+    from ckptq.checkpoint import open_checkpoint
+
+    truth = {fqn: _digest(v) for fqn, v in _quantized_state().items() if fqn != "step"}
+    groups: dict[str, dict] = {}
+    for name, path in bases.items():
+        if name == "te1":
+            continue
+        view = open_checkpoint(path)
+        got = {
+            e.fqn: (view.read_raw_bytes(e.fqn)[0] if e.kind == "bytes" else _digest(view.read(e.fqn)))
+            for e in view.entries()
+        }
+        mode = "hp" if "hp" in name else "native"
+        if mode == "native" and {k: v for k, v in got.items() if k != "step"} != truth:
+            raise RuntimeError(f"base '{name}' does not read the quantized source's values")
+        if groups.setdefault(mode, got) != got:
+            raise RuntimeError(f"base '{name}' reads other values than the other {mode} bases")
 
 
 # ----------------------------------------------------------------------------------- regions
-def payload_ranges(base: Path) -> list[tuple[str, int, int]]:
-    """``(file, start, end)`` of the tensor payload bytes (the storages inside each record)."""
+def payload_ranges(base: Path) -> list[tuple[str, int, int, str]]:
+    """``(file, start, end, fqn)`` of the tensor payload bytes (the storages inside each record)."""
     md = pickle.loads((base / ".metadata").read_bytes())  # our own corpus: a plain unpickle is fine
     out = []
     for index, info in md.storage_data.items():
         if index.offset is None:  # a non-tensor entry's record: copied verbatim by read_raw_bytes
-            out.append((str(info.relative_path), info.offset, info.offset + info.length))
+            out.append((str(info.relative_path), info.offset, info.offset + info.length, index.fqn))
             continue
         blob = (base / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         with zipfile.ZipFile(io.BytesIO(blob)) as z:
@@ -179,8 +327,14 @@ def payload_ranges(base: Path) -> list[tuple[str, int, int]]:
                 h = zi.header_offset
                 nlen, xlen = struct.unpack("<HH", blob[h + 26 : h + 30])
                 start = info.offset + h + 30 + nlen + xlen
-                out.append((str(info.relative_path), start, start + zi.file_size))
+                out.append((str(info.relative_path), start, start + zi.file_size, index.fqn))
     return out
+
+
+def _is_scale(fqn: str) -> bool:
+    """A scale-like component (scale, scale_inv, columnwise_scale, amax) of a native entry."""
+    last = fqn.rsplit(".", 1)[-1]
+    return "scale" in last or last == "amax"
 
 
 # ----------------------------------------------------------------------------------- mutations
@@ -373,31 +527,210 @@ def _append_record(ck: Path, md: Any, rng: random.Random, blob: bytes) -> tuple[
     return key.fqn, key.offset is None
 
 
+def _append_at(ck: Path, md: Any, key: Any, blob: bytes) -> None:
+    """Append ``blob`` to the data file of location ``key`` and point ``key`` at it."""
+    info = md.storage_data[key]
+    f = ck / info.relative_path
+    info.offset = f.stat().st_size
+    info.length = len(blob)
+    with open(f, "ab") as fh:
+        fh.write(blob)
+
+
+def _record_variant(rng: random.Random, t: Any) -> tuple[Any, str, bool]:
+    """A tensor to store in place of record tensor ``t``: ``(tensor, how, same values?)``.
+
+    Same values, other storage: a transposed view (``t.T.contiguous().T``: column-major strides),
+    a strided view into a larger storage, the record re-pickled (a fresh ``torch.save``, or the
+    legacy non-zip format). Other values: the transpose's bytes read as ``t``'s shape (a reader
+    that ignored strides would see these), the elements reversed, one bit of one element flipped
+    and re-pickled."""
+    import torch
+
+    how = rng.choice(["transposed_view", "strided_view", "repickle", "repickle_legacy", "transposed_bytes", "bitflip"])
+    if how == "transposed_view" and t.dim() == 2:
+        return t.t().contiguous().t(), how, True
+    if how == "strided_view" and t.numel():
+        big = torch.zeros(t.numel() * 2 + 1, dtype=t.dtype)
+        big[1::2] = t.reshape(-1)
+        strides = [1] * t.dim()
+        for d in range(t.dim() - 2, -1, -1):
+            strides[d] = strides[d + 1] * t.shape[d + 1]
+        return big.as_strided(t.shape, [2 * x for x in strides], 1), how, True
+    if how == "transposed_bytes" and t.dim() == 2:
+        return t.t().contiguous().reshape(t.shape), how, False
+    if how == "bitflip" and t.numel():
+        u = t.clone().contiguous().reshape(-1).view(torch.uint8)
+        u[rng.randrange(u.numel())] ^= 1 << rng.randrange(8)
+        return u.view(t.dtype).reshape(t.shape), how, False
+    if how == "repickle_legacy":
+        return t.clone(), how, True
+    if t.dim() >= 1 and t.shape[0] > 1 and rng.random() < 0.3:
+        return t.flip(0), "reversed", False
+    return t.clone(), "repickle", True
+
+
+def _replace_record(ck: Path, md: Any, rng: random.Random) -> tuple[str, str] | None:
+    """Store another record in place of a tensor record (appended, its location pointed at it);
+    ``(kind, description)``, or None when the base's records are not plain tensors (TE-written)."""
+    import torch
+
+    keys = [k for k in md.storage_data if k.offset is not None]
+    if not keys:
+        return None
+    key = rng.choice(keys)
+    info = md.storage_data[key]
+    raw = (ck / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+    try:
+        t = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception:  # noqa: BLE001 - a pickled foreign tensor (te1): not a plain record
+        return None
+    if not isinstance(t, torch.Tensor):
+        return None
+    v, how, same = _record_variant(rng, t)
+    buf = io.BytesIO()
+    if how == "repickle_legacy":
+        torch.save(v, buf, _use_new_zipfile_serialization=False)
+    else:
+        torch.save(v, buf)
+    _append_at(ck, md, key, buf.getvalue())
+    flat = [x.contiguous().reshape(-1).view(torch.uint8) for x in (v, t)]
+    same = same and torch.equal(*flat)
+    return ("bytes" if same else "data"), f"record {how} for {key.fqn} {list(key.offset)}"
+
+
+def _valid_metadata_edit(rng: random.Random, md: Any) -> str | None:
+    """An edit of ``.metadata`` that leaves a checkpoint every structural check accepts: a
+    descriptor's version, logical dtype or mode; a component's dtype changed in its descriptor and
+    its entry together (to one of the same element size); the ckptq record removed (the
+    components then read as a plain DCP checkpoint). None when the base has no ckptq record."""
+    import torch
+
+    from ckptq.contract import CKPTQ_KEY
+    from ckptq.formats.base import dtype_to_str, str_to_dtype
+
+    rec = (md.planner_data or {}).get(CKPTQ_KEY)
+    if not rec or not rec.get("tensors"):
+        return None
+    name = rng.choice(sorted(rec["tensors"]))
+    desc = rec["tensors"][name]
+    op = rng.choice(["version", "dtype", "mode", "component_dtype", "component_dtype", "no_record"])
+    if op == "version":
+        desc["version"] = rng.choice([0, 2, 99])
+        return f"valid_edit {name} version -> {desc['version']}"
+    if op == "dtype":
+        desc["dtype"] = rng.choice([d for d in ("float32", "bfloat16", "float16") if d != desc.get("dtype")])
+        return f"valid_edit {name} dtype -> {desc['dtype']}"
+    if op == "mode":
+        desc["mode"] = "native" if desc.get("mode") == "high_precision" else "high_precision"
+        return f"valid_edit {name} mode -> {desc['mode']}"
+    if op == "component_dtype" and desc.get("components"):
+        comp = rng.choice(sorted(desc["components"]))
+        cd = desc["components"][comp]
+        old = str_to_dtype(cd["dtype"])
+        same_size = [
+            d
+            for d in (
+                torch.uint8,
+                torch.int8,
+                torch.float8_e4m3fn,
+                torch.float8_e5m2,
+                torch.float8_e8m0fnu,
+                torch.float16,
+                torch.bfloat16,
+                torch.int16,
+                torch.float32,
+                torch.int32,
+            )
+            if d != old and d.itemsize == old.itemsize
+        ]
+        new = rng.choice(same_size)
+        cd["dtype"] = dtype_to_str(new)
+        entry = md.state_dict_metadata.get(cd.get("fqn") or f"{name}.{comp}")
+        if entry is not None and hasattr(entry, "properties"):
+            entry.properties.dtype = new
+        return f"valid_edit {name}.{comp} component dtype -> {cd['dtype']}"
+    md.planner_data = {k: v for k, v in md.planner_data.items() if k != CKPTQ_KEY}
+    return "valid_edit no_record"
+
+
+def _sidecar_edit(rng: random.Random, ck: Path, names: list) -> str:
+    """Edit a per-rank checksum file (``__{rank}_0.ckptq-crc32c``): delete it, empty it, flip a
+    byte, or change its JSON (a checksum, a row dropped or duplicated with another value, the rank,
+    the algorithm, a row's key)."""
+    name = rng.choice(names)
+    f = ck / name
+    op = rng.choice(["delete", "empty", "flip", "value", "drop_row", "dup_row", "rank", "algorithm", "key"])
+    if op == "delete":
+        f.unlink()
+        return f"sidecar delete {name}"
+    if op == "empty":
+        f.write_bytes(b"")
+        return f"sidecar empty {name}"
+    if op == "flip":
+        blob = bytearray(f.read_bytes())
+        pos = rng.randrange(len(blob))
+        blob[pos] ^= rng.randrange(1, 256)
+        f.write_bytes(bytes(blob))
+        return f"sidecar flip {name} @{pos}"
+    doc = json.loads(f.read_bytes())
+    rows = doc["chunks"]
+    i = rng.randrange(len(rows))
+    if op == "value":
+        rows[i][2] ^= 1 << rng.randrange(32)
+    elif op == "drop_row":
+        del rows[i]
+    elif op == "dup_row":
+        rows.append([rows[i][0], rows[i][1], rows[i][2] ^ 1])
+    elif op == "rank":
+        doc["rank"] = rng.choice([doc["rank"] + 1, -1, "0", None])
+    elif op == "algorithm":
+        doc["algorithm"] = rng.choice(["xxh64", "", None, "CRC32C"])
+    else:
+        rows[i][0] = rng.choice([r[0] for r in rows])
+        rows[i][1] = rng.choice([r[1] for r in rows])
+    f.write_text(json.dumps(doc))
+    return f"sidecar {op} {name} row {i}"
+
+
 def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list) -> tuple[str, str]:
-    """Copy ``base`` to ``ck`` and mutate it; returns ``(kind, description)``. ``kind`` is
-    ``"data"`` for a change of tensor payload bytes only, else ``"structure"``/``"bytes"``/``"evil"``."""
+    """Copy ``base`` to ``ck`` and mutate it; returns ``(kind, description)``. ``kind``:
+    ``"data"`` for a change of stored values only (tensor payload bytes, a record of the chunk's
+    dtype and shape with other values, a non-tensor record), ``"bytes"`` for other bytes that
+    hold the same values, ``"metadata_bytes"`` / ``"descriptor"`` for ``.metadata`` changes that
+    may still describe a valid checkpoint, ``"checksums"`` for a checksum file's, else
+    ``"structure"`` / ``"evil"`` / ``"noop"``."""
     import torch
 
     shutil.copytree(base, ck)
     files = sorted(p.name for p in ck.iterdir())
+    sidecars = [f for f in files if f.endswith(".ckptq-crc32c")]
     op = rng.choices(
         [
             "flip",
             "flip_payload",
+            "flip_scale",
             "zero",
             "truncate",
             "delete",
             "append",
             "metadata",
+            "valid_edit",
+            "record",
+            "sidecar",
             "bad_record",
             "evil_record",
             "evil_metadata",
         ],
-        weights=[20, 8, 6, 8, 3, 2, 40, 6, 3, 2],
+        weights=[16, 8, 4, 5, 6, 3, 2, 30, 6, 6, 6 if sidecars else 0, 5, 2, 1],
     )[0]
-    if op in ("flip", "zero", "flip_payload"):
-        if op == "flip_payload" and payload:
-            name, a, b = rng.choice(payload)
+    if op == "flip_scale":
+        scales = [r for r in payload if _is_scale(r[3])]
+        if not scales:
+            op = "flip_payload"
+    if op in ("flip", "zero", "flip_payload", "flip_scale"):
+        if op in ("flip_payload", "flip_scale") and payload:
+            name, a, b, _ = rng.choice(scales if op == "flip_scale" else payload)
             pos, n = rng.randrange(a, b), 1
         else:
             name = rng.choice(files)
@@ -410,9 +743,11 @@ def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list)
         (ck / name).write_bytes(bytes(blob))
         if name == ".metadata":  # what it changed is judged like a metadata edit
             return "metadata_bytes", f"{op} {name} @{pos}+{n}"
+        if name in sidecars:
+            return "checksums", f"{op} {name} @{pos}+{n}"
         # bytes of stored values changed: zip readers skip local headers, so a range that
         # straddles one changes values only
-        inside = any(name == f and pos < b and a < pos + n for f, a, b in payload)
+        inside = any(name == f and pos < b and a < pos + n for f, a, b, _ in payload)
         return ("data" if inside else "bytes"), f"{op} {name} @{pos}+{n}"
     if op == "truncate":
         name = rng.choice(files)
@@ -430,7 +765,20 @@ def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list)
         with open(ck / name, "ab") as fh:
             fh.write(os.urandom(rng.randint(1, 64)))
         return "bytes", f"append {name}"
+    if op == "sidecar":
+        return "checksums", _sidecar_edit(rng, ck, sidecars)
     md = pickle.loads((ck / ".metadata").read_bytes())
+    if op == "record":
+        done = _replace_record(ck, md, rng)
+        if done is None:
+            op = "metadata"
+        else:
+            kind, what = done
+    if op == "valid_edit":
+        what = _valid_metadata_edit(rng, md)
+        kind = "descriptor"
+        if what is None:
+            op = "metadata"
     if op == "metadata":
         before = copy.deepcopy(md)
         what = _metadata_edit(rng, md, ck)
@@ -467,7 +815,7 @@ def mutate(base: Path, ck: Path, rng: random.Random, canary: str, payload: list)
         torch.save({"x": _Payload(canary)}, buf)
         fqn, raw = _append_record(ck, md, rng, buf.getvalue())
         what, kind = f"evil_record for {fqn}", "data" if raw else "evil"
-    else:
+    elif op == "evil_metadata":
         md.planner_data = dict(md.planner_data or {})
         md.planner_data["__ckptq__evil"] = _Payload(canary)
         what, kind = "evil_metadata", "evil"
@@ -539,6 +887,7 @@ def path_integrity(ck: Path, orig: Path) -> str:
     report = check_integrity(ck)
     if not report["summary"]["ok"]:  # ckptq verify PATH: what failed is reported, exit 1
         raise VerifyDetected(f"{report['summary']['failed']} records failed the integrity check")
+    report["summary"].pop("bytes", None)  # the records' lengths: not a claim about the values
     return _strip(report, str(ck))
 
 
@@ -622,9 +971,6 @@ READERS = {
     "load": path_load,
 }
 
-#: bases whose chunks carry checksums: a changed stored value must be detected there.
-CHECKSUMMED = {"native1", "native2", "hp1", "hp2"}
-
 
 def run_paths(ck: Path, orig: Path) -> dict[str, tuple[str, str]]:
     """``path -> ("ok", fingerprint)`` or ``("ckptq"|"uncaught"|"alloc", "Type: message")``."""
@@ -652,7 +998,24 @@ def run_paths(ck: Path, orig: Path) -> dict[str, tuple[str, str]]:
 _MAX_ALLOC_MB = 512.0
 
 
-def classify(kind: str, results: dict, reference: dict, canary_hit: bool, checksummed: bool = False) -> str:
+def has_record(ck: Path) -> bool | None:
+    """Whether ``ck/.metadata`` (read through ckptq's allow-list unpickler) holds a ckptq record;
+    None when it cannot be read that way (every path then fails on it too)."""
+    from ckptq.contract import has_record as _has
+    from ckptq.io.safe_pickle import safe_load
+
+    try:
+        with open(ck / ".metadata", "rb") as f:
+            return bool(_has(safe_load(f, source=str(ck)).planner_data))
+    except Exception:  # noqa: BLE001 - unreadable: judged by the paths
+        return None
+
+
+def classify(
+    kind: str, results: dict, reference: dict, canary_hit: bool, planned: bool = False, record_lost: bool = False
+) -> str:
+    """The class of one mutant (see the module docstring). ``planned``: the base was planned by
+    ckptq's planner; ``record_lost``: the mutant's ``.metadata`` has no ckptq record any more."""
     if canary_hit:
         return "CODE_EXECUTED"
     statuses = [s for s, _ in results.values()]
@@ -662,8 +1025,16 @@ def classify(kind: str, results: dict, reference: dict, canary_hit: bool, checks
         return "UNCAUGHT"
     differs = [p for p, (s, v) in results.items() if s == "ok" and v != reference[p][1]]
     if differs:
+        if planned:
+            # a planned checkpoint must read its saved values or fail; the one exception is a
+            # .metadata that no longer carries the ckptq record at all: it then describes (and the
+            # paths report) a plain DCP checkpoint of the stored components, and no load of the
+            # saved state_dict succeeds (load must not be among the differing paths)
+            if record_lost and "load" not in differs:
+                return "RECORD_REMOVED"
+            return "SILENT_WRONG"
         if kind == "data":
-            return "SILENT_WRONG" if checksummed else "DATA_FLIP"
+            return "DATA_FLIP"
         if kind in ("descriptor", "metadata_bytes") and "load" not in differs:
             return "METADATA_VALID"
         return "SILENT_WRONG"
@@ -699,9 +1070,10 @@ def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_al
         ck = Path(scratch) / f"case{index}"
         try:
             kind, what = mutate(orig, ck, rng, canary, payloads[base])
+            lost = kind not in ("evil", "data", "bytes") and has_record(ck) is False
             results = run_paths(ck, orig)
             hit = os.path.exists(canary)
-            cls = classify(kind, results, references[base], hit, base in CHECKSUMMED)
+            cls = classify(kind, results, references[base], hit, base in PLANNED, lost)
             conn.send(
                 (
                     "done",
@@ -769,9 +1141,7 @@ def fuzz(
     tmp = Path(tempfile.mkdtemp(prefix="ckptq-fuzz-", dir=work))
     canary = str(tmp / "CANARY-code-ran")
     try:
-        corpus = build_corpus(tmp / "corpus")
-        if bases_filter:
-            corpus = {k: v for k, v in corpus.items() if k in bases_filter}
+        corpus = build_corpus(tmp / "corpus", bases_filter)
         payloads = {k: payload_ranges(v) for k, v in corpus.items()}
         names = sorted(corpus)
         scratch = tmp / "scratch"
@@ -883,15 +1253,72 @@ def summary_table(result: dict) -> str:
     lines.append("")
     lines.append("mutations: " + ", ".join(f"{k} {v}" for k, v in sorted(ops.items())))
     lines.append(
-        "DATA_FLIP = stored values changed (tensor payload, a non-tensor record) and read without error, "
-        "in a base without checksums (plain1, te1); on checksummed bases that is SILENT_WRONG"
+        "DATA_FLIP / METADATA_VALID: only on te1 (not planned by ckptq, no checksums, no metadata digest): "
+        "stored values changed, or .metadata edited into another valid description, read without error"
     )
     lines.append(
-        "METADATA_VALID = .metadata edited into another valid description, reported faithfully: "
-        "undetectable without a checksum of the metadata itself"
+        "RECORD_REMOVED: a planned base whose .metadata lost the whole ckptq record: every path reports the "
+        "plain DCP checkpoint of the stored components it now describes; a load of the saved state_dict returns "
+        "nothing different"
+    )
+    planned = [c for c in cases if c["base"] in PLANNED]
+    lines.append(
+        f"planned bases: {len(planned)} mutants, SILENT_WRONG {sum(c['class'] == 'SILENT_WRONG' for c in planned)}; "
+        f"changed stored values (kind data): {sum(c['kind'] == 'data' for c in planned)}, of which "
+        f"{sum(c['kind'] == 'data' and c['class'] == 'CKPTQ_ERROR' for c in planned)} CKPTQ_ERROR "
+        f"({sum(c['kind'] == 'data' and 'ChecksumMismatchError' in str(c.get('errors')) for c in planned)} "
+        f"with a ChecksumMismatchError)"
     )
     lines.append(f"{len(cases)} mutants in {result['seconds']:.0f} s; code executed: {result['canary']}")
     return "\n".join(lines)
+
+
+def rerun(seed: int, indices: list, bases_filter: list | None = None) -> None:
+    """Rerun cases ``indices`` of a run with ``seed`` in this process and print each path's result
+    (``--only``); the base of case ``i`` is the ``i % len(bases)``-th of the sorted base names."""
+    tmp = Path(tempfile.mkdtemp(prefix="ckptq-fuzz-"))
+    canary = tmp / "CANARY-code-ran"
+    try:
+        names = sorted(bases_filter or BASES)
+        corpus = build_corpus(tmp / "corpus", sorted({names[i % len(names)] for i in indices}))
+        for i in indices:
+            base = names[i % len(names)]
+            orig = corpus[base]
+            reference = run_paths(orig, orig)
+            ck = tmp / f"case{i}"
+            kind, what = mutate(orig, ck, random.Random(f"{seed}:{i}"), str(canary), payload_ranges(orig))
+            lost = kind not in ("evil", "data", "bytes") and has_record(ck) is False
+            results = run_paths(ck, orig)
+            cls = classify(kind, results, reference, canary.exists(), base in PLANNED, lost)
+            print(f"[{i}] {cls} {base} ({kind}) {what}")
+            for p, (status, value) in results.items():
+                same = status == "ok" and value == reference[p][1]
+                print(f"    {p:13s} {status:8s} {'same' if same else value[:2000]}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def machine() -> dict:
+    """Where the run happened: CPU model and count, Python and torch versions, UTC date."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
 
 
 def main(argv: list | None = None) -> int:
@@ -900,28 +1327,72 @@ def main(argv: list | None = None) -> int:
     )
     ap.add_argument("--n", type=int, default=2000, help="mutants to run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--jobs", "--workers", dest="jobs", type=int, default=2, help="worker processes")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all reader paths) before HANG")
     ap.add_argument("--budget", type=float, default=None, help="stop starting mutants after this many seconds")
     ap.add_argument(
         "--max-alloc-mb", type=float, default=512.0, help="peak-memory growth of one path that counts as BIG_ALLOC"
     )
-    ap.add_argument("--json", type=Path, default=None, help="write every case here")
+    ap.add_argument("--bases", default=None, help="comma-separated base names (default: all of BASES)")
+    ap.add_argument("--json", type=Path, default=None, help="write the counts, the machine and every case here")
+    ap.add_argument("--all-cases", action="store_true", help="--json lists every case (default: all but the good)")
+    ap.add_argument("--md", type=Path, default=None, help="write the summary table (markdown) here")
     ap.add_argument("--verbose", action="store_true", help="print every case, not only bad ones")
+    ap.add_argument("--only", default=None, help="comma-separated case indices: rerun them here, print every path")
     args = ap.parse_args(argv)
+    if args.only:
+        rerun(args.seed, [int(i) for i in args.only.split(",")], args.bases.split(",") if args.bases else None)
+        return 0
     result = fuzz(
         args.n,
         args.seed,
-        workers=args.workers,
+        workers=args.jobs,
         timeout=args.timeout,
         budget=args.budget,
         max_alloc_mb=args.max_alloc_mb,
+        bases_filter=args.bases.split(",") if args.bases else None,
         verbose=args.verbose,
     )
-    print(summary_table(result))
+    table = summary_table(result)
+    print(table)
+    bad = sum(result["counts"].get(c, 0) for c in CLASSES if c not in GOOD | APART)
+    planned = [c for c in result["cases"] if c["base"] in PLANNED]
+    summary = {
+        "mutants": len(result["cases"]),
+        "seconds": round(result["seconds"], 1),
+        "jobs": args.jobs,
+        "seed": args.seed,
+        "counts": dict(result["counts"]),
+        "bad": bad,
+        "code_executed": result["canary"],
+        "planned_mutants": len(planned),
+        "planned_silent_wrong": sum(c["class"] == "SILENT_WRONG" for c in planned),
+        "planned_data_mutants": sum(c["kind"] == "data" for c in planned),
+        "planned_data_detected": sum(c["kind"] == "data" and c["class"] == "CKPTQ_ERROR" for c in planned),
+        "checksum_file_mutants": sum(c["kind"] == "checksums" for c in planned),
+        "by_base": {
+            b: dict(collections.Counter(c["class"] for c in result["cases"] if c["base"] == b))
+            for b in sorted({c["base"] for c in result["cases"]})
+        },
+        "bases": {b: BASES[b] for b in sorted({c["base"] for c in result["cases"]})},
+        "machine": machine(),
+        "command": "python scripts/fuzz_checkpoints.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    }
     if args.json:
-        args.json.write_text(json.dumps({**result, "counts": dict(result["counts"])}, indent=1, default=str))
-    bad = sum(result["counts"].get(c, 0) for c in CLASSES if c not in GOOD | {"DATA_FLIP"})
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        cases = result["cases"] if args.all_cases else [c for c in result["cases"] if c["class"] not in GOOD]
+        # every case in brief ([index, base, kind, class, mutation]), the others in full
+        brief = [[c["index"], c["base"], c["kind"], c["class"], c["mutation"][:80]] for c in result["cases"]]
+        args.json.write_text(json.dumps({"summary": summary, "cases": cases, "brief": brief}, default=str))
+    if args.md:
+        args.md.parent.mkdir(parents=True, exist_ok=True)
+        m = summary["machine"]
+        args.md.write_text(
+            f"# ckptq fuzz of mutated checkpoints, {m['date']}\n\n"
+            f"Machine: {m['cpu']} ({m['cpu_count']} CPUs), Python {m['python']}, torch {m['torch']}; "
+            f"{args.jobs} jobs.\n\nCommand: `{summary['command']}`\n\n```\n{table}\n```\n\nBases:\n\n"
+            + "".join(f"* `{b}`: {d}\n" for b, d in summary["bases"].items())
+        )
     return 1 if bad or result["canary"] else 0
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _helpers import assert_same_bytes
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
@@ -45,15 +46,20 @@ def fuzz_run():
     try:
         import fuzz_checkpoints
 
-        return fuzz_checkpoints.fuzz(60, seed=20261123, workers=2, timeout=60)
+        # every base but the two saved by dcp.save on 2 gloo ranks (a process group costs CI time;
+        # the full run of the script covers them)
+        return fuzz_checkpoints.fuzz(70, seed=20261123, workers=2, timeout=60, bases_filter=CI_BASES)
     finally:
         sys.path.remove(str(SCRIPTS))
 
 
+CI_BASES = ["native1", "native2", "hp1", "hp2", "dcp_native1", "dcp_hp1", "te1"]
+
+
 def test_fuzz_subset_finds_nothing_bad(fuzz_run):
     counts = fuzz_run["counts"]
-    assert len(fuzz_run["cases"]) == 60
-    assert {c["base"] for c in fuzz_run["cases"]} == {"native1", "native2", "hp1", "hp2", "plain1", "te1"}
+    assert len(fuzz_run["cases"]) == 70
+    assert {c["base"] for c in fuzz_run["cases"]} == set(CI_BASES)
     assert not fuzz_run["canary"]
     bad = [
         c for c in fuzz_run["cases"] if c["class"] in ("CODE_EXECUTED", "HANG", "BIG_ALLOC", "UNCAUGHT", "SILENT_WRONG")
@@ -65,10 +71,19 @@ def test_fuzz_subset_finds_nothing_bad(fuzz_run):
 def test_fuzz_subset_changed_values_of_checksummed_checkpoints_are_detected(fuzz_run):
     import fuzz_checkpoints as fc
 
-    data = [c for c in fuzz_run["cases"] if c["kind"] == "data" and c["base"] in fc.CHECKSUMMED]
+    data = [c for c in fuzz_run["cases"] if c["kind"] == "data" and c["base"] in fc.PLANNED]
     assert len(data) >= 3
     assert all(c["class"] in ("CKPTQ_ERROR", "SAME") for c in data), data
     assert any(c["class"] == "CKPTQ_ERROR" and "ChecksumMismatchError" in str(c["errors"]) for c in data)
+
+
+def test_fuzz_subset_dcp_writer_bases_read_right_or_fail(fuzz_run):
+    """Checkpoints saved by DCP's own FileSystemWriter + QuantizedSavePlanner (checksums in the
+    planner's per-rank files): every mutant reads the saved values or is a ckptq error."""
+    dcp_cases = [c for c in fuzz_run["cases"] if c["base"] in ("dcp_native1", "dcp_hp1")]
+    assert len(dcp_cases) == 20
+    assert all(c["class"] in ("CKPTQ_ERROR", "SAME", "RECORD_REMOVED") for c in dcp_cases), dcp_cases
+    assert sum(c["class"] == "CKPTQ_ERROR" for c in dcp_cases) >= 15
 
 
 def test_fuzz_subset_structural_mutants_are_ckptq_errors(fuzz_run):
@@ -406,6 +421,101 @@ def test_check_storage_is_one_function(ck):
     md.state_dict_metadata["b"].chunks[0].sizes = torch.Size([65])
     with pytest.raises(CheckpointFormatError, match="outside the tensor"):
         check_storage(md, ck, files=False)
+
+
+# ------------------------------------------------ DCP's writer + ckptq's planner: the checksum file
+def _fuzz_module():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import fuzz_checkpoints
+
+        return fuzz_checkpoints
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_dcp_writer_checksum_file_missing_or_short_is_an_error(ck):
+    """``base`` was saved by DCP's FileSystemWriter: its checksums are in ``__0_0.ckptq-crc32c``,
+    which the record lists. Without it, or with a record's row gone, the checkpoint must not read
+    as one without checksums."""
+    import json
+
+    side = ck / "__0_0.ckptq-crc32c"
+    doc = json.loads(side.read_bytes())
+    side.unlink()
+    _all_paths_fail(ck, "missing; the checkpoint's metadata says rank 0 wrote")
+    dropped = next(r for r in doc["chunks"] if r[0] == "w.scale")
+    side.write_text(json.dumps({**doc, "chunks": [r for r in doc["chunks"] if r is not dropped]}))
+    _all_paths_fail(ck, r"hold no checksum for 'w.scale' \(chunk at offsets \[0, 0\]\)")
+    side.write_text(json.dumps({**doc, "chunks": doc["chunks"] + [[*dropped[:2], dropped[2] ^ 1]]}))
+    _all_paths_fail(ck, "malformed checksum file")
+
+
+def test_removing_the_checksum_table_is_a_digest_mismatch(ck):
+    """The metadata digest covers whether the record has checksums: an edit that drops them (the
+    per-rank file list of a DCP-writer save) does not leave a checkpoint that reads unverified."""
+    from ckptq.contract import CKPTQ_KEY
+
+    _edit(ck, lambda md: md.planner_data[CKPTQ_KEY].pop("checksums"), reseal=False)
+    _all_paths_fail(ck, "digest")
+
+
+@pytest.mark.parametrize("component", ["w.scale", "n.scale", "n.amax", "m4.data"])
+def test_dcp_writer_payload_flip_is_a_checksum_mismatch(ck, component):
+    """One flipped bit in a stored value (scales included) of a DCP-writer save is a
+    ChecksumMismatchError naming the entry, on every path that reads values."""
+    from ckptq.errors import ChecksumMismatchError
+
+    file, start, end, _ = next(r for r in _fuzz_module().payload_ranges(ck) if r[3] == component)
+    blob = bytearray((ck / file).read_bytes())
+    blob[(start + end) // 2] ^= 0x10
+    (ck / file).write_bytes(bytes(blob))
+    _all_paths_fail(
+        ck, f"'{component}'.*checksum mismatch", exc=ChecksumMismatchError, metadata_only=False, targets=_all_targets
+    )
+
+
+def _all_targets() -> dict:
+    """Targets for every tensor of ``base``, in its formats."""
+    x = torch.zeros(64, 64)
+    out = {k: ckptq.quantize(x, f) for k, f in (("w", "mxfp8"), ("n", "nvfp4"), ("m4", "mxfp4"))}
+    return {**{k: q.new_empty(q.shape) for k, q in out.items()}, "b": torch.zeros(64)}
+
+
+@pytest.mark.parametrize(
+    "variant,same",
+    [
+        (lambda t: t.t().contiguous().t(), True),  # a transposed view of the same values
+        (lambda t: t.clone(), True),  # re-pickled
+        (lambda t: t.t().contiguous().reshape(t.shape), False),  # the transpose's bytes
+        (lambda t: t.flip(0), False),
+    ],
+)
+def test_dcp_writer_replaced_record_reads_its_values_or_fails(ck, base, variant, same):
+    """A record replaced by another ``torch.save`` of the chunk's dtype and shape: the same values
+    in another storage layout read the saved values; other values are a ChecksumMismatchError."""
+    import io
+
+    from ckptq.errors import ChecksumMismatchError
+
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    key = next(k for k in md.storage_data if k.fqn == "w.data")
+    info = md.storage_data[key]
+    t = torch.load(io.BytesIO((ck / info.relative_path).read_bytes()[info.offset : info.offset + info.length]))
+    buf = io.BytesIO()
+    torch.save(variant(t), buf)
+    with open(ck / info.relative_path, "ab") as f:
+        info.offset, info.length = f.tell(), len(buf.getvalue())
+        f.write(buf.getvalue())
+    (ck / ".metadata").write_bytes(pickle.dumps(md))  # the storage locations are outside the digest
+    if same:
+        got, want = _targets(), _targets()
+        _load(ck, got)
+        _load(base, want)
+        for a, b in ((got["w"], want["w"]), (CheckpointView(ck).read("w"), CheckpointView(base).read("w"))):
+            assert_same_bytes(a.components()["data"], b.components()["data"], "w.data")
+    else:
+        _all_paths_fail(ck, "'w.data'.*checksum mismatch", exc=ChecksumMismatchError, metadata_only=False)
 
 
 def test_valid_checkpoints_still_read(base, tmp_path):

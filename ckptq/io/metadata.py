@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..checksums import checksum_key
 from ..contract import (
     Entry,
     check_digest,
@@ -114,7 +115,9 @@ def validate_metadata(
     # Last, the edits that passed every check above: the digest, over the metadata as read.
     check_digest(raw, where=source)
     if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
-        metadata = dataclasses.replace(metadata, planner_data=merge_sidecar_checksums(metadata.planner_data, root))
+        records = [checksum_key(k) for k, v in metadata.storage_data.items() if not isinstance(v, ForeignLocation)]
+        planner_data = merge_sidecar_checksums(metadata.planner_data, root, records)
+        metadata = dataclasses.replace(metadata, planner_data=planner_data)
     mark_verified(metadata)
     return metadata, entries
 

@@ -362,7 +362,8 @@ def _verify_metadata(metadata: Any) -> Any:
     if sidecar_ranks(metadata.planner_data) is None:
         return metadata
     try:
-        planner_data = merge_sidecar_checksums(metadata.planner_data, where)
+        records = [checksum_key(k) for k in (metadata.storage_data or {})]
+        planner_data = merge_sidecar_checksums(metadata.planner_data, where, records)
     except CheckpointFormatError as e:
         logger.warning("ckptq: %s; its data is loaded unverified (load it with ckptq.io.SafeFileSystemReader)", e)
         return metadata
