@@ -526,6 +526,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
                 plain[-1].append(dataclasses.replace(r, storage_data=info))
         if sums or sidecar_ranks(metadata.planner_data) is not None:  # the table replaces the planner's files
             metadata.planner_data = with_checksums(metadata.planner_data, sums)
+            with_digest(metadata)  # the record now has a checksum table: the digest covers that
         super().finish(metadata, plain)
 
 
