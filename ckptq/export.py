@@ -43,6 +43,7 @@ from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
+from .io.device import device_scope, prefetch, resolve_device, to_host
 from .io.writer import check_destination, commit_dir, staging_dir
 from .metrics import sqnr_db
 
@@ -221,17 +222,25 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
-def _values(view, it: _ExportEntry, consumer: _Consumer):
-    x = view.read(it.fqn)
+def _computes(it: _ExportEntry, x: Any) -> bool:
+    """Whether :func:`_values` runs kernels on ``x`` (dequantizes or quantizes it): worth the device."""
+    if it.kind == "tensor":
+        return not callable(it.fm) and isinstance(x, QuantizedTensor)
+    return it.requant
+
+
+def _values(x, it: _ExportEntry, consumer: _Consumer):
+    """The layout's tensors of entry ``it`` from its source value ``x`` (on the host, or on the CUDA
+    device of ``--device`` where :func:`_computes`: the kernels run there, the results come back)."""
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
-        return {it.out_names[0][0]: it.fm(x)}, {}, {}
+        return {it.out_names[0][0]: it.fm(to_host(x))}, {}, {}
     if it.kind == "tensor":
         dtype = it.out_names[0][1]
         if isinstance(x, QuantizedTensor):
-            return {it.out_names[0][0]: x.dequantize(dtype)}, {}, {}
+            return {it.out_names[0][0]: to_host(x.dequantize(dtype))}, {}, {}
         return {it.out_names[0][0]: x if x.dtype == dtype else x.to(dtype)}, {}, {}
     if it.requant:
-        x = requantize(x, it.fmt, **_recipe_options(it.recipe))
+        x = to_host(requantize(x, it.fmt, **_recipe_options(it.recipe)))
     recipe = {**_default_recipe(it.fmt), **x._recipe_to_json(x.recipe)}
     stored = {} if it.requant else it.stored
     out = hf.export_tensors(it.fm, it.module, x, stored)
@@ -383,6 +392,7 @@ def export_checkpoint(
     on_inexact: str = "refuse",
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
+    device: str | torch.device | None = "auto",
 ) -> dict:
     """Write checkpoint ``src`` as a Hugging Face safetensors folder ``dst`` in ``layout``.
 
@@ -418,6 +428,11 @@ def export_checkpoint(
             ``"keep"`` (write it; the difference is reported). See docs/producers.md.
         overwrite: replace an existing ``dst``.
         progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
+        device: where requantizing and dequantizing run: ``"auto"`` (a CUDA device when one is there
+            and ckptq's CUDA kernels are built, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            (:func:`ckptq.io.device.resolve_device`). The next tensor is read on a thread meanwhile
+            (:func:`ckptq.io.device.prefetch`); tensors written as they are stay on the host. The
+            same bytes on every device.
 
     Returns:
         ``{"path", "layout", "files", "bytes", "tensors", "quantized": {fqn: format}, "requantized":
@@ -425,10 +440,11 @@ def export_checkpoint(
         layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...], "config_from":
         where the model config came from, "consumer": {"loaders", "dtype", "on_inexact", "differs": {fqn:
         {"elements", "max_abs_diff", "requantize_sqnr_db"}}, "unloadable": {fqn: why}, "requantized_sqnr_db":
-        {fqn: dB}}}``.
+        {fqn: dB}}, "device": where the kernels ran}``.
 
     Raises:
-        UsageError: an unknown layout or format, a size or rename rule that does not parse.
+        UsageError: an unknown layout or format, a size or rename rule that does not parse, a
+            ``device`` that cannot be used.
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix), or the
             consumer's default loader would decode differently and ``on_inexact`` is ``"refuse"``.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
@@ -438,6 +454,7 @@ def export_checkpoint(
         if format is not None:
             raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
         return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
+    dev = resolve_device(device)
     lay = _parse_layout(layout)
     fmt = _parse_format(lay, format)
     if on_inexact not in ON_INEXACT:
@@ -464,18 +481,22 @@ def export_checkpoint(
         from tqdm import tqdm
 
         with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False) as bar:
-            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update)
+            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, dev)
     else:
-        result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None)
-    return {**result, "config_from": config_from, "consumer": consumer.report()}
+        result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, dev)
+    return {**result, "config_from": config_from, "consumer": consumer.report(), "device": str(dev)}
 
 
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress) -> dict:
+def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress, device) -> dict:
     tmp = staging_dir(dst)
     weight_map: dict[str, str] = {}
     numerics: dict[str, int] = {}
     files = []
     written = 0
+    # the next tensor is read on a thread while this one is computed (on `device`) and written
+    stream = prefetch(
+        [it for shard in shards for it in shard], lambda it: view.read(it.fqn), device=device, wants_device=_computes
+    )
     try:
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
@@ -497,7 +518,11 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
             with open(tmp / fname, "wb", buffering=0) as f:
                 f.write(header)
                 for it in shard:
-                    tensors, meta, info = _values(view, it, consumer)
+                    read_it, x = next(stream)
+                    assert read_it is it
+                    with device_scope(device):
+                        tensors, meta, info = _values(x, it, consumer)
+                    del x
                     for name, dtype, shape in it.out_names:
                         t = tensors[name]
                         if t.dtype != dtype or tuple(t.shape) != tuple(shape):
@@ -548,6 +573,8 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        stream.close()
     commit_dir(tmp, dst)
     return {
         "path": str(dst),
@@ -663,6 +690,7 @@ def export_flattened(
         "numerics": numerics,
         "config_files": [],
         "config_from": "none (torchao's safetensors form has no config.json)",
+        "device": "cpu",  # nothing is computed: the tensors are flattened as they are
         "consumer": {
             "loaders": hf.CONSUMERS.get(adapter.producer, adapter.producer),
             "dtype": None,

@@ -18,7 +18,7 @@ from ..formats.base import QuantizedTensor, slice_box
 from ..metrics import sqnr_db
 from .plan import TensorJob
 
-__all__ = ["materialize"]
+__all__ = ["materialize", "read_source", "computes", "transform"]
 
 
 def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None) -> tuple[Any, float | None]:
@@ -26,9 +26,16 @@ def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None
     values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
     the seconds spent reading the sources."""
     t0 = time.perf_counter()
-    parts = [view.read(e.fqn) for e in job.sources]
+    src = read_source(view, job)
     if timing is not None:
         timing["read"] = timing.get("read", 0.0) + time.perf_counter() - t0
+    return transform(src, job)
+
+
+def read_source(view: CheckpointView, job: TensorJob) -> Any:
+    """The job's source tensor, whole, on the host: its one source, or the stack of its grouped
+    members, or member ``job.member`` of a stacked source (byte moves only; nothing is computed)."""
+    parts = [view.read(e.fqn) for e in job.sources]
     if len(parts) > 1:  # grouped stack: per-member components gain a leading batch dim
         if isinstance(parts[0], QuantizedTensor):
             q0 = parts[0]
@@ -46,6 +53,25 @@ def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None
             src = type(sub)({k: v[0] for k, v in sub._components.items()}, tuple(src.shape[1:]), src.dtype, src.recipe)
         else:
             src = src[i]
+    return src
+
+
+def computes(job: TensorJob, src: Any) -> bool:
+    """Whether :func:`transform` runs kernels on ``src`` (re-encodes or dequantizes it), i.e. whether
+    it is worth moving to a compute device; False where its bytes are kept (a cast of a plain
+    tensor is not counted: it stays on the host)."""
+    if not isinstance(src, QuantizedTensor):
+        return False
+    if job.out != "quantized":
+        return True
+    cls = format_class(job.out_format)
+    return not (isinstance(src, cls) and src.recipe == cls._recipe_from_json(job.out_recipe))
+
+
+def transform(src: Any, job: TensorJob) -> tuple[Any, float | None]:
+    """``src`` (from :func:`read_source`, on any device) as the job's output tensor (on the same
+    device), plus the SQNR (dB) of its values against the source's when it was re-encoded (else
+    None). The kernels of ``src``'s device run (:mod:`ckptq.ops`: the same bytes on every backend)."""
     if job.out == "quantized":
         cls = format_class(job.out_format)
         recipe = cls._recipe_from_json(job.out_recipe)
