@@ -3,7 +3,8 @@
 Each job's records get their slots first (:mod:`ckptq.io.pipeline`: target file, byte offset and
 length from dtypes and shapes alone), and each job is decided once as copied (its bytes are the
 source's: target boxes read by byte range, or whole saved chunks copied file to file) or computed
-(:func:`ckptq.reshard.transform.materialize`, then cut into its records). Records go through a
+(its source read whole on a thread, :func:`ckptq.reshard.transform.transform` on the CPU or a CUDA
+device, then cut into its records). Records go through a
 :class:`~ckptq.io.pipeline.WriterThread` into a staging directory renamed into place when complete
 (:func:`ckptq.distributed.prepare_write_commit`: alone, or with the jobs split over the processes
 of a ``torch.distributed`` job).

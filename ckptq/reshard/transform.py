@@ -1,13 +1,14 @@
 """Whole-tensor transformation of a job whose bytes change: read, stack/split, re-encode or dequantize.
 
 Only jobs that cannot be copied by byte range come here (:mod:`ckptq.reshard.run`): each reads its
-source tensor(s) whole, so peak memory is about one source tensor plus its transformed copy.
+source tensor(s) whole (:func:`read_source`, on the reader thread of :func:`ckptq.io.device.prefetch`)
+and :func:`transform` computes the output on the device the source was moved to, so peak memory is
+about two source tensors (this one and the next, read meanwhile) plus a transformed copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
@@ -18,18 +19,7 @@ from ..formats.base import QuantizedTensor, slice_box
 from ..metrics import sqnr_db
 from .plan import TensorJob
 
-__all__ = ["materialize", "read_source", "computes", "transform"]
-
-
-def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None) -> tuple[Any, float | None]:
-    """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
-    values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
-    the seconds spent reading the sources."""
-    t0 = time.perf_counter()
-    src = read_source(view, job)
-    if timing is not None:
-        timing["read"] = timing.get("read", 0.0) + time.perf_counter() - t0
-    return transform(src, job)
+__all__ = ["read_source", "computes", "transform"]
 
 
 def read_source(view: CheckpointView, job: TensorJob) -> Any:
