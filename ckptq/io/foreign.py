@@ -53,7 +53,7 @@ from ..contract import (
     saved_world_size,
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
-from .record_check import check_record_header
+from .record_check import Window, check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
 
@@ -95,8 +95,10 @@ def _versions() -> str:
     return "; ".join(f"{a.producer}: {a.pickle_versions}" for a in adapters.registered() if a.pickle_versions)
 
 
-def load_record(blob: bytes, *, source: str) -> Any:
-    """Unpickle one DCP data record (a ``torch.save`` archive) without running its code.
+def load_record(blob: bytes | Any, *, source: str) -> Any:
+    """Unpickle one DCP data record (a ``torch.save`` archive: its bytes, or a seekable file of
+    them such as :func:`_open_record`'s window, from which torch reads the storages in place)
+    without running its code.
 
     torch's ``weights_only`` unpickler resolves torch's own tensor types; the foreign globals the
     registered adapters declare resolve to ckptq stand-ins (TE's reconstructors build a payload
@@ -106,11 +108,12 @@ def load_record(blob: bytes, *, source: str) -> Any:
         UnsafeCheckpointError: the record references a global nobody declared (named).
         CheckpointFormatError: the record is truncated or corrupt.
     """
-    check_record_header(io.BytesIO(blob), source)  # the pickle's CRC-32: a flipped flag is an error
+    stream = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else blob
+    check_record_header(stream, source)  # the pickle's CRC-32: a flipped flag is an error
     globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
     try:
         with _only_ours(globs):
-            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"global '{found.group(1)}' is not one ckptq maps" if found else str(e).strip().splitlines()[-1]
@@ -146,8 +149,17 @@ def _only_ours(globs: list):
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
     """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
     location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
+    with _open_record(root, info) as w:
+        return w.read(w.size if length is None else min(length, w.size))
+
+
+@contextlib.contextmanager
+def _open_record(root: Path, info: Any):
+    """The record at ``info`` as a seekable file (a :class:`~ckptq.io.record_check.Window` of its
+    data file, read with ``preadv`` straight into the reader's buffers), after checking that it lies
+    inside the file (a location beyond it is a CheckpointFormatError, not an allocation)."""
     path = root / str(info.relative_path)
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         start, want = int(info.offset), int(info.length)
         if start < 0 or want < 0 or start + want > size:
@@ -155,8 +167,9 @@ def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
                 f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the "
                 f"file's {size} bytes; the file is truncated or the metadata corrupt: restore them or re-save"
             )
-        f.seek(start)
-        return f.read(want if length is None else min(length, want))
+        with contextlib.suppress(OSError, AttributeError):  # read once, in order
+            os.posix_fadvise(f.fileno(), start, want, os.POSIX_FADV_SEQUENTIAL)
+        yield Window(f, start, want)
 
 
 def _per_tensor(qt) -> dict:
@@ -199,7 +212,8 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
             continue  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):
             continue
-        payload = load_record(_read_bytes(root, info), source=f"{root}: '{fqn}'")
+        with _open_record(root, info) as rec_file:
+            payload = load_record(rec_file, source=f"{root}: '{fqn}'")
         adapter = adapters.adapter_for(payload)
         if adapter is None:
             continue  # a plain tensor after all
@@ -296,7 +310,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
         where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
         if exp.format is None:
             raise CkptqError(exp.problem)
-        payload = load_record(_read_bytes(root, loc0), source=where)
+        with _open_record(root, loc0) as rec_file:
+            payload = load_record(rec_file, source=where)
         adapter = adapters.adapter_for(payload)
         if adapter is None:
             raise CheckpointFormatError(
