@@ -153,16 +153,26 @@ def main() -> None:
         devices.remove("cuda")
     dst = work / "out"
 
-    def read_all(src):
+    def read_all(src, piece=None):
         def run(device):
-            view = open_checkpoint(src)
-            for e in view.entries():
-                if e.kind != "bytes":
-                    view.read(e.fqn)
-            if hasattr(view, "close"):
-                view.close()
+            import ckptq.checkpoint as cp
+
+            saved = cp.READ_PIECE
+            cp.READ_PIECE = piece or saved  # a piece larger than any chunk: one preadv per run of bytes
+            try:
+                read(src)
+            finally:
+                cp.READ_PIECE = saved
 
         return run
+
+    def read(src):
+        view = open_checkpoint(src)
+        for e in view.entries():
+            if e.kind != "bytes":
+                view.read(e.fqn)
+        if hasattr(view, "close"):
+            view.close()
 
     def reshard(src, **kw):
         return lambda device: ckptq.reshard_checkpoint(src, dst, overwrite=True, device=device, **kw)
@@ -175,6 +185,7 @@ def main() -> None:
     cases = [  # name, source, function, runs on the GPU
         ("read TE source (open + read every entry)", te_src, read_all(te_src), False),
         ("read native source (open + read every entry)", native, read_all(native), False),
+        ("read native source, one thread per read", native, read_all(native, piece=1 << 62), False),
         ("convert TE -> nvfp4", te_src, reshard(te_src, to="nvfp4"), True),
         ("export native -> modelopt nvfp4", native, export(layout="modelopt", format="nvfp4"), True),
         ("export native -> bf16 (compressed-tensors)", native, export(layout="compressed-tensors", ignore=["*"]), True),

@@ -183,3 +183,34 @@ def test_export_cuda_same_bytes_as_cpu(src, tmp_path, layout, kwargs):
     gpu = export_checkpoint(src, tmp_path / "gpu", device="cuda", **common)
     assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
     assert_same_dirs(tmp_path / "cpu", tmp_path / "gpu")
+
+
+# ---------------------------------------------------------------------------------- parallel reads
+def test_read_in_pieces_same_bytes_and_checked(src, tmp_path, monkeypatch):
+    """Long runs of bytes are read in pieces on threads and hashed in order: the same tensors, and a
+    flipped byte in the middle of a chunk is still a checksum error."""
+    import shutil
+
+    import ckptq.checkpoint as cp
+    from ckptq.errors import ChecksumMismatchError
+
+    whole = {e.fqn: open_checkpoint(src).read(e.fqn) for e in open_checkpoint(src).entries() if e.kind != "bytes"}
+    monkeypatch.setattr(cp, "READ_PIECE", 1000)  # every run of >= 2000 bytes goes through the pool
+    view = open_checkpoint(src)
+    for fqn, want in whole.items():
+        got = view.read(fqn)
+        if isinstance(want, torch.Tensor) and not hasattr(want, "FORMAT"):
+            assert_same_bytes(got, want, fqn)
+        else:
+            assert_same_components(got, want, fqn)
+    assert cp._read_pool is not None  # the pieces went through the threads
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    chunk = open_checkpoint(bad).saved_chunks("layers.0.q_proj.weight.data")[0]
+    with open(bad / chunk.file, "r+b") as f:
+        f.seek(chunk.payload + 30_000)  # the 31st piece of the 64 KiB payload
+        b = f.read(1)
+        f.seek(chunk.payload + 30_000)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(ChecksumMismatchError):
+        open_checkpoint(bad).read("layers.0.q_proj.weight")
