@@ -46,7 +46,8 @@ def _cuda_ready() -> tuple[bool, str]:
 
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """The device ``--device`` names: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` (must be usable: a CUDA
-    device and ckptq's CUDA kernels loaded), or ``"auto"`` / None (``cuda`` when it is usable, else ``cpu``).
+    device and ckptq's CUDA kernels loaded), or ``"auto"`` / None (``cuda`` when it is usable, else
+    ``cpu``). A CUDA device comes back with its index (``cuda`` and ``auto``: the current device).
 
     Raises:
         UsageError: an unknown spelling, or a CUDA device that cannot be used (the reason and the fix).
@@ -55,7 +56,7 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         spec = str(spec)
     text = (spec or "auto").strip().lower()
     if text == "auto":
-        return torch.device("cuda") if _cuda_ready()[0] else torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if _cuda_ready()[0] else torch.device("cpu")
     if text == "cpu":
         return torch.device("cpu")
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
@@ -63,7 +64,9 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
         if not ok:
             raise UsageError(f"--device {text}: the CUDA kernels cannot run here ({why}); use --device cpu or auto")
         dev = torch.device(text)
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
+        if dev.index is None:  # the current device, named (torch.cuda.set_device needs an index)
+            return torch.device("cuda", torch.cuda.current_device())
+        if dev.index >= torch.cuda.device_count():
             raise UsageError(
                 f"--device {text}: there are {torch.cuda.device_count()} CUDA device(s) (cuda:0.."
                 f"cuda:{torch.cuda.device_count() - 1})"
