@@ -376,7 +376,7 @@ def _execute(
             wants_device=lambda work, value: work[0].out != "bytes" and transform.computes(work[0], value),
             stats=stats,
         )
-        with device_scope(device):
+        with contextlib.closing(stream), device_scope(device):  # closing: the reader thread stops on an error
             for (job, outs), value in stream:
                 _write_job(view, job, outs, value, pipe, state, progress)
         state.whole_read_s += stats.read_s
