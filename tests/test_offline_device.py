@@ -53,6 +53,9 @@ def test_resolve_device():
     want = "cuda" if torch.cuda.is_available() and ckptq.ops.backend_name("cuda") == "cuda" else "cpu"
     assert resolve_device("auto").type == want
     assert resolve_device(None).type == want
+    for forced in ("cpu", "reference"):  # a forced CPU-side backend keeps auto on the CPU
+        with ckptq.ops.force(forced):
+            assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(UsageError, match="--device"):
         resolve_device("tpu")
     with pytest.raises(UsageError, match="--device"):

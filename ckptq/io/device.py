@@ -46,8 +46,9 @@ def _cuda_ready() -> tuple[bool, str]:
 
 def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     """The device ``--device`` names: ``"cpu"``, ``"cuda"`` / ``"cuda:N"`` (must be usable: a CUDA
-    device and ckptq's CUDA kernels loaded), or ``"auto"`` / None (``cuda`` when it is usable, else
-    ``cpu``). A CUDA device comes back with its index (``cuda`` and ``auto``: the current device).
+    device and ckptq's CUDA kernels loaded), or ``"auto"`` / None (``cuda`` when it is usable and
+    ``CKPTQ_BACKEND`` forces no other backend, else ``cpu``). A CUDA device comes back with its index
+    (``cuda`` and ``auto``: the current device).
 
     Raises:
         UsageError: an unknown spelling, or a CUDA device that cannot be used (the reason and the fix).
@@ -55,8 +56,12 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     if isinstance(spec, torch.device):
         spec = str(spec)
     text = (spec or "auto").strip().lower()
-    if text == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if _cuda_ready()[0] else torch.device("cpu")
+    if text == "auto":  # a CKPTQ_BACKEND forcing cpu or reference keeps the work on the CPU
+        from ..ops import _backends
+
+        if _backends.forced() in (None, "cuda") and _cuda_ready()[0]:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     if text == "cpu":
         return torch.device("cpu")
     if text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
