@@ -47,6 +47,11 @@ STAGING_BYTES = 1 << 20
 #: single sequential stream's readahead alone does not give it) and hashed in order as they arrive.
 READ_PIECE = 8 << 20
 READ_THREADS = 4
+
+#: Bytes past a read that the kernel is asked to fetch meanwhile (``posix_fadvise(WILLNEED)``, a
+#: window moved along as the reads go): the disk has requests queued while the bytes before are
+#: copied and hashed, and the next records' small framing reads find their pages in the cache.
+READ_AHEAD = 64 << 20
 _read_pool: Any = None
 
 
@@ -106,6 +111,7 @@ class CheckpointView(EntryTable):
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
         self._fds: dict[str, int] = {}
+        self._advised: dict[str, int] = {}  # data file -> end of the range asked for (READ_AHEAD)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
 
@@ -191,6 +197,9 @@ class CheckpointView(EntryTable):
         if key in self._saved:
             return self._saved[key]
         from .io.records import locate_payload
+
+        if not self._saved:
+            self._advise_framing()
 
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
@@ -320,6 +329,7 @@ class CheckpointView(EntryTable):
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        self._advised.clear()
         self._staging = None
 
     def _fd(self, rel: str) -> int:
@@ -337,6 +347,7 @@ class CheckpointView(EntryTable):
         (in order) as soon as it is in while the later ones are still being read."""
         global _read_pool
         n = len(into)
+        self._read_ahead(c.file, c.payload + at)
         if n < 2 * READ_PIECE:
             self._pread_range(c, into, at)
             return checksum(into) if hashed else None
@@ -360,6 +371,39 @@ class CheckpointView(EntryTable):
                 if not f.cancelled():
                     f.exception()
         return running if hashed else None
+
+    def _advise_framing(self) -> None:
+        """Ask the kernel to fetch the first and last 64 KiB of every record (the ``torch.save``
+        framing :meth:`saved_chunks` checks: the pickle at the start, the zip directory at the end)
+        at once, so those small reads do not wait for the disk one after the other. Advice only."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        edge = 1 << 16
+        for info in (self.metadata.storage_data or {}).values():
+            rel = getattr(info, "relative_path", None)
+            if rel is None or isinstance(info, ForeignLocation):
+                continue
+            start, length = int(info.offset), int(info.length)
+            try:
+                fd = self._fd(str(rel))
+                os.posix_fadvise(fd, start, min(edge, length), os.POSIX_FADV_WILLNEED)
+                if length > edge:
+                    os.posix_fadvise(fd, start + length - edge, edge, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    def _read_ahead(self, rel: str, pos: int) -> None:
+        """Ask the kernel to fetch data file ``rel`` from ``pos`` to ``pos + READ_AHEAD`` (the part not
+        asked for yet; only once the window has half run out). Advice only: errors are ignored."""
+        end = self._advised.get(rel, 0)
+        if not hasattr(os, "posix_fadvise") or pos + READ_AHEAD // 2 < end:
+            return
+        begin = max(pos, end)
+        try:
+            os.posix_fadvise(self._fd(rel), begin, pos + READ_AHEAD - begin, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+        self._advised[rel] = pos + READ_AHEAD
 
     def _pread_range(self, c: SavedChunk, into: memoryview, at: int) -> None:
         """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at`` (one thread)."""
