@@ -53,6 +53,7 @@ from ..contract import (
     saved_world_size,
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
+from .device import prefetch
 from .record_check import Window, check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
@@ -200,20 +201,32 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     new_storage = dict(storage)
     descriptors = dict(record["tensors"])
     found = 0
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or not md.chunks:
-            continue
-        info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
-        if info is None or not hasattr(info, "relative_path"):
-            continue
+
+    def first_records():
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or not md.chunks:
+                continue
+            info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
+            if info is not None and hasattr(info, "relative_path"):
+                yield fqn, md, info
+
+    def load_first(item) -> Any:
+        """The unpickled first record of a tensor whose first bytes name a producer, else None."""
+        fqn, _, info = item
         try:
             head = _read_bytes(root, info, _PEEK)
         except (OSError, CheckpointFormatError):
-            continue  # a missing or short data file: the storage check names it
+            return None  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):
-            continue
+            return None
         with _open_record(root, info) as rec_file:
-            payload = load_record(rec_file, source=f"{root}: '{fqn}'")
+            return load_record(rec_file, source=f"{root}: '{fqn}'")
+
+    # the next record is read and unpickled on a thread while this one is converted and checked (an
+    # error below leaves the generator to the garbage collector, whose close() stops that thread)
+    for (fqn, md, _info), payload in prefetch(first_records(), load_first, device=torch.device("cpu"), depth=2):
+        if payload is None:
+            continue
         adapter = adapters.adapter_for(payload)
         if adapter is None:
             continue  # a plain tensor after all
