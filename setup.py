@@ -60,7 +60,7 @@ def _extensions():
     exts = [
         ce.CppExtension(
             "ckptq._C",
-            sources=[os.path.join(CSRC, "requantize_cpu.cpp")],
+            sources=[os.path.join(CSRC, "requantize_cpu.cpp"), os.path.join(CSRC, "crc32c_cpu.cpp")],
             include_dirs=[os.path.join(ROOT, CSRC)],
             extra_compile_args={"cxx": cxx + omp},
             extra_link_args=omp,

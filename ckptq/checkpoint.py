@@ -31,7 +31,7 @@ from .contract import Entry, EntryTable, fold_entries, read_checksums, read_reco
 from .errors import CheckpointFormatError
 from .formats import from_components
 from .formats.base import QuantizedTensor
-from .io import safetensors, torchsave
+from .io import safetensors, storage, torchsave
 from .io.foreign import ForeignLocation
 from .io.metadata import METADATA_FILE
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
@@ -89,7 +89,8 @@ class CheckpointView(EntryTable):
     """Read-only logical view of a DCP checkpoint directory (a :class:`ckptq.io.source.CheckpointSource`).
 
     Args:
-        path: the checkpoint directory.
+        path: the checkpoint directory, or an fsspec URL of one (``s3://bucket/prefix``; records
+            are then read by byte range, never the whole object: :mod:`ckptq.io.storage`).
         metadata: use this already-read ``Metadata`` (planning from metadata alone; reads of
             tensor data still go to ``path``). It must be one :func:`ckptq.io.read_metadata` or
             ``SafeFileSystemReader`` returned: those checked it (:func:`ckptq.io.check_storage`)
@@ -102,7 +103,7 @@ class CheckpointView(EntryTable):
     source = "dcp"
 
     def __init__(self, path: PathLike, *, metadata: Metadata | None = None):
-        self.path = Path(path)
+        self.path: Any = storage.location(path) if storage.is_url(path) else Path(path)
         if metadata is None:  # the reader validated the entries as it read the metadata
             self.metadata, self._entries = read_metadata_and_entries(self.path)
         else:
@@ -110,8 +111,8 @@ class CheckpointView(EntryTable):
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
-        self._fds: dict[str, int] = {}
-        self._advised: dict[str, int] = {}  # data file -> end of the range asked for (READ_AHEAD)
+        self._ranges = storage.RangeReader(self.path)
+        self._advised: dict[str, int] = {}  # local data file -> end of the range asked for (READ_AHEAD)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
 
@@ -121,11 +122,11 @@ class CheckpointView(EntryTable):
         return saved_world_size(self.metadata)[0]
 
     @property
-    def files(self) -> list[Path]:
-        """The data files the metadata names (sorted)."""
-        storage = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
-        rels = {str(getattr(i, "relative_path", "")) for i in storage.values()} - {""}
-        return [self.path / rel for rel in sorted(rels)]
+    def files(self) -> list[Any]:
+        """The data files the metadata names (sorted; ``Path`` s, or URL strings)."""
+        locations = self.metadata.storage_data if isinstance(self.metadata.storage_data, Mapping) else {}
+        rels = {str(getattr(i, "relative_path", "")) for i in locations.values()} - {""}
+        return [storage.join(self.path, rel) for rel in sorted(rels)]
 
     def entries_in_order(self) -> dict[str, Entry]:
         """The logical entries in the checkpoint's entry order (FQN -> entry), as
@@ -164,7 +165,7 @@ class CheckpointView(EntryTable):
         info = (self.metadata.storage_data or {}).get(MetadataIndex(fqn))
         if info is None or not hasattr(info, "relative_path"):
             raise CheckpointFormatError(f"{self.path}: no storage location for '{fqn}'")
-        with open(self.path / info.relative_path, "rb") as f:
+        with self._record_file(str(info.relative_path)) as f:
             f.seek(info.offset)
             blob = f.read(info.length)
         descriptors = getattr(info, "transform_descriptors", None)
@@ -220,7 +221,7 @@ class CheckpointView(EntryTable):
                 f"{start}..{start + length}"
             )
             try:
-                with open(self.path / rel, "rb") as f:
+                with self._record_file(str(rel)) as f:
                     at = locate_payload(f, start, length, where, md.properties.dtype, tuple(c.sizes))
             except OSError as e:
                 raise CheckpointFormatError(
@@ -320,23 +321,38 @@ class CheckpointView(EntryTable):
             self._verify(c, running)
         return running, (c.crc32 if c.crc32 is not None else crc)
 
+    @property
+    def local(self) -> bool:
+        """Whether the data files are local (have file descriptors: :meth:`data_fd`), not an object store's."""
+        return not self._ranges.remote
+
     def data_fd(self, c: SavedChunk) -> int:
-        """A read-only file descriptor of ``c``'s data file (open until :meth:`close`)."""
+        """A read-only file descriptor of ``c``'s data file (open until :meth:`close`; local
+        checkpoints only: :attr:`local`)."""
         return self._fd(c.file)
 
     def close(self) -> None:
         """Close the data files :meth:`read_box` opened (it reopens them when called again)."""
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        self._ranges.close()
         self._advised.clear()
         self._staging = None
 
+    def _record_file(self, rel: str) -> Any:
+        """A context manager giving data file ``rel`` open for reading (remote: the shared handle,
+        left open; local: a new file object, closed on exit)."""
+        if self._ranges.remote:
+            import contextlib
+
+            return contextlib.nullcontext(self._ranges.handle(rel))
+        return open(self.path / rel, "rb")
+
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
-            if hasattr(os, "posix_fadvise"):  # read front to back: the kernel's larger readahead window
+        """The descriptor of local data file ``rel`` (:meth:`data_fd`), advised SEQUENTIAL when first
+        opened (the kernel's larger readahead window: records are read front to back)."""
+        fd = self._ranges.fd(rel)
+        if rel not in self._advised:
+            self._advised[rel] = 0
+            if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         return fd
 
@@ -347,8 +363,9 @@ class CheckpointView(EntryTable):
         (in order) as soon as it is in while the later ones are still being read."""
         global _read_pool
         n = len(into)
-        self._read_ahead(c.file, c.payload + at)
-        if n < 2 * READ_PIECE:
+        if self.local:
+            self._read_ahead(c.file, c.payload + at)
+        if n < 2 * READ_PIECE or not self.local:  # object stores: one ranged GET
             self._pread_range(c, into, at)
             return checksum(into) if hashed else None
         if _read_pool is None:
@@ -376,7 +393,7 @@ class CheckpointView(EntryTable):
         """Ask the kernel to fetch the first and last 64 KiB of every record (the ``torch.save``
         framing :meth:`saved_chunks` checks: the pickle at the start, the zip directory at the end)
         at once, so those small reads do not wait for the disk one after the other. Advice only."""
-        if not hasattr(os, "posix_fadvise"):
+        if not hasattr(os, "posix_fadvise") or not self.local:
             return
         edge = 1 << 16
         for info in (self.metadata.storage_data or {}).values():
@@ -407,11 +424,11 @@ class CheckpointView(EntryTable):
 
     def _pread_range(self, c: SavedChunk, into: memoryview, at: int) -> None:
         """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at`` (one thread)."""
-        fd, pos, n = self._fd(c.file), c.payload + at, len(into)
+        pos, n = c.payload + at, len(into)
         done = 0
         try:
             while done < n:
-                got = os.preadv(fd, [into[done:]], pos + done)
+                got = self._ranges.readinto(c.file, into[done:], pos + done)
                 if got <= 0:
                     raise CheckpointFormatError(
                         f"{c.where}: the data file ends inside the record; it is truncated: restore it or re-save"
@@ -564,6 +581,9 @@ def open_checkpoint(path: PathLike) -> CheckpointSource:
         CheckpointFormatError: nothing recognizes ``path`` (names what was tried), or it is
             malformed; UnsafeCheckpointError: it would run code.
     """
+    if storage.is_url(path):  # object stores: DCP checkpoints (the other sources read local files)
+        url = str(storage.location(path))
+        return CheckpointView(storage.parent_of(url) if storage.name_of(url) == METADATA_FILE else url)
     p = Path(path)
     refuse_data_file(p)
     for kind in _SOURCES:

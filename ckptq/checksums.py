@@ -15,6 +15,11 @@ The algorithm was chosen by measurement on the 2-core development VM (AMD EPYC, 
 one thread): ``crc32c`` (the PyPI package, SSE4.2 / ARMv8 CRC instructions) 5.8-11.6 GB/s,
 ``xxh3_64`` 5.3 GB/s, ``xxh64`` 3.1 GB/s; ``crc32c`` can release the GIL, so :class:`Hasher` hashes
 on a second thread while the writer writes (see docs/benchmarks.md, "Checksums", for its cost in a save).
+
+CUDA tensors are hashed on their GPU by the ``ckptq::crc32c`` kernel (:func:`ckptq.ops.crc32c`:
+pieces of the byte range hashed by separate threads and joined with :func:`combine`'s arithmetic),
+so a checksum costs no copy of the data to the host; without the kernel (extension not built) a
+CUDA tensor is copied to the host and hashed there, as before.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ __all__ = [
     "write_sidecar",
     "read_sidecar",
     "PlanHasher",
+    "combine",
 ]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
@@ -71,9 +77,14 @@ def checksum(data: torch.Tensor | bytes | bytearray | memoryview, value: int = 0
     in parts hashes to the checksum of the whole.
 
     ``torch.uint8`` views are used, so every dtype (bf16, float8, packed fp4 in uint8) hashes its
-    stored bytes. Little-endian hosts only (as every platform torch supports today)."""
+    stored bytes. Little-endian hosts only (as every platform torch supports today). A CUDA tensor
+    is hashed on its GPU where the kernel is built (the same value; waits for it)."""
     import crc32c
 
+    if isinstance(data, torch.Tensor) and data.device.type == "cuda":
+        pending = _on_device(data, value)
+        if pending is not None:
+            return pending()
     view = payload(data)
     # gil_release_mode=1: release the GIL (the package's default keeps it, measured here: two threads
     # hashing 64 MiB each took 10.0 ms with the default, 6.0 ms released), so :class:`Hasher`'s thread
@@ -107,6 +118,91 @@ def checksum_key(index: Any) -> tuple:
     return index.fqn, None if index.offset is None else tuple(int(o) for o in index.offset)
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _on_device(data: torch.Tensor, value: int = 0):
+    """Start the crc32c of CUDA tensor ``data`` on its GPU and return a function that waits for it
+    and gives the checksum, or None where the kernel is not available.
+
+    The kernel runs on a side stream of the device that first waits for the current one (so it
+    hashes the bytes as they are now, and does not delay what the caller enqueues next, e.g. DCP's
+    copy of the tensor to the host), followed by an 8-byte copy of the value to pinned host memory
+    and an event; ``data`` is recorded on the side stream, so its memory is not reused before the
+    kernel read it."""
+    from .ops import crc32c as kernel
+    from .ops import crc32c_available
+
+    device = data.device
+    if not crc32c_available(device):
+        return None
+    current = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        on_gpu = kernel(data.detach(), value)
+        host = on_gpu.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    data.record_stream(side)
+
+    def result() -> int:
+        done.synchronize()
+        return int(host)
+
+    return result
+
+
+# ---------------------------------------------------------------- GF(2) arithmetic of crc32c
+# Polynomials mod P, P = 0x1EDC6F41 (Castagnoli), stored bit-reflected as crc32c computes them: bit
+# 31 is the coefficient of x^0. A CRC register followed by n bytes is multiplied by x^(8n) mod P,
+# and everything is linear, so crc32c(A + B) = crc32c(A) * x^(8 |B|) mod P ^ crc32c(B) (zlib's
+# crc32_combine, Mark Adler, zlib 1.2.12 crc32.c). The kernels (ckptq/csrc/crc32c.h) do the same.
+_POLY = 0x82F63B78
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b mod P`` of two reflected polynomials."""
+    p = 0
+    for _ in range(32):
+        if a & 0x80000000:
+            p ^= b
+        a = (a << 1) & 0xFFFFFFFF
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return p
+
+
+def _x2n_table() -> list[int]:
+    table = [0x40000000]  # x^1
+    for _ in range(63):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()  # x^(2^k) mod P, k = 0..63
+
+
+def _shift(crc: int, nbytes: int) -> int:
+    """``crc * x^(8 nbytes) mod P``: a CRC register after ``nbytes`` zero bytes (no pre/post
+    conditioning)."""
+    k = 3
+    while nbytes:
+        if nbytes & 1:
+            crc = _multmodp(_X2N[k], crc)
+        nbytes >>= 1
+        k += 1
+    return crc
+
+
+def combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """``crc32c(a + b)`` from ``crc_a = crc32c(a)``, ``crc_b = crc32c(b)`` and ``len_b = len(b)``
+    (bytes), without the bytes: ``crc_a * x^(8 len_b) mod P ^ crc_b``. The same arithmetic joins
+    the pieces hashed by the GPU kernel's threads (``ckptq/csrc/crc32c.h``)."""
+    return _shift(crc_a, len_b) ^ crc_b
+
+
 class Hasher:
     """Checksums computed on one background thread, so hashing overlaps the caller's writes.
 
@@ -121,9 +217,14 @@ class Hasher:
         self._futures: dict[Hashable, cf.Future] = {}
 
     def submit(self, key: Hashable, data: Any) -> None:
+        assert self._pool is not None, "Hasher used after results()/close()"
+        if isinstance(data, torch.Tensor) and data.device.type == "cuda":
+            pending = _on_device(data)  # hashed on the GPU, in stream order: no host copy
+            if pending is not None:
+                self._futures[key] = self._pool.submit(pending)
+                return
         if isinstance(data, torch.Tensor) and (data.device.type != "cpu" or not data.is_contiguous()):
             data = payload(data)  # copy now: the caller's tensor may be reused after it is written
-        assert self._pool is not None, "Hasher used after results()/close()"
         self._futures[key] = self._pool.submit(checksum, data)
 
     def results(self) -> dict[Hashable, int]:
@@ -237,11 +338,13 @@ class PlanHasher:
     """The checksums of one rank's writes in a ``dcp.save`` whose storage writer is not ckptq's.
 
     The planner hands every value it resolves for the storage writer (``resolve_data``) to
-    :meth:`add`; when the last of the ``expected`` write items was added, :meth:`add` waits for
-    the hashing thread and writes the rank's :data:`SIDECAR` file before it returns, so the file
-    exists before the storage writer's ``write_data`` completes, and so before the coordinator
-    writes ``.metadata`` (DCP gathers every rank's write results first). Thread-safe (DCP's
-    ``FileSystemWriter`` resolves from several threads with ``thread_count > 1``).
+    :meth:`add` (hashed by :class:`Hasher`: CPU values on its thread, CUDA values on their GPU,
+    so the writer's own copy to the host is the only one); when the last of the ``expected`` write
+    items was added, :meth:`add` waits for the hashing thread and writes the rank's :data:`SIDECAR`
+    file before it returns, so the file exists before the storage writer's ``write_data``
+    completes, and so before the coordinator writes ``.metadata`` (DCP gathers every rank's write
+    results first). Thread-safe (DCP's ``FileSystemWriter`` resolves from several threads with
+    ``thread_count > 1``).
     """
 
     def __init__(self, directory: Any, rank: int, expected: int) -> None:

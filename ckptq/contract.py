@@ -26,6 +26,7 @@ what goes into ``.metadata``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import weakref
@@ -262,16 +263,36 @@ def is_verified(metadata: Any) -> bool:
 
 def _canonical(x: Any) -> Any:
     """A JSON-able, order-independent form of builtins (dict items sorted by their own JSON form)."""
-    import json
-
+    if isinstance(x, str) or x is None or isinstance(x, (bool, int, float)):
+        return x
     if isinstance(x, Mapping):
         items = [[_canonical(k), _canonical(v)] for k, v in x.items()]
-        return {"d": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+        return {"d": sorted(items, key=_item_order)}
     if isinstance(x, (list, tuple)):
         return [_canonical(v) for v in x]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
     return {"r": repr(x)}  # torch.Size, dtypes: repr is their identity
+
+
+def _item_order(kv: list) -> str:
+    """How :func:`_canonical` orders a dict's items: by the JSON form of the canonical key."""
+    k = kv[0]
+    return _str_json(k) if type(k) is str else _json_dumps(k)
+
+
+def _json_dumps(x: Any) -> str:
+    import json
+
+    return json.dumps(x, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _str_json(k: str) -> str:
+    return _json_dumps(k)  # descriptors repeat the same few keys
+
+
+def _int_list(x: Any) -> list:
+    """``list(map(int, x))``; a ``torch.Size`` holds ints already."""
+    return list(x) if type(x) is torch.Size else list(map(int, x))
 
 
 def metadata_digest(metadata: Any) -> str:
@@ -286,20 +307,34 @@ def metadata_digest(metadata: Any) -> str:
 
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    entries = []
-    for fqn, md in (metadata.state_dict_metadata or {}).items():
+    def entry(fqn: Any, md: Any) -> list:
         if isinstance(md, TensorStorageMetadata):
-            chunks = sorted([list(map(int, c.offsets)), list(map(int, c.sizes))] for c in md.chunks)
-            entries.append([str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks])
-        else:
-            entries.append([str(fqn), type(md).__name__])
+            chunks = sorted([[_int_list(c.offsets), _int_list(c.sizes)] for c in md.chunks])
+            return [str(fqn), "tensor", str(md.properties.dtype), list(map(int, md.size)), chunks]
+        return [str(fqn), type(md).__name__]
+
     planner_data = dict(metadata.planner_data or {})
     if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
         planner_data[CKPTQ_KEY] = {
             k: v for k, v in planner_data[CKPTQ_KEY].items() if k not in ("checksums", DIGEST_KEY)
         }
-    doc = json.dumps([sorted(entries), _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(doc.encode()).hexdigest()
+    sdm = metadata.state_dict_metadata or {}
+    names = {str(fqn): fqn for fqn in sdm}
+    if len(names) != len(sdm):  # two keys of one spelling: sorted by the whole entry
+        entries = sorted(entry(fqn, md) for fqn, md in sdm.items())
+        doc = json.dumps([entries, _canonical(planner_data)], sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(doc.encode()).hexdigest()
+    # The same document, hashed in pieces: the entries sorted by name (their first item, unique),
+    # a few thousand at a time, so that the whole document never exists at once.
+    h = hashlib.sha256(b"[[")
+    order = sorted(names)
+    for i in range(0, len(order), 4096):
+        part = [entry(names[k], sdm[names[k]]) for k in order[i : i + 4096]]
+        h.update((b"," if i else b"") + json.dumps(part, sort_keys=True, separators=(",", ":"))[1:-1].encode())
+    h.update(b"],")
+    h.update(json.dumps(_canonical(planner_data), sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"]")
+    return h.hexdigest()
 
 
 def with_digest(metadata: Any) -> Any:
@@ -702,7 +737,10 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
             f"{where}: descriptor version {desc['version']} is newer than this ckptq understands "
             f"({_DESCRIPTOR_VERSION}); upgrade ckptq"
         )
-    _check_recipe(where, fmt, desc.get("recipe", {}))
+    recipe_key = (fmt, repr(desc.get("recipe", {})))  # builtins from the record: repr tells them apart
+    if recipe_key not in _GOOD_RECIPES:
+        _check_recipe(where, fmt, desc.get("recipe", {}))
+        _remember(_GOOD_RECIPES, recipe_key, True)
     if mode == HIGH_PRECISION:
         entry = sdm.get(fqn)
         if not isinstance(entry, TensorStorageMetadata):
@@ -740,14 +778,17 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
             )
     cls = FORMATS.get(fmt)
     if cls is not None:  # an unknown format is reported where its values are needed
-        try:
-            specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
-            layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
-        except Exception as e:  # an invalid recipe or a shape the format cannot have
-            raise CheckpointFormatError(
-                f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
-                f"restore the metadata or re-save the checkpoint"
-            ) from e
+        layout = _LAYOUTS.get((*recipe_key, tuple(shape)))
+        if layout is None:
+            try:
+                specs = cls.component_specs(shape, cls._recipe_from_json(desc.get("recipe", {})))
+                layout = {s.name: (dtype_to_str(s.dtype), list(s.shape(shape))) for s in specs}
+            except Exception as e:  # an invalid recipe or a shape the format cannot have
+                raise CheckpointFormatError(
+                    f"{where} ({fmt}): logical shape {shape}: {type(e).__name__}: {e}; "
+                    f"restore the metadata or re-save the checkpoint"
+                ) from e
+            _remember(_LAYOUTS, (*recipe_key, tuple(shape)), layout)
         if layout != {n: (d, s) for n, (_, d, s) in expected.items()}:
             raise CheckpointFormatError(
                 f"{where}: the descriptor's components {_components_text(expected)} do not match the "
@@ -755,6 +796,18 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
                 f"{layout}; the checkpoint or descriptor is inconsistent"
             )
     return typed, {name: cfqn for name, (cfqn, _, _) in expected.items()}
+
+
+#: (format, repr(recipe)) of recipes :func:`_check_recipe` passed; (..., shape) -> component layout.
+#: A model repeats a few recipes and shapes: each is checked once per process.
+_GOOD_RECIPES: dict = {}
+_LAYOUTS: dict = {}
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) > 4096:
+        cache.clear()
+    cache[key] = value
 
 
 def _check_recipe(where: str, fmt: str, recipe: Mapping) -> None:

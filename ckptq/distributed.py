@@ -18,11 +18,12 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import CkptqError
 
-__all__ = ["Group", "assign", "prepare_write_commit", "torchrun_world_size"]
+__all__ = ["Group", "assign", "expect_shared_dir", "prepare_write_commit", "torchrun_world_size"]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -164,6 +165,21 @@ class Group:
         except BaseException as e:
             e.ckptq_reported = True  # type: ignore[attr-defined]  # a peer died: no further collectives
             raise
+
+
+def expect_shared_dir(path: Path, group: Group | None) -> None:
+    """On a process other than rank 0: ``path`` (the staging folder rank 0 made before the
+    broadcast; a :class:`~pathlib.Path`, other locations are not checked) must be visible here,
+    i.e. on a file system every host of the job sees.
+
+    Raises:
+        CkptqError: it is not (names the folder, the rank and what to do).
+    """
+    if group is not None and group.rank != 0 and isinstance(path, Path) and not path.is_dir():
+        raise CkptqError(
+            f"rank {group.rank} cannot see {path}, the staging folder rank 0 made: with several hosts the "
+            f"output must be on a file system every host sees at the same path (a shared file system)"
+        )
 
 
 def prepare_write_commit(

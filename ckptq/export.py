@@ -26,10 +26,10 @@ name does not end in ``.weight`` is written as ``<name>.weight`` (+ the layout's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,11 @@ from . import adapters
 from .adapters import hf
 from .checkpoint import open_checkpoint
 from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
+from .distributed import Group, expect_shared_dir, prepare_write_commit
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
+from .io import storage
 from .io.device import device_scope, prefetch, resolve_device, to_host
 from .io.writer import check_destination, commit_dir, staging_dir
 from .metrics import sqnr_db
@@ -229,6 +231,41 @@ def _computes(it: _ExportEntry, x: Any) -> bool:
     return it.requant
 
 
+def _open_out(path: Any) -> Any:
+    """A shard file opened for writing: unbuffered locally (its header is rewritten in place),
+    a streamed multipart upload on an object store."""
+    return storage.open_file(path, "wb") if storage.is_url(path) else open(path, "wb", buffering=0)
+
+
+def _final_header(view, shard, consumer: _Consumer, entries, metadata: dict, hasher: Hasher, device) -> bytes:
+    """The shard's header with its checksums and amax records, from computing its values once
+    without writing them (for outputs that cannot be rewritten in place: the values are computed
+    again as they are written, deterministically; on every device the same bytes)."""
+    with contextlib.closing(_shard_values(view, shard, consumer, device)) as values:
+        for it, tensors, meta, _ in values:
+            for name, _, _ in it.out_names:
+                hasher.submit(name, tensors[name])
+            metadata.update(meta)
+            del tensors
+    metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+    return _header(entries, metadata)
+
+
+def _shard_values(view, shard: list[_ExportEntry], consumer: _Consumer, device):
+    """Yield ``(it, tensors, metadata, info)`` (:func:`_values`) for each entry of ``shard`` in order,
+    computed on ``device``; the next entry's source is read on a thread meanwhile
+    (:func:`ckptq.io.device.prefetch`; closing this generator stops that thread)."""
+    stream = prefetch(shard, lambda it: view.read(it.fqn), device=device, wants_device=_computes)
+    try:
+        for it, x in stream:
+            with device_scope(device):
+                out = _values(x, it, consumer)
+            del x
+            yield (it, *out)
+    finally:
+        stream.close()
+
+
 def _values(x, it: _ExportEntry, consumer: _Consumer):
     """The layout's tensors of entry ``it`` from its source value ``x`` (on the host, or on the CUDA
     device of ``--device`` where :func:`_computes`: the kernels run there, the results come back)."""
@@ -280,6 +317,22 @@ class _Consumer:
         self.inexact: dict[str, tuple[hf.ConsumerDecode, float]] = {}
         self.unloadable: dict[str, str] = {}
         self.requantized: dict[str, float] = {}
+
+    def findings(self, since: tuple | None = None) -> tuple[dict, dict, dict]:
+        """What the check found so far (``inexact``, ``unloadable``, ``requantized``; picklable), or
+        only what it found after ``since`` (an earlier :meth:`findings`)."""
+        now = (dict(self.inexact), dict(self.unloadable), dict(self.requantized))
+        if since is None:
+            return now
+        return tuple({k: v for k, v in d.items() if k not in old} for d, old in zip(now, since, strict=True))
+
+    def set_findings(self, parts: list[tuple[dict, dict, dict]]) -> None:
+        """Replace what the check found with ``parts`` (:meth:`findings` of each shard, in shard order)."""
+        self.inexact, self.unloadable, self.requantized = {}, {}, {}
+        for inexact, unloadable, requantized in parts:
+            self.inexact.update(inexact)
+            self.unloadable.update(unloadable)
+            self.requantized.update(requantized)
 
     def report(self) -> dict:
         return {
@@ -337,10 +390,11 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     if isinstance(config, dict):
         cfg, where = dict(config), "config="
     elif config is not None:
-        cfg, where = _read_config(Path(config)), str(config)
+        cfg, where = _read_config(config if storage.is_url(config) else Path(config)), str(config)
     else:
-        folder = src if src.is_dir() else src.parent
-        found = [p for p in (folder / "config.json", folder.parent / "config.json") if p.is_file()]
+        folder = src if storage.is_url(src) or src.is_dir() else src.parent
+        candidates = (storage.join(folder, "config.json"), storage.join(storage.parent_of(folder), "config.json"))
+        found = [p for p in candidates if storage.file_size(p) is not None]
         usable = [(p, c) for p, c in ((p, _read_config(p)) for p in found) if "model_type" in c]
         if not usable:
             seen = f" ({', '.join(str(p) for p in found)} has no model_type)" if found else ""
@@ -358,9 +412,9 @@ def _base_config(src: Path, config: Any) -> tuple[dict, str]:
     return cfg, where
 
 
-def _read_config(p: Path) -> dict:
+def _read_config(p: Any) -> dict:
     try:
-        with open(p) as f:
+        with storage.open_file(p, "r") as f:
             cfg = json.load(f)
     except (OSError, ValueError) as e:
         raise UsageError(f"{p}: cannot read the model config ({e}); pass --config a valid config.json") from e
@@ -393,6 +447,7 @@ def export_checkpoint(
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
     device: str | torch.device | None = "auto",
+    distributed: bool = False,
 ) -> dict:
     """Write checkpoint ``src`` as a Hugging Face safetensors folder ``dst`` in ``layout``.
 
@@ -433,6 +488,13 @@ def export_checkpoint(
             (:func:`ckptq.io.device.resolve_device`). The next tensor is read on a thread meanwhile
             (:func:`ckptq.io.device.prefetch`); tensors written as they are stay on the host. The
             same bytes on every device.
+        distributed: split the shard files over the processes of the default ``torch.distributed``
+            process group (initialized from torchrun's environment with gloo if it is not yet): every
+            process plans the same shards, writes whole shard files of its own (balanced by bytes;
+            at most as many processes work as there are files) into one staging folder, and rank 0
+            writes the index and config files and renames the folder once every process succeeded.
+            The files are the same bytes as one process's. Every process must call this with the
+            same arguments; the result is returned on every process. Not for ``layout="torchao"``.
 
     Returns:
         ``{"path", "layout", "files", "bytes", "tensors", "quantized": {fqn: format}, "requantized":
@@ -448,9 +510,12 @@ def export_checkpoint(
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix), or the
             consumer's default loader would decode differently and ``on_inexact`` is ``"refuse"``.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
+            In distributed mode, on every process, when any process failed (naming the ranks).
     """
     flat = adapters.flattening(layout)
     if flat is not None:
+        if distributed:
+            raise UsageError(f"--layout {layout} is written by one process; run it without torchrun")
         if format is not None:
             raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
         return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
@@ -466,8 +531,8 @@ def export_checkpoint(
         raise UsageError(f"--rename: {e}") from None
     ignore = tuple(ignore or ())
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    srcp = Path(view.path).absolute()
+    dst = storage.location(dst)
+    srcp = storage.location(view.path)
     check_destination(srcp, dst, overwrite)
     base, config_from = _base_config(srcp, config)
     items, skipped = _plan(view, lay, fmt, ignore, rules, _model_dtype(base))
@@ -477,118 +542,176 @@ def export_checkpoint(
     shards = _shards(items, max_bytes)
     n = len(shards)
     total = sum(it.nbytes for it in items)
-    if progress is True:
-        from tqdm import tqdm
-
-        with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False) as bar:
-            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, dev)
-    else:
-        result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, dev)
-    return {**result, "config_from": config_from, "consumer": consumer.report(), "device": str(dev)}
-
-
-def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consumer, progress, device) -> dict:
-    tmp = staging_dir(dst)
-    weight_map: dict[str, str] = {}
-    numerics: dict[str, int] = {}
-    files = []
-    written = 0
-    # the next tensor is read on a thread while this one is computed (on `device`) and written
-    stream = prefetch(
-        [it for shard in shards for it in shard], lambda it: view.read(it.fqn), device=device, wants_device=_computes
-    )
+    group = Group.default() if distributed else None
     try:
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            files.append(fname)
-            entries = [o for it in shard for o in it.out_names]
-            meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
-                hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
-                for it in shard
-                if it.kind == "quantized"
-                for name in hf.amax_record_names(it.fm, it.module, it.recipe)
-            }
-            metadata = {
-                "format": "pt",
-                **meta_keys,
-                SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries}),
-            }
-            header = _header(entries, metadata)
-            hasher = Hasher()
-            with open(tmp / fname, "wb", buffering=0) as f:
-                f.write(header)
-                for it in shard:
-                    read_it, x = next(stream)
-                    assert read_it is it
-                    with device_scope(device):
-                        tensors, meta, info = _values(x, it, consumer)
-                    del x
-                    for name, dtype, shape in it.out_names:
-                        t = tensors[name]
-                        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                            raise CkptqError(
-                                f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}"
-                            )
-                        written += _write_tensor(f, t)
-                        hasher.submit(name, t)
-                        weight_map[name] = fname
-                    metadata.update(meta)
-                    if "max_ulps" in info:
-                        numerics[it.fqn] = info["max_ulps"]
-                    if progress:
-                        progress(it.nbytes)
-                    del tensors
-                metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
-                final = _header(entries, metadata)
-                if len(final) != len(header):
-                    raise CkptqError("internal: shard header changed size")
-                f.seek(0)
-                f.write(final)
+        if progress is True:
+            from tqdm import tqdm
+
+            show = group is None or group.rank == 0
+            with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False, disable=not show) as bar:
+                result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, group, dev)
+        else:
+            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, group, dev)
+    finally:
+        if group is not None:
+            group.close()
+    return {**result, "config_from": config_from, "device": str(dev)}
+
+
+def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consumer, progress, group, device) -> dict:
+    """Write ``shards`` into a staging folder and rename it to ``dst``: alone, or with the shard files
+    split over the processes of ``group`` (:func:`ckptq.distributed.prepare_write_commit`: each
+    process writes whole files of its own; rank 0 merges what they report, writes the index and the
+    config files last and renames the folder once every process succeeded). Requantizing and
+    dequantizing run on ``device``."""
+    files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def write(tmp: Any) -> dict:
+        expect_shared_dir(tmp, group)
+        mine = range(n) if group is None else sorted(group.assign({i: _shard_bytes(s) for i, s in enumerate(shards)}))
+        return {i: _write_shard(view, storage.join(tmp, files[i]), shards[i], consumer, progress, device) for i in mine}
+
+    def commit(tmp: Any, parts: list[dict]) -> dict:
+        done = {i: part for p in parts for i, part in p.items()}  # shard order: the one-process report
+        weight_map: dict[str, str] = {}
+        numerics: dict[str, int] = {}
+        for i in range(n):
+            names, _, shard_numerics, _, size = done[i]
+            _check_shard_file(storage.join(tmp, files[i]), size)
+            weight_map.update(dict.fromkeys(names, files[i]))
+            numerics.update(shard_numerics)
+        consumer.set_findings([done[i][3] for i in range(n)])
         problem = consumer.problem()
         if problem:
             raise UnsupportedFormatError(f"export to {lay.name}: {problem}; nothing was written")
-        with open(tmp / "model.safetensors.index.json", "w") as f:
-            json.dump(
-                {"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2
-            )
-        used = {it.module: it.fm for it in items if it.kind == "quantized"}
-        ignored_modules = sorted(
-            {
-                name[: -len(".weight")]
-                for it in items
-                if it.kind == "tensor"
-                for name, _, shape in it.out_names
-                if name.endswith(".weight")
-            }
-        )
-        cfg_files = lay.write_config(used, ignored_modules)
-        out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
-        if "dtype" not in out_cfg and "torch_dtype" not in out_cfg:
-            out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
-            out_cfg["torch_dtype"] = "bfloat16"
-        out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
-        for name, content in {**cfg_files, "config.json": out_cfg}.items():
-            with open(tmp / name, "w") as f:
-                json.dump(content, f, indent=2, sort_keys=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        stream.close()
-    commit_dir(tmp, dst)
-    return {
-        "path": str(dst),
-        "layout": lay.name,
-        "files": files,
-        "bytes": written,
-        "tensors": len(weight_map),
-        "quantized": {it.fqn: it.fmt for it in items if it.kind == "quantized"},
-        "requantized": [it.fqn for it in items if it.kind == "quantized" and it.requant],
-        "high_precision": [it.fqn for it in items if it.kind == "tensor"],
-        "skipped": skipped,
-        "numerics": numerics,
-        "config_files": sorted({*cfg_files, "config.json"}),
+        written = sum(done[i][1] for i in range(n))
+        cfg_files = _write_configs(tmp, lay, base, items, weight_map, written)
+        commit_dir(tmp, dst)
+        return {
+            "path": str(dst),
+            "layout": lay.name,
+            "files": files,
+            "bytes": written,
+            "tensors": len(weight_map),
+            "quantized": {it.fqn: it.fmt for it in items if it.kind == "quantized"},
+            "requantized": [it.fqn for it in items if it.kind == "quantized" and it.requant],
+            "high_precision": [it.fqn for it in items if it.kind == "tensor"],
+            "skipped": skipped,
+            "numerics": numerics,
+            "config_files": sorted({*cfg_files, "config.json"}),
+            "consumer": consumer.report(),
+        }
+
+    return prepare_write_commit(
+        group,
+        prepare=lambda: staging_dir(dst),
+        write=write,
+        commit=commit,
+        abort=lambda: None,  # each shard file is closed as it is written
+        discard=storage.remove_tree,
+    )
+
+
+def _shard_bytes(shard: list[_ExportEntry]) -> int:
+    return max(1, sum(it.nbytes for it in shard))
+
+
+def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer, progress, device) -> tuple:
+    """Write one shard file (header from the plan, the tensors one at a time, then the header again
+    with the checksums and amax records; fsynced). On an object store (``path`` a URL: an object
+    cannot be rewritten) the final header comes from a first pass over the values instead. The values
+    are computed on ``device``, the next entry's source read meanwhile (:func:`_shard_values`). Returns
+    ``(tensor names, payload bytes, {fqn: max_ulps}, consumer findings, file size)``: what the index
+    and the report need from it."""
+    entries = [o for it in shard for o in it.out_names]
+    meta_keys = {  # room for the amax records (fixed width), filled in as the tensors are written
+        hf.amax_metadata_key(name): hf.encode_amax(torch.zeros(tuple(it.out_names[0][2][:-2])))
+        for it in shard
+        if it.kind == "quantized"
+        for name in hf.amax_record_names(it.fm, it.module, it.recipe)
     }
+    metadata = {"format": "pt", **meta_keys, SAFETENSORS_KEY: safetensors_table({name: 0 for name, _, _ in entries})}
+    header = _header(entries, metadata)
+    hasher = Hasher()
+    before = consumer.findings()
+    remote = storage.is_url(path)
+    if remote:
+        header = _final_header(view, shard, consumer, entries, metadata, hasher, device)
+    names: list[str] = []
+    numerics: dict[str, int] = {}
+    written = 0
+    with _open_out(path) as f, contextlib.closing(_shard_values(view, shard, consumer, device)) as values:
+        f.write(header)
+        for it, tensors, meta, info in values:
+            for name, dtype, shape in it.out_names:
+                t = tensors[name]
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
+                written += _write_tensor(f, t)
+                if not remote:
+                    hasher.submit(name, t)
+                names.append(name)
+            metadata.update(meta)
+            if "max_ulps" in info:
+                numerics[it.fqn] = info["max_ulps"]
+            if progress:
+                progress(it.nbytes)
+            del tensors
+        size = f.tell()
+        if not remote:
+            metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
+            final = _header(entries, metadata)
+            if len(final) != len(header):
+                raise CkptqError("internal: shard header changed size")
+            f.seek(0)
+            f.write(final)
+            os.fsync(f.fileno())
+    return names, written, numerics, consumer.findings(since=before), size
+
+
+def _check_shard_file(path: Any, size: int) -> None:
+    """The shard file a process wrote is in the staging folder with its ``size`` (by ``stat``: not read;
+    local folders only: an object store's listing is the same from every host)."""
+    if storage.is_url(path):
+        return
+    found = path.stat().st_size if path.exists() else -1
+    if found != size:
+        raise CkptqError(
+            f"{path} {'is missing' if found < 0 else f'has {found} bytes'}, the process that wrote it wrote "
+            f"{size}: with several hosts, the output must be on a file system every host sees at the same path "
+            f"(docs/design.md, offline tools); nothing was committed"
+        )
+
+
+def _write_configs(tmp: Any, lay, base: dict, items, weight_map: dict, written: int) -> dict:
+    """Write the layout's config files, ``model.safetensors.index.json`` and, last, ``config.json``
+    (``base`` + the layout's ``quantization_config``; on an object store the folder is a loadable
+    model once it exists); returns the layout's config files."""
+    used = {it.module: it.fm for it in items if it.kind == "quantized"}
+    ignored_modules = sorted(
+        {
+            name[: -len(".weight")]
+            for it in items
+            if it.kind == "tensor"
+            for name, _, shape in it.out_names
+            if name.endswith(".weight")
+        }
+    )
+    cfg_files = lay.write_config(used, ignored_modules)
+    out_cfg = {k: v for k, v in base.items() if k != "quantization_config"}
+    if "dtype" not in out_cfg and "torch_dtype" not in out_cfg:
+        out_cfg["dtype"] = "bfloat16"  # transformers 5 reads "dtype" (older releases "torch_dtype")
+        out_cfg["torch_dtype"] = "bfloat16"
+    out_cfg["quantization_config"] = cfg_files["config.json"]["quantization_config"]
+    for name, content in cfg_files.items():
+        if name != "config.json":
+            with storage.open_file(storage.join(tmp, name), "w") as f:
+                json.dump(content, f, indent=2, sort_keys=True)
+    with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    with storage.open_file(storage.join(tmp, "config.json"), "w") as f:
+        json.dump(out_cfg, f, indent=2, sort_keys=True)
+    return cfg_files
 
 
 def export_flattened(
@@ -612,7 +735,7 @@ def export_flattened(
     """
     import json as _json
 
-    from safetensors.torch import save_file
+    from safetensors.torch import save, save_file
 
     from .checksums import checksum
 
@@ -622,8 +745,8 @@ def export_flattened(
     except ValueError as e:
         raise UsageError(f"--rename: {e}") from None
     view = open_checkpoint(src)
-    dst = Path(dst).absolute()
-    check_destination(Path(view.path).absolute(), dst, overwrite)
+    dst = storage.location(dst)
+    check_destination(storage.location(view.path), dst, overwrite)
     if progress is True:
         progress = None  # one pass over whole tensors; the caller's callable still gets the bytes
     tmp = staging_dir(dst)
@@ -667,14 +790,18 @@ def export_flattened(
                 "tensor_names": _json.dumps(list(meta)),
                 SAFETENSORS_KEY: safetensors_table({n: checksum(t) for n, t in data.items()}),
             }
-            save_file(data, str(tmp / fname), metadata=metadata)
+            if storage.is_url(tmp):  # the shard is in memory already: one upload
+                with storage.open_file(storage.join(tmp, fname), "wb") as f:
+                    f.write(save(data, metadata=metadata))
+            else:
+                save_file(data, str(tmp / fname), metadata=metadata)
             files.append(fname)
             weight_map.update(dict.fromkeys(data, fname))
         if len(files) > 1:
-            with open(tmp / "model.safetensors.index.json", "w") as f:
+            with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
                 _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
         raise
     commit_dir(tmp, dst)
     return {

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,8 +94,7 @@ def inspect_checkpoint(path, *, stats: bool = False, progress: bool = False) -> 
         UnsafeCheckpointError: the metadata would run code or points outside the directory.
         UnsupportedFormatError: a ckptq record names a format this ckptq does not know (``stats``).
     """
-    root = Path(path)
-    view = open_checkpoint(root)
+    view = open_checkpoint(path)
     if isinstance(view, CheckpointView):
         metadata = view.metadata
         entries = view.entries_in_order()  # folded once, as the metadata was read

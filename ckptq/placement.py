@@ -39,6 +39,8 @@ __all__ = [
     "shard_box",
     "dtensor_box",
     "rank_boxes",
+    "first_owner_boxes",
+    "dim_intervals",
     "PlacementRules",
     "PRESETS",
     "TP_RULES",
@@ -214,29 +216,102 @@ def _dim_table(n: int, d: int, mesh_sizes: Sequence[int], placements: Sequence[P
     return table
 
 
-def rank_boxes(
-    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: str | None = None
-) -> list[Box]:
-    """:func:`shard_box` for every rank of ``mesh`` (rank order), from per-dim tables of
-    :func:`_dim_table` (no work repeated across ranks that share coordinates)."""
+_TABLES: dict = {}
+
+
+def _box_tables(global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], fqn: str | None):
+    """Per tensor dim: the mesh dims that shard it and {their coordinates: (offset, size)}, from
+    :func:`_dim_table` (validated: raises as :func:`shard_box` would for any rank). Kept per
+    (shape, mesh sizes, placements): the tensors of a model repeat a few shapes."""
+    key = (tuple(global_shape), tuple(mesh.sizes), tuple(placements))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        return hit
     shard_box(global_shape, mesh.sizes, mesh.coordinate(0), placements, fqn=fqn)  # validates
     relevant = [[i for i, p in enumerate(placements) if _shard_dim(p) == d] for d in range(len(global_shape))]
     boxes_per_dim = []
     for d, n in enumerate(global_shape):
         table = {}
-        for key, runs in _dim_table(n, d, mesh.sizes, placements).items():
+        for k, runs in _dim_table(n, d, mesh.sizes, placements).items():
             merged = _merge_runs(runs)
             if len(merged) > 1:
                 coord = [0] * len(mesh.sizes)
-                for i, c in zip(relevant[d], key, strict=False):
+                for i, c in zip(relevant[d], k, strict=False):
                     coord[i] = c
                 shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)  # raises, with details
-            table[key] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
+            table[k] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
         boxes_per_dim.append(table)
+    if len(_TABLES) > 4096:
+        _TABLES.clear()
+    _TABLES[key] = out = (relevant, boxes_per_dim)
+    return out
+
+
+def rank_boxes(
+    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: str | None = None
+) -> list[Box]:
+    """:func:`shard_box` for every rank of ``mesh`` (rank order), from per-dim tables of
+    :func:`_dim_table` (no work repeated across ranks that share coordinates)."""
+    relevant, boxes_per_dim = _box_tables(global_shape, mesh, placements, fqn)
     out = []
     for coord in mesh.coordinates:
         dims = [boxes_per_dim[d][tuple(coord[i] for i in relevant[d])] for d in range(len(global_shape))]
         out.append((tuple(o for o, _ in dims), tuple(s for _, s in dims)))
+    return out
+
+
+def dim_intervals(
+    global_shape: Sequence[int], mesh: MeshSpec, placements: Sequence[Placement], *, fqn: str | None = None
+) -> list[set[tuple[int, int]]]:
+    """Per tensor dim, the distinct non-empty ``(offset, size)`` intervals the ranks hold. The mesh
+    dims that shard different tensor dims are different, so every combination of one interval per
+    dim is some rank's box: the non-empty boxes are exactly the products of these (when the tensor
+    has elements).
+
+    Raises:
+        ShardingError: as :func:`rank_boxes`.
+    """
+    _, boxes_per_dim = _box_tables(global_shape, mesh, placements, fqn)
+    return [{iv for iv in table.values() if iv[1]} for table in boxes_per_dim]
+
+
+def first_owner_boxes(
+    global_shape: Sequence[int],
+    mesh: MeshSpec,
+    placements: Sequence[Placement],
+    ranks: Sequence[int],
+    *,
+    fqn: str | None = None,
+) -> list[tuple[int, Box]]:
+    """``(rank, box)`` for each rank of ``ranks`` (increasing) that is the *first* rank holding its
+    non-empty box: the owners :func:`rank_boxes` gives after keeping the first rank of each distinct
+    non-empty box, restricted to ``ranks``, in O(len(ranks)) rather than O(world size).
+
+    Why the rule is exact: coordinates that differ on a mesh dim that shards tensor dim ``d`` hold
+    disjoint indices of ``d`` (``torch.chunk`` and ``_StridedShard`` both partition it), so two
+    non-empty boxes are equal only when the coordinates differ on replicated mesh dims alone, and
+    the first rank of them (row-major order) has coordinate 0 on every replicated mesh dim. A
+    tensor with no elements has one owner, rank 0 (as the whole plan gives it).
+
+    Raises:
+        ShardingError: as :func:`rank_boxes` (for any rank of the mesh, not only ``ranks``).
+    """
+    relevant, boxes_per_dim = _box_tables(global_shape, mesh, placements, fqn)
+    replicated = [i for i, p in enumerate(placements) if _shard_dim(p) is None]
+    empty = math.prod(global_shape) == 0
+    out = []
+    for r in ranks:
+        coord = mesh.coordinate(r)
+        if empty:
+            if r == 0:
+                dims = [boxes_per_dim[d][tuple(coord[i] for i in relevant[d])] for d in range(len(global_shape))]
+                out.append((0, (tuple(o for o, _ in dims), tuple(s for _, s in dims))))
+            continue
+        if any(coord[i] for i in replicated):
+            continue
+        dims = [boxes_per_dim[d][tuple(coord[i] for i in relevant[d])] for d in range(len(global_shape))]
+        if all(s for _, s in dims):
+            out.append((r, (tuple(o for o, _ in dims), tuple(s for _, s in dims))))
     return out
 
 

@@ -56,3 +56,39 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
         loads = [k for k in x if k.startswith("load_")]
         assert len(loads) == 6 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
     assert r["load_b_native_on_1_gpu"]["s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_scaleout_runs(tmp_path):
+    """scripts/bench_scaleout.py end to end at a tiny size: the source, the disk probe, one
+    2-process torchrun export, the JSON and the table."""
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_scaleout.py"),
+            "--workdir",
+            str(tmp_path / "w"),
+            "--size-gb",
+            "0.001",
+            "--side",
+            "256",
+            "--probe-gb",
+            "0.002",
+            "--procs",
+            "2",
+            "--only",
+            "export",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    r = json.loads(out.read_text())
+    (run,) = r["runs"]
+    assert run["op"] == "export" and run["procs"] == 2 and "error" not in run, run
+    assert run["read_bytes"] == r["source"]["bytes"] > 8 * 256 * 256 and run["written_bytes"] > 8 * 256 * 256
+    assert run["gbps"] > 0 and r["disk"]["write_gbps"] > 0 and r["disk"]["read_gbps"] > 0
+    assert not (tmp_path / "w" / "src").exists()  # the source is removed at the end

@@ -293,3 +293,50 @@ def test_verify_path_checks_torch_save_member_crcs(tmp_path):
     (tmp_path / "m.pt").write_bytes(bytes(data))
     report = check_integrity(tmp_path / "m.pt")
     assert report["summary"]["failed"] == 1 and report["problems"][0]["fqn"].endswith("/data/0")
+
+
+# ---------------------------------------------------------------- the combine arithmetic and the kernels' split
+def test_combine_joins_the_checksums_of_pieces_into_that_of_the_whole():
+    import random
+
+    import crc32c
+
+    from ckptq.checksums import combine
+
+    rng = random.Random(5)
+    data = bytes(rng.getrandbits(8) for _ in range(5000))
+    for _ in range(40):
+        cuts = sorted(rng.sample(range(len(data) + 1), rng.randint(1, 6)))
+        pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        value = crc32c.crc32c(pieces[0])
+        for p in pieces[1:]:
+            value = combine(value, crc32c.crc32c(p), len(p))
+        assert value == crc32c.crc32c(data)
+    assert combine(crc32c.crc32c(b"abc"), crc32c.crc32c(b""), 0) == crc32c.crc32c(b"abc")
+    assert combine(0, crc32c.crc32c(b"abc"), 3) == crc32c.crc32c(b"abc")  # crc32c(b"") == 0
+
+
+def test_the_kernels_split_and_combine_equal_crc32c_on_cpu():
+    """The CPU implementation of ``ckptq::crc32c`` runs the CUDA kernel's code (ckptq/csrc/crc32c.h:
+    unaligned head and tail, slice-by-16 segments, each shifted by x^(8 m) and XORed) on the CPU;
+    small segments make many pieces."""
+    import crc32c
+
+    from ckptq import ops
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randint(0, 256, (70_000,), dtype=torch.uint8, generator=g)
+    with ops.force("cpu"):
+        if ops.crc32c(buf[:1]) is None:
+            pytest.skip("the C++ extension with ckptq::crc32c is not built")
+        for size in (0, 1, 2, 15, 16, 17, 31, 33, 63, 64, 65, 255, 256, 257, 1023, 4097, 65_543):
+            for off in (0, 1, 7, 15, 16):
+                t = buf[off : off + size]
+                want = crc32c.crc32c(t.numpy().tobytes())
+                for seg in (0, 64, 192):
+                    assert int(ops.crc32c(t, segment=seg)) == want, (size, off, seg)
+                assert int(ops.crc32c(t, 0xDEADBEEF)) == crc32c.crc32c(t.numpy().tobytes(), 0xDEADBEEF)
+        x = torch.randn(33, 17, generator=g).to(torch.bfloat16).t()  # non-contiguous: row-major bytes
+        assert int(ops.crc32c(x)) == checksum(x)
+        torch.library.opcheck(torch.ops.ckptq.crc32c.default, (buf[3:1000], 5, 64))  # schema, fake kernel
+    assert ops.crc32c(buf) is None  # unforced, CPU tensors are left to the crc32c package

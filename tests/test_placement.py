@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import ckptq
 from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
-from ckptq.placement import MeshSpec, format_placements, rank_boxes, shard_box
+from ckptq.placement import MeshSpec, first_owner_boxes, format_placements, rank_boxes, shard_box
 
 
 def _random_case(rng: random.Random):
@@ -91,6 +91,35 @@ def test_boxes_cover_the_tensor_exactly_once():
                 region = region.narrow(d, min(o, shape[d]), s)
             region += 1
         assert torch.all(seen == 1), (shape, mesh, placements)
+
+
+def test_first_owner_boxes_is_the_whole_owner_list_restricted():
+    """One rank's owned box alone (the per-rank plan) equals the first-rank-of-each-distinct-box
+    list of every rank's boxes, for random meshes, placements and shapes (empty tensors too)."""
+    rng = random.Random(7)
+    checked = 0
+    for i in range(300):
+        shape, mesh, placements = _random_case(rng)
+        if i % 10 == 0:
+            shape = (0,) + shape[1:]
+        spec = MeshSpec(tuple(f"m{i}" for i in range(len(mesh))), mesh)
+        try:
+            boxes = rank_boxes(shape, spec, placements)
+        except ckptq.ShardingError:
+            with pytest.raises(ckptq.ShardingError):
+                first_owner_boxes(shape, spec, placements, [0])
+            continue
+        owners, seen = [], set()
+        for r, b in enumerate(boxes):
+            if b not in seen and all(b[1]):
+                seen.add(b)
+                owners.append((r, b))
+        owners = owners or [(0, boxes[0])]
+        assert first_owner_boxes(shape, spec, placements, range(spec.world_size)) == owners
+        for r in range(spec.world_size):
+            assert first_owner_boxes(shape, spec, placements, [r]) == [o for o in owners if o[0] == r]
+        checked += 1
+    assert checked > 150
 
 
 def test_non_contiguous_order_raises():

@@ -243,6 +243,51 @@ def test_plan_file_and_bad_arguments(src, tmp_path):
     assert res.exit_code == 2 and "--two-d" in res.output
 
 
+@pytest.mark.parametrize(
+    "mesh_text,preset,kw",
+    [
+        ("dp_shard=2,tp=2", "fsdp2-tp", {}),
+        ("dp_shard=2,tp=2", "fsdp2-tp", {"grouped": "stack"}),
+        ("dp_shard=2,tp=2", "fsdp2-tp", {"to": "mxfp8"}),
+        ("3", "fsdp2", {}),  # misaligned: problems of some ranks' boxes
+        ("3", "fsdp2", {"misaligned": "high_precision", "mode": "high_precision"}),
+    ],
+)
+def test_per_rank_plan_is_the_slice_of_the_whole_plan(src, mesh_text, preset, kw):
+    """plan_reshard(ranks=[r]) plans what target rank r writes: exactly the jobs of the whole plan
+    with a box of r, with only r's owners and bytes, plus every job with a problem (the same problems)."""
+    path, _ = src
+    mesh = parse_mesh(mesh_text)
+    rules = parse_placement_rules(
+        mesh, preset, ["*.q_proj.weight=col", "*.o_proj.weight=row"] if "tp" in preset else []
+    )
+    view = CheckpointView(path)
+    whole = plan_reshard(view, mesh, rules, **kw)
+    for r in range(mesh.world_size):
+        part = plan_reshard(view, mesh, rules, ranks=[r], **kw)
+        expected = [j for j in whole.jobs if any(rr == r for rr, _ in j.owners) or j.problem]
+        assert [j.fqn for j in part.jobs] == [j.fqn for j in expected]
+        for got, want in zip(part.jobs, expected, strict=True):
+            assert got.owners == [o for o in want.owners if o[0] == r]
+            assert got.bytes_per_rank == {k: v for k, v in want.bytes_per_rank.items() if k == r}
+            assert (got.out, got.out_format, got.out_recipe, got.out_dtype, got.shape, got.placements) == (
+                want.out,
+                want.out_format,
+                want.out_recipe,
+                want.out_dtype,
+                want.shape,
+                want.placements,
+            )
+            assert (got.problem, got.note) == (want.problem, want.note)
+        assert part.bytes_per_rank() == {r: whole.bytes_per_rank()[r]} and part.problems == whole.problems
+    both = plan_reshard(view, mesh, rules, ranks=range(mesh.world_size), **kw)
+    assert [(j.fqn, j.owners, j.bytes_per_rank, j.problem) for j in both.jobs] == [
+        (j.fqn, j.owners, j.bytes_per_rank, j.problem) for j in whole.jobs
+    ]
+    with pytest.raises(ckptq.UnsupportedFormatError, match="ranks"):
+        plan_reshard(view, mesh, rules, ranks=[mesh.world_size], **kw)
+
+
 def test_planning_needs_no_tensor_memory():
     """2048-rank plan of a large model from metadata alone (the scale benchmark, tiny here)."""
     mesh = parse_mesh("dp_shard=256,tp=8")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,7 +26,7 @@ JsonOpt = Annotated[
 ]
 
 CheckpointArg = Annotated[
-    Path,
+    str,
     typer.Argument(
         help="Checkpoint: a DCP directory (the folder holding '.metadata' and the .distcp files).",
         metavar="PATH",
@@ -37,10 +36,16 @@ CheckpointArg = Annotated[
 
 # ---------------------------------------------------------------- reshard and convert (overwrite: also export)
 SrcArg = Annotated[
-    Path, typer.Argument(help="Source DCP checkpoint directory (only read).", metavar="SRC", show_default=False)
+    str,
+    typer.Argument(
+        help="Source DCP checkpoint directory or URL (s3://...; only read).", metavar="SRC", show_default=False
+    ),
 ]
 DstArg = Annotated[
-    Path, typer.Argument(help="Destination directory (written atomically).", metavar="DST", show_default=False)
+    str,
+    typer.Argument(
+        help="Destination directory or URL (s3://...; written atomically).", metavar="DST", show_default=False
+    ),
 ]
 MeshOpt = Annotated[str, typer.Option("--mesh", help="Target mesh, e.g. 'dp_shard=4,tp=2' or '8'.")]
 PlanOpt = Annotated[

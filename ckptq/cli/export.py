@@ -3,6 +3,7 @@ Hugging Face safetensors folder (torchao: torchao's own flattened safetensors fo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -23,11 +24,12 @@ __all__ = ["export"]
         "ckptq export ckpt hf-ct --layout compressed-tensors --max-shard-size 2GB",
         "ckptq export ckpt hf-fp8 --layout deepseek-fp8 --format fp8_block --rename '*=model.*'",
         "ckptq export moe-ckpt hf-gpt-oss --layout gpt-oss --config gpt-oss-config.json",
+        "torchrun --nproc-per-node 8 -m ckptq export ckpt hf --layout modelopt --max-shard-size 2GB  # 8 processes",
     ],
 )
 def export(
     src: Annotated[
-        Path,
+        str,
         typer.Argument(
             help="Source checkpoint (DCP directory, safetensors folder or file; only read).",
             metavar="SRC",
@@ -35,7 +37,7 @@ def export(
         ),
     ],
     dst: Annotated[
-        Path, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
+        str, typer.Argument(help="Destination folder (written atomically).", metavar="DST", show_default=False)
     ],
     layout: Annotated[
         str,
@@ -107,8 +109,11 @@ def export(
     device: DeviceOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
-    """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded)."""
+    """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded).
+
+    Under torchrun (more than one process) the shard files are split over the processes."""
     from ..adapters.hf import DEFAULT_IGNORE
+    from ..distributed import torchrun_world_size
     from ..export import export_checkpoint
 
     result = export_checkpoint(
@@ -124,7 +129,10 @@ def export(
         overwrite=overwrite,
         progress=out.progress_enabled(),
         device=device,
+        distributed=torchrun_world_size() > 1,
     )
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return  # under torchrun, rank 0 reports for the job
     if json_output:
         out.echo_json(result)
         return

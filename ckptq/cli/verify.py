@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,7 +26,7 @@ __all__ = ["verify"]
 )
 def verify(
     a: Annotated[
-        Path,
+        str,
         typer.Argument(
             help="Checkpoint folder (or safetensors / torch.save file). Alone: check its integrity.",
             metavar="A",
@@ -35,7 +34,7 @@ def verify(
         ),
     ],
     b: Annotated[
-        Path | None,
+        str | None,
         typer.Argument(help="Second checkpoint, to compare with A.", metavar="B", show_default=False),
     ] = None,
     min_sqnr: Annotated[
@@ -100,7 +99,7 @@ def verify(
         raise typer.Exit(1)
 
 
-def _integrity(path: Path, json_output: bool) -> None:
+def _integrity(path: str, json_output: bool) -> None:
     from ..verify import check_integrity
 
     with out.byte_progress("verify") as bar:

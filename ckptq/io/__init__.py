@@ -5,7 +5,8 @@ Modules: :mod:`~ckptq.io.reader` (the DCP storage reader), :mod:`~ckptq.io.metad
 checks), :mod:`~ckptq.io.record_check` (one ``torch.save`` record opened and checked),
 :mod:`~ckptq.io.records` (record byte layout), :mod:`~ckptq.io.foreign` (other libraries' DCP records),
 :mod:`~ckptq.io.source` (the interface every checkpoint source implements), :mod:`~ckptq.io.torchsave`
-and :mod:`~ckptq.io.safetensors` (non-DCP sources), :mod:`~ckptq.io.safe_pickle`, :mod:`~ckptq.io.writer`.
+and :mod:`~ckptq.io.safetensors` (non-DCP sources), :mod:`~ckptq.io.safe_pickle`, :mod:`~ckptq.io.writer`,
+:mod:`~ckptq.io.storage` (local paths or fsspec URLs such as ``s3://``: docs/object-storage.md).
 """
 
 from __future__ import annotations

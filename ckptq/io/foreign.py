@@ -148,18 +148,36 @@ def _only_ours(globs: list):
 
 
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
-    """The bytes of a record (its first ``length`` bytes), never reading past its file's end: a
-    location beyond the file is a CheckpointFormatError, not an allocation of its claimed length."""
-    with _open_record(root, info) as w:
-        return w.read(w.size if length is None else min(length, w.size))
+    """The bytes of a record (its first ``length`` bytes), never reading past its file's end (one
+    ranged read: :func:`ckptq.io.storage.read_range`): a location beyond the file is a
+    CheckpointFormatError, not an allocation of its claimed length."""
+    from .storage import join, read_range
+
+    start, want = int(info.offset), int(info.length)
+    n = want if length is None else min(length, want)
+    path = join(root, str(info.relative_path))
+    data = read_range(path, start, start + n).getvalue() if start >= 0 and n >= 0 else b""
+    if start < 0 or want < 0 or len(data) < n:
+        raise CheckpointFormatError(
+            f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the end of "
+            f"the file; the file is truncated or the metadata corrupt: restore them or re-save"
+        )
+    return data
 
 
 @contextlib.contextmanager
-def _open_record(root: Path, info: Any):
-    """The record at ``info`` as a seekable file (a :class:`~ckptq.io.record_check.Window` of its
-    data file, read with ``preadv`` straight into the reader's buffers), after checking that it lies
-    inside the file (a location beyond it is a CheckpointFormatError, not an allocation)."""
-    path = root / str(info.relative_path)
+def _open_record(root: Path | str, info: Any):
+    """The record at ``info`` as what :func:`load_record` reads: for a local data file a seekable
+    :class:`~ckptq.io.record_check.Window` of it (read with ``preadv`` straight into the reader's
+    buffers), for an object store's its bytes (one ranged GET: :func:`_read_bytes`); either way
+    after checking that it lies inside the file (a location beyond it is a CheckpointFormatError,
+    not an allocation)."""
+    from .storage import is_url
+
+    if is_url(root):
+        yield _read_bytes(root, info)
+        return
+    path = Path(root) / str(info.relative_path)
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
         start, want = int(info.offset), int(info.length)
@@ -179,6 +197,18 @@ def _per_tensor(qt) -> dict:
         for s in qt.specs
         if s.is_per_tensor(qt.ndim)
     }
+
+
+def _component_keys(descriptors: Mapping) -> set:
+    """The entries the ckptq record's native descriptors name as their components: ckptq wrote
+    them as plain tensors, so their records need no look for a foreign producer
+    (:func:`ckptq.contract.fold_entries` checks the descriptors themselves)."""
+    keys = set()
+    for desc in descriptors.values():
+        comps = desc.get("components") if isinstance(desc, Mapping) and desc.get("mode") == "native" else None
+        if isinstance(comps, Mapping):
+            keys.update(c["fqn"] for c in comps.values() if isinstance(c, Mapping) and isinstance(c.get("fqn"), str))
+    return keys
 
 
 def virtualize(metadata: Metadata, root: Path) -> Metadata:
@@ -201,10 +231,11 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     new_storage = dict(storage)
     descriptors = dict(record["tensors"])
     found = 0
+    claimed = _component_keys(record["tensors"])
 
     def first_records():
         for fqn, md in metadata.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or not md.chunks:
+            if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or fqn in claimed or not md.chunks:
                 continue
             info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
             if info is not None and hasattr(info, "relative_path"):

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -41,6 +42,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
+from .storage import file_size, is_url, join
 
 __all__ = [
     "METADATA_FILE",
@@ -187,9 +189,10 @@ def _check_locations_inside(metadata: Metadata, root: Any, source: str) -> None:
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):
         return
+    safe: set = set()  # file names already checked (a checkpoint names one file per rank)
     for index, info in storage.items():
         rel = getattr(info, "relative_path", None)
-        if rel is None:
+        if rel is None or (type(rel) is str and rel in safe):
             continue
         rel = str(rel)
         parts = Path(rel).parts
@@ -198,6 +201,8 @@ def _check_locations_inside(metadata: Metadata, root: Any, source: str) -> None:
                 f"{source}: the metadata points '{getattr(index, 'fqn', '?')}' at '{rel}', outside "
                 f"the checkpoint directory '{root}'; refusing to read it"
             )
+        if type(info.relative_path) is str:
+            safe.add(rel)
 
 
 def describe_non_dcp(p: Path) -> str:
@@ -252,7 +257,7 @@ def check_storage(metadata: Metadata, path: PathLike, *, files: bool = True, com
     Raises:
         CheckpointFormatError: what failed, naming the checkpoint, the entry (FQN) and the file.
     """
-    root = Path(path)
+    root = path if is_url(path) else Path(path)
     _check_fields(metadata)
     _check_layout(metadata, root, files=files, complete=complete)
     _check_record_sizes(metadata, root)
@@ -270,6 +275,8 @@ def _is_int(x: Any) -> bool:
 
 
 def _ints(x: Any) -> tuple[int, ...] | None:
+    if type(x) is torch.Size:  # a tuple of ints by construction (no bools)
+        return x
     if not isinstance(x, (tuple, list)) or not all(_is_int(v) for v in x):
         return None
     return tuple(x)
@@ -292,35 +299,91 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):  # DCP's readers need one (FileSystemReader asserts it)
         raise _fail(root, f"storage_data is a {type(storage).__name__}, not a dict")
-    for fqn, md in sdm.items():
-        if not isinstance(fqn, str):
-            raise _fail(root, f"entry name {fqn!r} is not a string")
-        if isinstance(md, TensorStorageMetadata):
-            _check_chunks(root, fqn, md, complete)
-        elif not isinstance(md, BytesStorageMetadata):
-            raise _fail(root, f"entry '{fqn}' is described by a {type(md).__name__}")
-    with_path = [hasattr(v, "relative_path") for v in storage.values()]
-    if not any(with_path):
+    if not _entries_fine(sdm, complete):  # the first failure, in checkpoint order, by name
+        for fqn, md in sdm.items():
+            if not isinstance(fqn, str):
+                raise _fail(root, f"entry name {fqn!r} is not a string")
+            if isinstance(md, TensorStorageMetadata):
+                _check_chunks(root, fqn, md, complete)
+            elif not isinstance(md, BytesStorageMetadata):
+                raise _fail(root, f"entry '{fqn}' is described by a {type(md).__name__}")
+    with_path = sum(1 for v in storage.values() if hasattr(v, "relative_path"))
+    if not with_path:
         return  # another storage layer: its reader checks its own locations
-    if not all(with_path):
+    if with_path != len(storage):
         raise _fail(root, "some storage locations have no file")
+    # Every chunk and bytes entry has a location, every location a chunk or entry: first as sets
+    # of (fqn, offsets) (C speed); the first failure, in checkpoint order, by the loops below.
+    chunk_keys = set()
     for fqn, md in sdm.items():
-        keys = (
-            [MetadataIndex(fqn, c.offsets) for c in md.chunks]
-            if isinstance(md, TensorStorageMetadata)
-            else [MetadataIndex(fqn)]
-        )
-        for key in keys:
-            if key not in storage:
-                where = f" chunk at offsets {list(key.offset)}" if key.offset is not None else ""
-                raise CheckpointFormatError(
-                    f"{root}: entry '{fqn}'{where} has no storage location in the metadata; "
-                    f"the checkpoint is incomplete"
-                )
+        if isinstance(md, TensorStorageMetadata):
+            chunk_keys.update([(fqn, _key(c.offsets)) for c in md.chunks])
+    stored = {(index.fqn, index.offset) for index in storage if type(index) is MetadataIndex}
+    if not chunk_keys <= stored or not all(
+        (fqn, None) in stored for fqn, md in sdm.items() if not isinstance(md, TensorStorageMetadata)
+    ):
+        _raise_unlocated(root, sdm, storage)
+    n_bytes = sum(1 for md in sdm.values() if not isinstance(md, TensorStorageMetadata))
+    ends = _locations_fine(storage, stored, len(chunk_keys) + n_bytes)
+    if ends is not None and (not files or all(_holds(join(root, rel), end) for rel, end in ends.items())):
+        return
+    _check_locations(root, sdm, storage, chunk_keys, files)  # names the first failure
+
+
+def _holds(path: Any, end: int) -> bool:
+    """``path`` (a local path or URL) is a file of at least ``end`` bytes."""
+    size = file_size(path)
+    return size is not None and size >= end
+
+
+def _locations_fine(storage: Mapping, stored: set, expected: int) -> dict[str, int] | None:
+    """Check 3 over every location at once (numpy): the end of the last record of each data file
+    when all pass; None when one may not (:func:`_check_locations` then finds and names it).
+
+    ``stored``: the (fqn, offsets) of the storage keys that are ``MetadataIndex`` es, known to
+    include every chunk's and bytes entry's; ``expected``: how many those are. Equal counts mean
+    every location belongs to a chunk or entry."""
+    if len(stored) != len(storage) or len(stored) != expected or not storage:
+        return None
+    infos = list(storage.values())
+    offs = [getattr(i, "offset", None) for i in infos]
+    lens = [getattr(i, "length", None) for i in infos]
+    if not all(type(v) is int for v in offs) or not all(type(v) is int for v in lens):
+        return None
+    rels = [i.relative_path for i in infos]
+    del infos
+    names = sorted(set(rels), key=str)
+    for rel in names:
+        if type(rel) is not str or not rel or Path(rel).name.endswith(METADATA_FILE):
+            return None
+    code_of = {rel: i for i, rel in enumerate(names)}
+    code = np.fromiter((code_of[r] for r in rels), dtype=np.int64, count=len(rels))
+    del rels
+    try:
+        st, ln = np.array(offs, dtype=np.int64), np.array(lens, dtype=np.int64)
+    except OverflowError:
+        return None
+    if (st < 0).any() or (ln < 0).any() or (st > np.iinfo(np.int64).max - ln).any():
+        return None
+    en = st + ln
+    span = int(en.max()) + 1
+    if span * (len(names) + 1) >= 1 << 62:
+        return None
+    last = np.zeros(len(names), dtype=np.int64)
+    np.maximum.at(last, code, en)
+    keep = en > st
+    st, en = st[keep] + code[keep] * span, en[keep] + code[keep] * span  # files apart, in name order
+    if len(st) > 1:
+        order = np.lexsort((en, st))
+        st, en = st[order], en[order]
+        if (st[1:] < np.maximum.accumulate(en)[:-1]).any():
+            return None  # two records overlap (or share a foreign record): the exact check decides
+    return {rel: int(e) for rel, e in zip(names, last.tolist(), strict=True)}
+
+
+def _check_locations(root: Path, sdm: Mapping, storage: Mapping, chunk_keys: set, files: bool) -> None:
+    """Check 3 (and 5 with ``files``) location by location, naming the first failure."""
     ranges: dict[str, list] = {}
-    chunk_keys = {
-        (fqn, tuple(c.offsets)) for fqn, md in sdm.items() if isinstance(md, TensorStorageMetadata) for c in md.chunks
-    }
     for index, info in storage.items():
         fqn = getattr(index, "fqn", None)
         if not isinstance(index, MetadataIndex) or not isinstance(fqn, str):
@@ -328,7 +391,7 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
         if index.offset is None:
             known = isinstance(sdm.get(fqn), BytesStorageMetadata)
         else:
-            known = (fqn, tuple(index.offset)) in chunk_keys
+            known = (fqn, _key(index.offset)) in chunk_keys
         if not known:  # DCP writes a location for each chunk of its entries, nothing else
             where = f" at offsets {list(index.offset)}" if index.offset is not None else ""
             raise _fail(
@@ -351,31 +414,15 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
             )
         ranges.setdefault(str(rel), []).append((off, off + length, fqn, info))
     for rel, spans in sorted(ranges.items()):
-        spans.sort(key=lambda s: (s[0], s[1]))
-        prev = None
-        for span in spans:
-            if span[1] == span[0]:
-                continue
-            if prev is not None and span[0] < prev[1]:
-                shared = (span[0], span[1]) == (prev[0], prev[1]) and _shares_record(span[3], prev[3])
-                if not shared:
-                    raise _fail(
-                        root,
-                        f"in data file '{rel}', the records of '{prev[2]}' (bytes "
-                        f"{prev[0]}..{prev[1]}) and '{span[2]}' (bytes {span[0]}..{span[1]}) "
-                        f"overlap",
-                    )
-            if prev is None or span[1] > prev[1]:
-                prev = span
+        _check_overlaps(root, rel, spans)
         if not files:
             continue
         end, fqn = max((s[1], s[2]) for s in spans)
-        target = root / rel
-        if not target.is_file():
+        size = file_size(join(root, rel))
+        if size is None:
             raise CheckpointFormatError(
                 f"{root}: data file '{rel}' (holding '{fqn}') is missing; copy the whole checkpoint directory"
             )
-        size = target.stat().st_size
         if size < end:
             raise CheckpointFormatError(
                 f"{root}: data file '{rel}' is truncated: {size} bytes, but the metadata places "
@@ -383,29 +430,89 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
             )
 
 
+def _key(offsets: Any) -> tuple:
+    """A chunk's offsets as a hashable key (``torch.Size`` is a tuple already)."""
+    return offsets if type(offsets) is torch.Size else tuple(offsets)
+
+
+def _raise_unlocated(root: Path, sdm: Mapping, storage: Mapping) -> None:
+    """The error for the first entry (checkpoint order) or chunk with no storage location."""
+    for fqn, md in sdm.items():
+        keys = (
+            [MetadataIndex(fqn, c.offsets) for c in md.chunks]
+            if isinstance(md, TensorStorageMetadata)
+            else [MetadataIndex(fqn)]
+        )
+        for key in keys:
+            if key not in storage:
+                where = f" chunk at offsets {list(key.offset)}" if key.offset is not None else ""
+                raise CheckpointFormatError(
+                    f"{root}: entry '{fqn}'{where} has no storage location in the metadata; "
+                    f"the checkpoint is incomplete"
+                )
+
+
+def _check_overlaps(root: Path, rel: str, spans: list) -> None:
+    """In data file ``rel``, the byte ranges of distinct records do not overlap (``spans``:
+    ``(start, end, fqn, location)``); records of one foreign shard share theirs."""
+    spans.sort(key=lambda s: (s[0], s[1]))
+    prev = None
+    for span in spans:
+        if span[1] == span[0]:
+            continue
+        if prev is not None and span[0] < prev[1]:
+            shared = (span[0], span[1]) == (prev[0], prev[1]) and _shares_record(span[3], prev[3])
+            if not shared:
+                raise _fail(
+                    root,
+                    f"in data file '{rel}', the records of '{prev[2]}' (bytes "
+                    f"{prev[0]}..{prev[1]}) and '{span[2]}' (bytes {span[0]}..{span[1]}) "
+                    f"overlap",
+                )
+        if prev is None or span[1] > prev[1]:
+            prev = span
+
+
 def _check_fields(metadata: Metadata) -> None:
     """Every DCP dataclass in ``metadata`` has all its fields (a damaged pickle can rename one)."""
-    seen: list = [metadata]
+    names: dict[type, frozenset] = {}  # per class: its field names (empty: not a dataclass instance)
+
+    def check(obj: Any) -> None:
+        cls = type(obj)
+        want = names.get(cls)
+        if want is None:
+            want = names[cls] = (
+                frozenset(f.name for f in dataclasses.fields(obj))
+                if dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+                else frozenset()
+            )
+        if not want:
+            return
+        have = getattr(obj, "__dict__", None)
+        if have is not None and want <= have.keys():
+            return  # every field set on the instance (the usual case, checked in C)
+        missing = [f.name for f in dataclasses.fields(obj) if not hasattr(obj, f.name)]
+        if missing:
+            raise CheckpointFormatError(
+                f"the DCP metadata holds a {cls.__name__} without {missing}; the file is "
+                f"corrupt: restore it or re-save the checkpoint"
+            )
+
+    check(metadata)
     sdm = getattr(metadata, "state_dict_metadata", None)
     if isinstance(sdm, Mapping):
         for md in sdm.values():
-            seen.append(md)
-            seen.append(getattr(md, "properties", None))
+            check(md)
+            check(getattr(md, "properties", None))
             chunks = getattr(md, "chunks", None)
             if isinstance(chunks, (list, tuple)):
-                seen.extend(chunks)
+                for c in chunks:
+                    check(c)
     storage = getattr(metadata, "storage_data", None)
     if isinstance(storage, Mapping):
         for index, info in storage.items():
-            seen += [index, info]
-    for obj in seen:
-        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            missing = [f.name for f in dataclasses.fields(obj) if not hasattr(obj, f.name)]
-            if missing:
-                raise CheckpointFormatError(
-                    f"the DCP metadata holds a {type(obj).__name__} without {missing}; the file is "
-                    f"corrupt: restore it or re-save the checkpoint"
-                )
+            check(index)
+            check(info)
 
 
 def _shares_record(a: Any, b: Any) -> bool:
@@ -413,8 +520,81 @@ def _shares_record(a: Any, b: Any) -> bool:
     return isinstance(a, ForeignLocation) and isinstance(b, ForeignLocation)
 
 
+def _entries_fine(sdm: Mapping, complete: bool) -> bool:
+    """Check 2 (and the entry types of check 1) over all entries at once, with numpy: True when
+    every entry passes; False when one may not (the loop of :func:`_check_layout` then finds and
+    names it). Entries of chunks that are not plain ``torch.Size`` boxes, or of 2**53 elements or
+    more, are left to that loop."""
+    by_ndim: dict[int, list] = {}
+    ts, chunk_type = torch.Size, ChunkStorageMetadata
+    for fqn, md in sdm.items():
+        if type(fqn) is not str:
+            return False
+        if isinstance(md, BytesStorageMetadata):
+            continue
+        if type(md) is not TensorStorageMetadata:
+            return False
+        props, size, chunks = md.properties, md.size, md.chunks
+        if (
+            type(props) is not TensorProperties
+            or not isinstance(props.dtype, torch.dtype)
+            or type(size) is not ts
+            or type(chunks) is not list
+            or math.prod(size) >= 1 << 53
+        ):
+            return False
+        for c in chunks:
+            if type(c) is not chunk_type or type(c.offsets) is not ts or type(c.sizes) is not ts:
+                return False
+        if size:
+            by_ndim.setdefault(len(size), []).append(md)
+        elif len(chunks) > 1 or (complete and not chunks) or (chunks and (chunks[0].offsets or chunks[0].sizes)):
+            return False  # a scalar has one chunk of () (none in per-rank metadata)
+    try:
+        return all(_boxes_fine(nd, mds, complete) for nd, mds in by_ndim.items())
+    except (ValueError, OverflowError):  # ragged or huge values: the loop names them
+        return False
+
+
+def _boxes_fine(nd: int, mds: list, complete: bool) -> bool:
+    """Check 2 for entries ``mds`` of rank ``nd`` (chunks of ``torch.Size`` boxes), vectorized.
+
+    Disjointness: the non-empty boxes of an entry sorted by (offset, size) per dim,
+    lexicographically; two neighbours must differ, and on the first dim where they differ the
+    first must end where or before the second starts. Boxes that first differ on dim ``k`` (equal
+    on the dims before) then have disjoint intervals there, since the distinct intervals at each
+    level of this order are disjoint in order. A disjoint layout not nested this way (bricks)
+    returns False and is left to the exact sweep of :func:`_check_disjoint`."""
+    counts = np.fromiter((len(md.chunks) for md in mds), dtype=np.int64, count=len(mds))
+    n = int(counts.sum())
+    entry = np.repeat(np.arange(len(mds)), counts)
+    off = np.array([c.offsets for md in mds for c in md.chunks], dtype=np.int64).reshape(n, nd)
+    sz = np.array([c.sizes for md in mds for c in md.chunks], dtype=np.int64).reshape(n, nd)
+    dims = np.array([md.size for md in mds], dtype=np.int64).reshape(len(mds), nd)
+    if (off < 0).any() or (sz < 0).any() or (off + sz > dims[entry]).any():
+        return False
+    volume = sz.prod(axis=1)
+    if complete:  # exact in float64: every volume and numel < 2**53 (a sum above numel stays above)
+        covered = np.bincount(entry, weights=volume, minlength=len(mds))
+        if (covered != dims.prod(axis=1)).any():
+            return False
+    keep = volume != 0
+    off, sz, entry = off[keep], sz[keep], entry[keep]
+    if len(entry) < 2:
+        return True
+    order = np.lexsort([a for d in reversed(range(nd)) for a in (sz[:, d], off[:, d])] + [entry])
+    off, sz, entry = off[order], sz[order], entry[order]
+    same = entry[1:] == entry[:-1]
+    differ = (off[1:] != off[:-1]) | (sz[1:] != sz[:-1])
+    if not differ.any(axis=1)[same].all():
+        return False  # two equal boxes of one entry
+    k = differ.argmax(axis=1)
+    rows = np.arange(len(k))
+    return bool((off[1:][rows, k] >= (off[:-1] + sz[:-1])[rows, k])[same].all())
+
+
 def _check_chunks(root: Path, fqn: str, md: TensorStorageMetadata, complete: bool) -> None:
-    """Check 2 of :func:`check_storage` for one tensor entry."""
+    """Check 2 of :func:`check_storage` for one tensor entry, chunk by chunk."""
     props = md.properties
     if not isinstance(props, TensorProperties) or not isinstance(props.dtype, torch.dtype):
         raise _fail(root, f"tensor '{fqn}' has no valid dtype ({getattr(props, 'dtype', props)!r})")
@@ -479,19 +659,30 @@ def _check_record_sizes(metadata: Metadata, root: Path) -> None:
     storage = metadata.storage_data
     if not isinstance(storage, Mapping):
         return
+    located = {(k.fqn, k.offset): v for k, v in storage.items() if type(k) is MetadataIndex}
     for fqn, md in metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
+        itemsize = md.properties.dtype.itemsize
         for c in md.chunks:
-            info = storage.get(MetadataIndex(fqn, c.offsets))
-            if info is None or not hasattr(info, "length"):
+            info = located.get((fqn, _key(c.offsets)))
+            if info is None:
+                info = storage.get(MetadataIndex(fqn, c.offsets))  # a key of another spelling
+            length = getattr(info, "length", None)
+            if length is None:
                 continue
-            need = _record_bytes_needed(md, tuple(c.sizes), info)
-            if int(info.length) < need:
+            if type(info) is not ForeignLocation:
+                need = itemsize
+                for s in c.sizes:
+                    need *= s
+            else:
+                need = _record_bytes_needed(md, tuple(c.sizes), info)
+            if int(length) < need:
+                need = _record_bytes_needed(md, tuple(c.sizes), info)
                 raise _fail(
                     root,
                     f"tensor '{fqn}' ({str(md.properties.dtype).removeprefix('torch.')} "
                     f"{list(md.size)}): its chunk at offsets {list(c.offsets)} of sizes "
                     f"{list(c.sizes)} needs at least {need} bytes, but its record in "
-                    f"'{info.relative_path}' has {int(info.length)}",
+                    f"'{info.relative_path}' has {int(length)}",
                 )

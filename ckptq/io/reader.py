@@ -49,6 +49,7 @@ from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
 from .safe_pickle import load_pickled_object, safe_load
+from .storage import dcp_filesystem, file_size, is_url, join, list_names, location, name_of, parent_of, read_range
 
 __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries", "load_entries", "dcp_failure"]
 
@@ -114,6 +115,8 @@ class SafeFileSystemReader(FileSystemReader):
         **kwargs: Any,
     ) -> None:
         super().__init__(path, **kwargs)
+        if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
+            self.fs, self.path = dcp_filesystem(str(path))
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
@@ -126,9 +129,11 @@ class SafeFileSystemReader(FileSystemReader):
         self.entries: dict[str, Entry] | None = None
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
-        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+        if checkpoint_id and location(checkpoint_id) != location(self.path):
             self._cached_metadata = None
         super().reset(checkpoint_id)
+        if checkpoint_id and is_url(checkpoint_id):
+            self.fs, self.path = dcp_filesystem(str(checkpoint_id))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -141,7 +146,7 @@ class SafeFileSystemReader(FileSystemReader):
         previous = getattr(_LAST_METADATA_ERROR, "error", None)
         if rank is None:
             _LAST_METADATA_ERROR.error = None
-        elif previous is not None and not os.path.exists(str(path)):
+        elif previous is not None and file_size(path) is None:
             raise previous  # dcp.load's fallback to per-rank metadata after a failed global read
         try:
             return self._read_checked(path, rank)
@@ -156,6 +161,7 @@ class SafeFileSystemReader(FileSystemReader):
                 data = f.read()
             check_pickle_memo(data, str(path))
             metadata = safe_load(io.BytesIO(data), source=str(path))
+            del data  # the file's bytes: not kept while the metadata is checked
         except CkptqError:
             raise
         except FileNotFoundError as e:
@@ -176,12 +182,16 @@ class SafeFileSystemReader(FileSystemReader):
             )
         # per-rank metadata (use_collectives=False) lists only that rank's chunks: no coverage check
         metadata, self.entries = validate_metadata(
-            metadata, Path(self.path), source=str(path), files=self._verify_storage, complete=rank is None
+            metadata, self._root(), source=str(path), files=self._verify_storage, complete=rank is None
         )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _root(self) -> str | Path:
+        """The checkpoint's folder: a URL string or a ``Path``."""
+        return str(self.path) if is_url(str(self.path)) else Path(self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -197,7 +207,7 @@ class SafeFileSystemReader(FileSystemReader):
         foreign = [it for it in plan.items if isinstance(self.storage_data.get(it.storage_index), ForeignLocation)]
         if foreign:  # entries of a checkpoint another library wrote (see ckptq.io.foreign)
             try:
-                read_foreign_items(Path(self.path), self.storage_data, foreign, planner)
+                read_foreign_items(self._root(), self.storage_data, foreign, planner)
             except CkptqError:
                 raise
             except Exception as e:
@@ -230,15 +240,32 @@ class SafeFileSystemReader(FileSystemReader):
         for rel, reqs in per_file.items():
             file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
-                stream_cm = self.fs.create_stream(file, "rb")
+                size = file_size(file)
+                if size is None:
+                    raise FileNotFoundError(f"no file {rel}")
+                stream_cm = self._open_data(file)
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
             with stream_cm as stream:
                 for req in reqs:
-                    self._read_item(stream, rel, size, req, planner)
+                    self._read_item(stream(req.storage_index), rel, size, req, planner)
+
+    def _open_data(self, file: Any) -> Any:
+        """A context manager giving ``index -> stream`` of a data file: one open stream for every
+        record of a local file; for a URL, each record's byte range fetched by itself (one ranged
+        GET: fsspec's read-ahead cache would fetch again on each backward seek)."""
+        import contextlib
+
+        if not is_url(str(file)):
+            return contextlib.closing(_SameStream(self.fs.create_stream(file, "rb")))
+
+        def fetch(index: MetadataIndex) -> Any:
+            info = self.storage_data[index]
+            return read_range(file, int(info.offset), int(info.offset) + int(info.length))
+
+        return contextlib.nullcontext(fetch)
 
     def _read_item(self, stream: Any, rel: str, size: int, req: Any, planner: Any) -> None:
         where = self._where(req.storage_index, rel)
@@ -363,8 +390,10 @@ class SafeFileSystemReader(FileSystemReader):
             indices = sorted(per_file[rel], key=lambda i: int(self.storage_data[i].offset))
             file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
-                stream_cm = self.fs.create_stream(file, "rb")
+                size = file_size(file)
+                if size is None:
+                    raise FileNotFoundError(f"no file {rel}")
+                stream_cm = self._open_data(file)
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
@@ -385,7 +414,7 @@ class SafeFileSystemReader(FileSystemReader):
                         progress(int(info.length))
                     is_bytes = not isinstance(self._md.get(index.fqn), TensorStorageMetadata)
                     try:
-                        self._load_record(stream, rel, size, index, is_bytes, verify=True)
+                        self._load_record(stream(index), rel, size, index, is_bytes, verify=True)
                     except CkptqError as e:
                         where = self._where(index, rel) + ": "
                         problems.append(
@@ -403,6 +432,20 @@ class SafeFileSystemReader(FileSystemReader):
                     else:
                         unchecked += 1
         return problems, checked, unchecked
+
+
+class _SameStream:
+    """``index -> stream`` giving one open stream for every record (closed by :meth:`close`)."""
+
+    def __init__(self, cm: Any) -> None:
+        self._cm = cm
+        self._stream = cm.__enter__()
+
+    def __call__(self, index: Any) -> Any:
+        return self._stream
+
+    def close(self) -> None:
+        self._cm.__exit__(None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,6 +565,23 @@ def read_metadata_and_entries(path: PathLike, *, verify_storage: bool = True) ->
         UnsafeCheckpointError: the metadata pickle references a global outside the allow-list, or a
             storage location points outside the checkpoint directory.
     """
+    if is_url(path):
+        url = str(path).rstrip("/")
+        if name_of(url) == METADATA_FILE:
+            url = str(parent_of(url))
+        if file_size(join(url, METADATA_FILE)) is None:
+            names = list_names(url)
+            raise CheckpointFormatError(
+                f"{url}: no '{METADATA_FILE}' object"
+                + (
+                    f" but {len(names)} other object(s): the save was probably interrupted (ckptq and DCP "
+                    f"write '{METADATA_FILE}' last); re-save the checkpoint"
+                    if names
+                    else "; nothing is stored under this prefix"
+                )
+            )
+        reader = SafeFileSystemReader(url, verify_storage=verify_storage)
+        return reader.read_metadata(), reader.entries
     p = Path(path)
     if not p.exists():
         raise CheckpointFormatError(f"{p}: no such file or directory")

@@ -43,6 +43,9 @@ from torch.futures import Future
 from ..checksums import Hasher, checksum, checksum_key
 from ..contract import sidecar_ranks, with_checksums, with_digest
 from ..errors import CkptqError
+from ..ops import crc32c_available
+from . import storage
+from .metadata import METADATA_FILE
 
 __all__ = [
     "CheckpointDirWriter",
@@ -158,16 +161,27 @@ class CheckpointDirWriter:
     ``add_*`` methods; ranges that do not overlap). Each calls :meth:`close_local` and sends what
     it returns to one process, which passes them to :meth:`merge_local` and then calls :meth:`finish`.
 
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``; :mod:`ckptq.io.storage`): each data
+    file is then one object uploaded as it is written (multipart), records appended in the order
+    they come (``at`` is not used: objects cannot be written at offsets), and the writer of
+    process ``part`` (of several writing one checkpoint) names its files ``__{rank}_{part}.distcp``
+    (DCP's own naming of a rank's several files), so no two processes write one object. The
+    objects appear when :meth:`close_local` completes their uploads; ``.metadata`` (one PUT) last.
+
     Not thread-safe: call it from one thread at a time.
 
     Raises:
         CkptqError: this torch's DCP version is unknown (:func:`check_dcp_version`).
     """
 
-    def __init__(self, path: PathLike, *, sync_every: int = 256 << 20):
+    def __init__(self, path: PathLike, *, sync_every: int = 256 << 20, part: int = 0):
         self._storage_info, self._version = check_dcp_version()
-        self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.remote = storage.is_url(path)
+        self._part = part if self.remote else 0
+        self.path: Any = storage.location(path) if self.remote else Path(path)
+        if not self.remote:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._files: dict[int, Any] = {}
         self._fds: dict[int, int] = {}
         self._pos: dict[int, int] = {}
         self._unsynced: dict[int, int] = {}
@@ -180,6 +194,9 @@ class CheckpointDirWriter:
         self._closed = False
         self.bytes_per_rank: dict[int, int] = {}
 
+    def _name(self, rank: int) -> str:
+        return f"__{rank}_{self._part}.distcp"
+
     def _fd(self, rank: int) -> int:
         if rank not in self._fds:
             # no O_TRUNC: with positions (``at``), several processes write one file
@@ -191,6 +208,8 @@ class CheckpointDirWriter:
     def _append(self, rank: int, parts: list, at: int | None = None) -> tuple[int, int]:
         """Write ``parts`` (bytes-like) into ``rank``'s file at byte ``at`` (None: after the last
         write); returns (start, length)."""
+        if self.remote:
+            return self._append_remote(rank, parts)
         fd = self._fd(rank)
         start = self._pos[rank] if at is None else at
         views = [memoryview(p).cast("B") for p in parts if len(p)]
@@ -214,6 +233,18 @@ class CheckpointDirWriter:
                 self._syncer = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptq-fdatasync")
             self._syncs = [f for f in self._syncs if not f.done()] + [self._syncer.submit(os.fdatasync, fd)]
         return start, total
+
+    def _append_remote(self, rank: int, parts: list) -> tuple[int, int]:
+        f = self._files.get(rank)
+        if f is None:
+            f = self._files[rank] = storage.open_file(storage.join(self.path, self._name(rank)), "wb")
+            self._pos[rank] = 0
+        start = self._pos[rank]
+        for p in parts:
+            if len(p):
+                f.write(memoryview(p).cast("B"))
+        self._pos[rank] = f.tell()
+        return start, self._pos[rank] - start
 
     def _add_entry_chunk(self, key: str, global_size, offsets, dtype: torch.dtype, shape) -> torch.Size:
         """Record a chunk of ``shape`` at ``offsets`` in tensor entry ``key`` (created on first use);
@@ -244,7 +275,7 @@ class CheckpointDirWriter:
         offsets = self._add_entry_chunk(key, global_size, offsets, chunk.dtype, chunk.shape)
         self._sums[(key, tuple(offsets))] = chunk.checksum
         start, length = self._append(rank, [chunk.record.header, chunk.data, chunk.record.trailer_for(chunk.crc32)], at)
-        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, length)
+        self._storage[MetadataIndex(key, offsets)] = self._storage_info(self._name(rank), start, length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + len(chunk.data)
 
     def add_copy(
@@ -270,6 +301,8 @@ class CheckpointDirWriter:
         ``at``: as :meth:`add_chunk`."""
         from .records import tensor_record
 
+        if self.remote:
+            raise CkptqError(f"internal error: {self.path}: file-to-file copies go to local directories only")
         offsets = self._add_entry_chunk(key, global_size, offsets, dtype, shape)
         record = tensor_record(dtype, tuple(shape))
         start, head = self._append(rank, [record.header], at)
@@ -285,7 +318,7 @@ class CheckpointDirWriter:
         self._unsynced[rank] += done
         self._append(rank, [record.trailer_for(crc32)], pos + done)
         self._sums[(key, tuple(offsets))] = checksum
-        self._storage[MetadataIndex(key, offsets)] = self._storage_info(f"__{rank}_0.distcp", start, record.length)
+        self._storage[MetadataIndex(key, offsets)] = self._storage_info(self._name(rank), start, record.length)
         self.bytes_per_rank[rank] = self.bytes_per_rank.get(rank, 0) + record.nbytes
 
     def add_bytes(
@@ -297,7 +330,7 @@ class CheckpointDirWriter:
         if not transform_descriptors:  # else the payload is the un-transformed bytes: not hashed
             self._sums[(key, None)] = checksum(record)
         self._md[key] = BytesStorageMetadata()
-        info = self._storage_info(f"__{rank}_0.distcp", start, length)
+        info = self._storage_info(self._name(rank), start, length)
         if transform_descriptors:
             info.transform_descriptors = transform_descriptors
         self._storage[MetadataIndex(key)] = info
@@ -315,6 +348,9 @@ class CheckpointDirWriter:
                 os.fsync(fd)
                 os.close(fd)
             self._fds.clear()
+            for f in self._files.values():
+                f.close()  # completes the upload: the object appears
+            self._files.clear()
             self._closed = True
         return self._md, self._storage, self._sums, dict(self.bytes_per_rank)
 
@@ -342,6 +378,7 @@ class CheckpointDirWriter:
         """Close the data files (fsync) and write ``.metadata`` with ``planner_data`` and the
         records' checksums; returns it."""
         self.close_local()
+        self._check_files()
         planner_data = with_checksums(planner_data, self._sums)
         for md in self._md.values():
             if isinstance(md, TensorStorageMetadata):
@@ -355,6 +392,10 @@ class CheckpointDirWriter:
             )
         )
         metadata.version = self._version
+        if self.remote:  # one PUT: the checkpoint appears whole, or not at all
+            with storage.open_file(storage.join(self.path, METADATA_FILE), "wb") as f:
+                pickle.dump(metadata, f)
+            return metadata
         tmp = self.path / ".metadata.tmp"
         with open(tmp, "wb") as f:
             pickle.dump(metadata, f)
@@ -362,6 +403,34 @@ class CheckpointDirWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.path / ".metadata")
         return metadata
+
+    def _check_files(self) -> None:
+        """Every record's file is in the directory and holds its records (by size: nothing is read).
+        Records other processes wrote (:meth:`merge_local`) are only here when the directory is one
+        file system every process sees; a host that wrote into a local folder of the same name
+        leaves its files out.
+
+        Raises:
+            CkptqError: a file is missing or shorter than its records (names it; nothing is committed).
+        """
+        if not isinstance(self.path, Path):  # only a directory of a file system can be checked by stat
+            return
+        ends: dict[str, int] = {}
+        for info in self._storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            try:
+                size = os.stat(self.path / name).st_size
+            except FileNotFoundError:
+                size = -1
+            if size < end:
+                found = "is missing" if size < 0 else f"has {size} bytes"
+                raise CkptqError(
+                    f"{self.path / name} {found}, its records end at byte {end}: the processes that wrote it "
+                    f"did not write into this directory. With several hosts, the output must be on a file "
+                    f"system every host sees at the same path (docs/design.md, offline tools); nothing was "
+                    f"committed"
+                )
 
     def abort(self) -> None:
         """Close the data files without writing ``.metadata`` (the directory is then incomplete)."""
@@ -371,6 +440,9 @@ class CheckpointDirWriter:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        for f in self._files.values():
+            storage.discard(f)  # an unfinished upload is aborted, never completed
+        self._files.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,8 +455,10 @@ class _Checked:
 
 class _HashingPlanner:
     """Save-planner proxy for :class:`ChecksumFileSystemWriter`: every value the storage writer
-    resolves is handed to a :class:`~ckptq.checksums.Hasher` as it is returned (CUDA tensors are
-    copied to the CPU here, as DCP's loader would)."""
+    resolves is handed to a :class:`~ckptq.checksums.Hasher` as it is returned. A CUDA tensor is
+    hashed on its GPU and returned as is (DCP's loader copies it to the host, overlapped with the
+    writes); where the GPU kernel is not built it is copied to the host here and that copy is
+    hashed and returned (one copy, not two)."""
 
     def __init__(self, planner: Any, hasher: Hasher) -> None:
         self._planner, self._hasher = planner, hasher
@@ -396,7 +470,7 @@ class _HashingPlanner:
         data = self._planner.resolve_data(item)
         if isinstance(data, torch.Tensor):
             data = data.detach()
-            if data.device.type != "cpu":
+            if data.device.type != "cpu" and not crc32c_available(data.device):
                 data = data.cpu()
             self._hasher.submit(checksum_key(item.index), data)
         else:  # io.BytesIO of a bytes entry
@@ -469,19 +543,45 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     two renames leaves ``path`` missing and the previous checkpoint whole in ``.{name}.ckptq-old``.
     The directory must be on a file system every rank shares (as for ``FileSystemWriter``).
 
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
+    system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
+    under the final prefix and ``.metadata`` last (readers see no checkpoint before it exists; a
+    save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
+    in DCP's ``CheckpointException``: :func:`ckptq.io.dcp_failure`) unless ``overwrite=True``, which deletes
+    its ``.metadata`` first and its other objects next, before any rank writes: from then until the
+    new ``.metadata`` is written there is no checkpoint at that prefix (save versions under new
+    prefixes to keep the old one meanwhile). Objects left by an interrupted save are removed then
+    too. See :mod:`ckptq.io.storage`.
+
     Args:
-        path: the checkpoint directory.
-        **kwargs: passed to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...).
+        path: the checkpoint directory, or an fsspec URL.
+        **kwargs: passed to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...; for URLs
+            ``overwrite`` defaults to False and ``sync_files`` to False: an upload is durable once
+            it completes).
 
     Raises:
         CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported.
     """
 
     def __init__(self, path: PathLike, **kwargs: Any) -> None:
+        self.remote = storage.is_url(path)
+        if self.remote:
+            self.target: Any = storage.location(path)
+            kwargs.setdefault("overwrite", False)
+            kwargs.setdefault("sync_files", False)
+            super().__init__(self.target, **kwargs)
+            self.fs, self.path = storage.dcp_filesystem(self.target)
+            return
         self.target = Path(path)
         super().__init__(_staging(self.target), **kwargs)
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
+        if self.remote:
+            super().reset(None)
+            if checkpoint_id:
+                self.target = storage.location(checkpoint_id)
+                self.fs, self.path = storage.dcp_filesystem(self.target)
+            return
         if checkpoint_id:
             self.target = Path(checkpoint_id)
         super().reset(_staging(self.target))
@@ -498,9 +598,20 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
                 f".metadata written last); use FileSystemWriter for use_collectives=False saves"
             )
 
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self.remote and not self.overwrite and self._metadata_exists():
+            raise CkptqError(
+                f"{self.target}: holds a checkpoint, and an object store cannot replace one atomically; save "
+                f"under a new prefix, or pass overwrite=True (deletes the old checkpoint before writing the new one)"
+            )
+        return super().prepare_local_plan(plan)
+
     def prepare_global_plan(self, plans: list) -> list:
         # Coordinator only, after every rank made its local plan and before any rank writes: files
         # left in the staging directory by an interrupted save are stale.
+        if self.remote:  # DCP's prepare_local_plan refused an existing checkpoint unless overwrite
+            storage.remove_tree(self.target, first=(METADATA_FILE,))
+            return super().prepare_global_plan(plans)
         staging = Path(self.path)
         for stale in staging.iterdir() if staging.is_dir() else ():
             if stale.is_dir():
@@ -511,6 +622,8 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
+        if self.remote:  # .metadata (DCP: a PUT of .metadata.tmp, then a server-side copy) was the commit
+            return
         staging, target = Path(self.path), self.target
         old = target.parent / f".{target.name}.ckptq-old"
         if old.exists():
@@ -545,9 +658,27 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     """The offline tools' output ``dst`` must not overlap their input ``src`` (either inside the
     other, or the same) and must not exist unless ``overwrite``.
 
+    A URL ``dst`` (:mod:`ckptq.io.storage`) exists when any object has its prefix (a checkpoint,
+    an export, or what an interrupted run left): ``overwrite`` lets :func:`staging_dir` delete them.
+
     Raises:
         CkptqError: it overlaps the source, or exists without ``overwrite`` (nothing is written).
     """
+    if storage.is_url(src) or storage.is_url(dst):
+        s, d = str(storage.location(src)) + "/", str(storage.location(dst)) + "/"
+        if s.startswith(d) or d.startswith(s):
+            raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate prefix")
+        if overwrite:
+            return
+        if not storage.is_url(dst):
+            if Path(dst).exists():
+                raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+            return
+        names = storage.list_names(dst)
+        if names:
+            what = "a checkpoint" if METADATA_FILE in names else f"{len(names)} object(s) (an interrupted run's?)"
+            raise CkptqError(f"destination {dst} holds {what}; pass --overwrite to replace it")
+        return
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst == src or src in dst.parents or dst in src.parents:
         raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
@@ -559,7 +690,16 @@ def staging_dir(dst: Path) -> Path:
     """A fresh, empty temporary sibling of output directory ``dst`` (``.DST.ckptq-tmp-PID``) for
     the offline tools (reshard, convert, export) to write into, after removing such folders of
     ``dst`` left by killed runs (their PID is gone; logged on the ``ckptq`` logger). Folders of live
-    processes (another run into the same destination) are left alone."""
+    processes (another run into the same destination) are left alone.
+
+    For a URL ``dst`` (an object store cannot rename a folder) it is ``dst`` itself, after deleting
+    what the prefix holds (``.metadata`` or ``config.json`` first: an existing checkpoint or export
+    stops being one before its data goes; :func:`check_destination` allowed that); the tool's
+    ``.metadata`` (an export's ``config.json``), written last, is the commit."""
+    if storage.is_url(dst):
+        dst = storage.location(dst)
+        storage.remove_tree(dst, first=(METADATA_FILE, "config.json"))
+        return dst
     import glob
     import logging
 
@@ -586,7 +726,10 @@ def staging_dir(dst: Path) -> Path:
 
 def commit_dir(tmp: Path, dst: Path) -> None:
     """Move the completed ``tmp`` into place as ``dst`` (an existing ``dst`` is replaced: renamed
-    aside first, removed after), so ``dst`` is never a partial output."""
+    aside first, removed after), so ``dst`` is never a partial output. Nothing to do for a URL
+    (``tmp`` is ``dst``; writing ``.metadata`` committed it)."""
+    if storage.is_url(dst):
+        return
     old = None
     if dst.exists():
         old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"

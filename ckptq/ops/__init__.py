@@ -35,6 +35,8 @@ __all__ = [
     "dequantize",
     "requantize",
     "amax",
+    "crc32c",
+    "crc32c_available",
     "backend_name",
     "backend_report",
     "force",
@@ -253,3 +255,29 @@ def amax(src) -> torch.Tensor:
         return torch.ops.ckptq.amax(comps, s["format"], s["block"])
     hp = dequantize(src, torch.float32) if quantized else src
     return numerics._matrix_amax(hp)
+
+
+def crc32c_available(device: torch.device | str) -> bool:
+    """Whether :func:`crc32c` serves tensors on ``device`` now: a CUDA device by default, the CPU
+    only when ``CKPTQ_BACKEND=cpu`` is forced (tests; for CPU tensors the ``crc32c`` package is
+    faster); never when ``CKPTQ_BACKEND=reference`` or the extension (with this op) is not built."""
+    dev = torch.device(device).type
+    f = _backends.forced()
+    if not ((dev == "cuda" and f in (None, "cuda")) or (dev == "cpu" and f == "cpu")):
+        return False
+    return _backends.status(dev)[0] and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "ckptq::crc32c", _backends._DISPATCH_KEY[dev]
+    )
+
+
+def crc32c(data: torch.Tensor, value: int = 0, *, segment: int = 0) -> torch.Tensor | None:
+    """The crc32c of ``data``'s bytes computed by the compiled kernel where ``data`` is
+    (``ckptq::crc32c``: the elements row-major as the little-endian bytes of the dtype, continued
+    from ``value``, the convention of :func:`ckptq.checksums.checksum`), as a 0-dim ``int64``
+    tensor on ``data``'s device, enqueued on its current stream (not waited for); or ``None``
+    where :func:`crc32c_available` says no kernel serves it. ``segment``: bytes per
+    independently hashed piece (0: chosen for the device; the value does not depend on it).
+    """
+    if not crc32c_available(data.device):
+        return None
+    return torch.ops.ckptq.crc32c(data, int(value), int(segment))

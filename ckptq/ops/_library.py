@@ -24,6 +24,13 @@ Tensor? scale=None, str scale_rule="") -> Tensor[]``
 ``ckptq::amax(Tensor[] src, str src_format, int[] src_block) -> Tensor``
     The amax of each matrix of the decoded source (fp32, batch shape; NaN propagates as the
     canonical NaN), i.e. what an nvfp4 / fp8_tensor target would use.
+
+``ckptq::crc32c(Tensor data, int value=0, int segment=0) -> Tensor``
+    The crc32c (ckptq.checksums' convention: the `crc32c` package's ``crc32c(bytes, value)``) of
+    ``data``'s elements, row-major, as the little-endian bytes of its dtype, continued from
+    ``value``; a 0-dim int64 tensor on ``data``'s device (computed there: no copy of the data to the
+    host). The range is hashed in pieces of ``segment`` bytes (0: chosen for the device) combined in
+    GF(2) (``ckptq/csrc/crc32c.h``); the value does not depend on ``segment``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from ..numerics import HP_FORMATS
 __all__ = [
     "REQUANTIZE_SCHEMA",
     "AMAX_SCHEMA",
+    "CRC32C_SCHEMA",
     "HP_FORMATS",
     "FORMATS",
     "register_format",
@@ -52,6 +60,7 @@ REQUANTIZE_SCHEMA = (
     'Tensor? amax=None, Tensor? scale=None, str scale_rule="") -> Tensor[]'
 )
 AMAX_SCHEMA = "amax(Tensor[] src, str src_format, int[] src_block) -> Tensor"
+CRC32C_SCHEMA = "crc32c(Tensor data, int value=0, int segment=0) -> Tensor"
 
 #: high-precision format name used by the ops -> dtype (the inverse of :data:`HP_FORMATS`)
 _HP_DTYPES = {v: k for k, v in HP_FORMATS.items()}
@@ -141,6 +150,7 @@ def output_specs(
 _lib = torch.library.Library("ckptq", "DEF")  # referenced to keep the registration alive
 _lib.define(REQUANTIZE_SCHEMA)
 _lib.define(AMAX_SCHEMA)
+_lib.define(CRC32C_SCHEMA)
 
 
 @torch.library.register_fake("ckptq::requantize")
@@ -170,3 +180,8 @@ def _requantize_fake(
 def _amax_fake(src, src_format, src_block):
     batch, _, _ = logical_shape(src, src_format, src_block)
     return src[0].new_empty(batch, dtype=torch.float32)
+
+
+@torch.library.register_fake("ckptq::crc32c")
+def _crc32c_fake(data, value=0, segment=0):
+    return data.new_empty((), dtype=torch.int64)

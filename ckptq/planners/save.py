@@ -155,7 +155,10 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     # ---------------------------------------------------------------- planning (every rank)
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
-        self._checksum_dir, self._hashing = _checksum_dir(storage_meta, is_coordinator), None
+        self._checksum_dir, self._hashing = _checksum_dir(storage_meta), None
+        # no local directory for checksum files: warned at the first write unless the storage writer is ckptq's
+        self._unrecorded = self._checksum_dir is None and is_coordinator
+        self._storage_meta = storage_meta
         if self.quantize:
             self.state_dict = quantize_state_dict(self.state_dict, self.quantize)
         self._entries, self._objects = {}, {}
@@ -309,13 +312,16 @@ class QuantizedSavePlanner(DefaultSavePlanner):
     def checksums_by_writer(self) -> None:
         """Called by ckptq's storage writers (:class:`ckptq.io.ChecksumFileSystemWriter`), which
         hash what they write themselves: this save's planner then writes no checksum files."""
-        self._hashing = None
+        self._hashing, self._unrecorded = None, False
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """DCP's ``resolve_data``; with a storage writer that is not ckptq's, the value is also
         handed to this rank's :class:`ckptq.checksums.PlanHasher` (hashed on a background thread;
         the rank's checksum file is written when its last item was resolved)."""
         data = super().resolve_data(write_item)
+        if getattr(self, "_unrecorded", False):
+            _warn_unrecorded(self._storage_meta)
+            self._unrecorded = False
         hashing = self._hashing
         if hashing is not None:
             hashing.add(write_item.index, data)
@@ -340,14 +346,21 @@ def _rank() -> int:
 _WARNED: set = set()
 
 
-def _checksum_dir(storage_meta: Any, is_coordinator: bool) -> str | None:
+def _checksum_dir(storage_meta: Any) -> str | None:
     """The local directory in which each rank's checksum file goes (the save's ``checkpoint_id``),
-    or None (with one warning) when the storage writer gives none: then only ckptq's storage
-    writers record checksums."""
+    or None when the storage writer gives none (a URL): then only ckptq's storage writers record
+    checksums (:func:`_warn_unrecorded` otherwise)."""
     cid = getattr(storage_meta, "checkpoint_id", None)
     if isinstance(cid, (str, os.PathLike)) and "://" not in str(cid):
         return os.fspath(cid)
-    if is_coordinator and str(cid) not in _WARNED:
+    return None
+
+
+def _warn_unrecorded(storage_meta: Any) -> None:
+    """One warning per checkpoint that a save with a storage writer not ckptq's, and no local
+    directory for checksum files, records no checksums."""
+    cid = getattr(storage_meta, "checkpoint_id", None)
+    if str(cid) not in _WARNED:
         _WARNED.add(str(cid))
         logger.warning(
             "ckptq: QuantizedSavePlanner cannot record checksums for this save: its storage writer reports "
@@ -356,7 +369,6 @@ def _checksum_dir(storage_meta: Any, is_coordinator: bool) -> str | None:
             cid,
             storage_meta,
         )
-    return None
 
 
 def _columnwise_on_grid(qt: QuantizedTensor, obj: torch.Tensor, fqn: str) -> QuantizedTensor:

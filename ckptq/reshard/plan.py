@@ -16,7 +16,7 @@ import functools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -28,7 +28,7 @@ from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatErro
 from ..formats import FORMATS, format_class
 from ..formats.base import dtype_to_str
 from ..parse import HP_DTYPES
-from ..placement import MeshSpec, PlacementRules, format_placements, rank_boxes
+from ..placement import MeshSpec, PlacementRules, dim_intervals, first_owner_boxes, format_placements, rank_boxes
 
 __all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
 
@@ -59,18 +59,24 @@ class TensorJob:
 
 @dataclasses.dataclass
 class ReshardPlan:
-    """The full plan: jobs, bytes per target rank and alignment problems (nothing read yet)."""
+    """The plan: jobs, bytes per target rank and alignment problems (nothing read yet).
+
+    ``ranks`` None: the whole plan (every target rank). Else the part of the target ranks
+    ``ranks`` (increasing): the jobs with a box those ranks write, each with only those owners and
+    bytes -- the corresponding slice of the whole plan -- plus every job with a problem (decided
+    on every rank's boxes, as in the whole plan), so that :attr:`problems` is the whole plan's."""
 
     src: Path
     mesh: MeshSpec
     jobs: list[TensorJob]
+    ranks: tuple[int, ...] | None = None
 
     @property
     def problems(self) -> list[str]:
         return [j.problem for j in self.jobs if j.problem]
 
     def bytes_per_rank(self) -> dict[int, int]:
-        out: dict[int, int] = {r: 0 for r in range(self.mesh.world_size)}
+        out: dict[int, int] = {r: 0 for r in (range(self.mesh.world_size) if self.ranks is None else self.ranks)}
         for j in self.jobs:
             for r, b in j.bytes_per_rank.items():
                 out[r] += b
@@ -156,6 +162,7 @@ def plan_reshard(
     grouped: str | None = None,
     grouped_glob: str = "*weight",
     misaligned: str = "error",
+    ranks: Collection[int] | None = None,
 ) -> ReshardPlan:
     """Plan a reshard/convert of ``view`` onto ``mesh`` with ``placement_rules`` (reads metadata only).
 
@@ -170,9 +177,13 @@ def plan_reshard(
             ``X0..X{N-1}``. Per-member scales and amax become / come from the leading batch dim.
         misaligned: ``"error"`` (default: report and write nothing) or ``"high_precision"``
             (write those tensors dequantized).
+        ranks: plan only what these target ranks write (their files): the slice of the whole plan
+            with their boxes (:attr:`ReshardPlan.ranks`), each rank's box computed alone
+            (:func:`~ckptq.placement.first_owner_boxes`) rather than every rank's. None: every rank.
 
     Raises:
-        UnsupportedFormatError: bad options. CheckpointFormatError: inconsistent grouped members.
+        UnsupportedFormatError: bad options or a rank outside the mesh. CheckpointFormatError:
+            inconsistent grouped members.
     """
     if mode is not None and mode not in MODES:
         raise UnsupportedFormatError(f"mode '{mode}': expected {' or '.join(MODES)}")
@@ -184,6 +195,11 @@ def plan_reshard(
         raise UnsupportedFormatError(f"--to {to}: expected one of {sorted(FORMATS)} or {sorted(HP_DTYPES)}")
     if to in FORMATS:
         format_class(to).Recipe(**(to_recipe or {}))  # validate early
+    if ranks is not None:
+        ranks = tuple(sorted(set(ranks)))
+        bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < mesh.world_size)]
+        if bad:
+            raise UnsupportedFormatError(f"ranks {bad[:4]}: mesh {mesh} has ranks 0..{mesh.world_size - 1}")
 
     units: list[tuple[str, list[Entry], int | None]] = []
     stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
@@ -198,19 +214,24 @@ def plan_reshard(
     units += [(stem, ms, None) for stem, ms in stacked.items()]
     units.sort(key=lambda u: u[0])
 
-    jobs = [
-        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned)
-        for fqn, sources, member in units
-    ]
     if grouped == "stack" and not stacked:
         raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
-    return ReshardPlan(view.path, mesh, jobs)
+    jobs = [
+        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
+        for fqn, sources, member in units
+    ]
+    if ranks is not None:  # the jobs these ranks write, and every problem (a run stops on any)
+        jobs = [j for j in jobs if j.owners or j.problem]
+    return ReshardPlan(view.path, mesh, jobs, ranks)
 
 
-def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned) -> TensorJob:
+def _plan_job(
+    fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks=None
+) -> TensorJob:
     src = sources[0]
     if src.kind == "bytes":
-        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), [(0, ((), ()))], {0: 0})
+        owners, sizes = ([(0, ((), ()))], {0: 0}) if ranks is None or 0 in ranks else ([], {})
+        return TensorJob(fqn, sources, None, "bytes", None, None, None, (), (), owners, sizes)
     shape = tuple(src.shape)
     if len(sources) > 1:
         shape = (len(sources),) + shape
@@ -234,14 +255,11 @@ def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, t
     if foreign_note and misaligned != "error":  # keep its exact values (see ckptq.io.foreign)
         out, fmt, recipe, dtype = "tensor", None, None, src.dtype
     placements = placement_rules.placements(fqn, len(shape))
-    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
-    owners, seen = [], set()
-    for r, b in enumerate(boxes):
-        if b not in seen and math.prod(b[1]) > 0:
-            seen.add(b)
-            owners.append((r, b))
-    if not owners:  # an empty tensor: still one (empty) chunk, so that the entry exists
-        owners = [(0, boxes[0])]
+    owners = (
+        _owners(shape, mesh, placements, fqn)
+        if ranks is None
+        else first_owner_boxes(shape, mesh, placements, ranks, fqn=fqn)
+    )
     job = TensorJob(fqn, sources, member, out, fmt, recipe, dtype, shape, placements, owners, {})
     if foreign_note:
         if misaligned == "error":
@@ -252,8 +270,14 @@ def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, t
         cls = format_class(fmt)
         specs = cls.component_specs(shape, cls._recipe_from_json(recipe))
         align = chunks.alignment(specs, len(shape))
+        # Every rank's boxes decide, in a per-rank plan too: there by the per-dim intervals, and
+        # if one is cut inside a block, the first such box in rank order names it.
+        checked = owners
+        if ranks is not None:
+            fine = _intervals_aligned(align, shape, dim_intervals(shape, mesh, placements, fqn=fqn))
+            checked = [] if fine else _owners(shape, mesh, placements, fqn)
         try:
-            for _, b in owners:
+            for _, b in checked:
                 if not chunks.is_aligned(align, shape, b):
                     chunks.check_aligned(specs, shape, b, fqn=fqn, fmt=fmt)  # raises with details
         except ShardingError as e:
@@ -266,6 +290,34 @@ def _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, t
     for r, b in owners:
         job.bytes_per_rank[r] = job.bytes_per_rank.get(r, 0) + _box_bytes(job, b, key)
     return job
+
+
+def _owners(shape: tuple, mesh: MeshSpec, placements: tuple, fqn: str) -> list[tuple[int, chunks.Box]]:
+    """(rank, box) of the first rank holding each distinct non-empty box (rank order); an empty
+    tensor: rank 0's (empty) box, so that the entry exists."""
+    boxes = rank_boxes(shape, mesh, placements, fqn=fqn)
+    owners, seen = [], set()
+    for r, b in enumerate(boxes):
+        if b not in seen and math.prod(b[1]) > 0:
+            seen.add(b)
+            owners.append((r, b))
+    return owners or [(0, boxes[0])]
+
+
+def _intervals_aligned(align: tuple, shape: tuple, intervals: list) -> bool:
+    """Whether every non-empty box made of one interval of ``intervals[d]`` per dim is
+    block-aligned (:func:`ckptq.chunks.is_aligned` tests each dim alone)."""
+    if math.prod(shape) == 0:
+        return True  # its one box is empty
+    for d, ivs in enumerate(intervals):
+        for off, size in ivs:
+            box = (
+                tuple(off if i == d else 0 for i in range(len(shape))),
+                tuple(size if i == d else n for i, n in enumerate(shape)),
+            )
+            if not chunks.is_aligned(align, shape, box):
+                return False
+    return True
 
 
 def _box_bytes(job: TensorJob, box: chunks.Box, recipe_key: str) -> int:

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,10 +35,11 @@ from ..contract import (
     make_record,
     native_descriptor,
 )
-from ..distributed import Group, prepare_write_commit
+from ..distributed import Group, expect_shared_dir, prepare_write_commit
 from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
+from ..io import storage
 from ..io.device import PrefetchStats, device_scope, prefetch, resolve_device, to_host
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
@@ -107,7 +107,7 @@ def run_reshard(
     """
     t_start = time.perf_counter()
     dev = resolve_device(device)
-    dst = Path(dst).absolute()
+    dst = storage.location(dst)
     group = Group.default() if distributed else None
     try:
         run = _Run(view, plan, dst, overwrite, progress, group, dev)
@@ -190,7 +190,8 @@ class _Run:
         """Lay every record out, write this process's jobs' records into ``tmp``; returns what
         :meth:`commit` needs from this process."""
         view, plan, group = self.view, self.plan, self.group
-        self.writer = CheckpointDirWriter(tmp)
+        expect_shared_dir(tmp, group)
+        self.writer = CheckpointDirWriter(tmp, part=0 if group is None else group.rank)
         try:
             file_map = _file_map(view, plan)
             copies = [_copy_source(view, job) for job in plan.jobs]
@@ -223,7 +224,7 @@ class _Run:
             self.writer.abort()
 
     def discard(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tree(tmp)
 
 
 @contextlib.contextmanager
@@ -345,10 +346,14 @@ def _execute(
     others, computed on ``device`` while the next one's source is read."""
     copied, computed = [], []
     biggest = 0
+    kernel_copy = getattr(view, "local", False) and not writer.remote  # copy_file_range needs two local files
     for i in sorted(mine):
         job, outs, copy = plan.jobs[i], file_map[i], copies[i]
         if copy:
-            biggest = max([biggest] + [o.nbytes for o in outs if view.whole_chunk(_src_key(job, o), o.box) is None])
+            biggest = max(
+                [biggest]
+                + [o.nbytes for o in outs if not kernel_copy or view.whole_chunk(_src_key(job, o), o.box) is None]
+            )
             copied.append((job, outs))
         else:
             computed.append((job, outs))
@@ -356,7 +361,7 @@ def _execute(
         for job, outs in copied:
             for o in outs:
                 src_key = _src_key(job, o)
-                whole = view.whole_chunk(src_key, o.box)
+                whole = view.whole_chunk(src_key, o.box) if kernel_copy else None
                 if whole is not None:  # a saved chunk verbatim: hashed here, copied by the kernel there
                     sums = view.hash_chunk(whole)
                     pipe.add_copy(o, view.data_fd(whole), whole.payload, *sums)

@@ -1,0 +1,317 @@
+"""Where checkpoint bytes live: a local path or an fsspec URL (``s3://bucket/prefix``, ``gs://``, ...).
+
+Every place in ckptq that opens, sizes, lists or removes checkpoint files goes through this module,
+so each accepts a URL wherever it accepts a path. Local paths keep the operating system's calls
+(``pread``, ``copy_file_range``, ``rename``); URLs go to the fsspec file system their protocol
+names (``fsspec.core.url_to_fs``; ``s3fs`` for ``s3://``), imported on first use only: neither
+fsspec nor s3fs is needed to import ckptq.
+
+What object stores change (and what ckptq does about it):
+
+* **No rename, no partial writes.** An object appears whole when its upload completes (one PUT, or
+  the completion of a multipart upload) or not at all; it cannot be renamed atomically or written
+  at an offset. So a checkpoint on an object store is written in place under its final prefix,
+  data objects first, ``.metadata`` last (one PUT): readers see no checkpoint until ``.metadata``
+  exists, and a writer killed midway leaves data objects (or unfinished multipart uploads) but
+  no ``.metadata`` -- nothing any ckptq reader or ``dcp.load`` accepts.
+* **No atomic replace of a prefix.** Saving over an existing checkpoint cannot swap it as the local
+  rename does. ckptq refuses unless asked (``overwrite``): then ``.metadata`` of the old checkpoint
+  is deleted *first* (it stops being a checkpoint at once), then its other objects, then the new
+  one is written. Between the two, there is no checkpoint at that prefix. To keep the old one until
+  the new one is complete, save each version under a new prefix (``.../step-1000``) and delete old
+  prefixes after.
+* **Ranged reads.** Each record (or each payload a tool copies) is fetched by its exact byte range
+  (one ranged GET: :func:`read_range`, :meth:`RangeReader.readinto`); record headers through a
+  small block cache (:data:`READ_BLOCK`). A tool reads only the records it needs and never copies a
+  whole checkpoint to local disk.
+* **Multipart writes.** Data files are written as a stream; s3fs uploads each :data:`WRITE_BLOCK`
+  bytes as one part of a multipart upload (and a smaller file with one PUT at close).
+
+Credentials and endpoints come from the usual places of the file system's library (for S3:
+``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_ENDPOINT_URL``, ``~/.aws``, instance
+roles), from fsspec's configuration (``FSSPEC_S3_ENDPOINT_URL``, ``~/.config/fsspec``), or from
+:func:`set_storage_options`. ckptq never logs or prints them: messages name URLs only.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Union
+
+from ..errors import CkptqError
+
+__all__ = [
+    "is_url",
+    "location",
+    "join",
+    "name_of",
+    "parent_of",
+    "filesystem",
+    "file_size",
+    "open_file",
+    "RangeReader",
+    "read_range",
+    "discard",
+    "dcp_filesystem",
+    "list_names",
+    "remove_tree",
+    "set_storage_options",
+    "READ_BLOCK",
+    "WRITE_BLOCK",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: Bytes per request of a data file opened for small structural reads (record headers and zip
+#: directories; fsspec's block cache keeps the blocks read). Payloads are read by exact byte range.
+READ_BLOCK = 256 << 10
+#: Bytes per part of a multipart upload of a data file (S3 needs parts of at least 5 MiB).
+WRITE_BLOCK = 64 << 20
+
+_OPTIONS: dict[str, dict] = {}
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` is a URL of a remote file system (``proto://...``, except ``file://``)."""
+    if not isinstance(path, str) or "://" not in path:
+        return False
+    return path.split("://", 1)[0] not in ("", "file")
+
+
+def location(path: PathLike) -> str | Path:
+    """``path`` as the tools keep it: a URL string without trailing ``/``, or an absolute ``Path``
+    (``file://`` URLs become paths)."""
+    if is_url(path):
+        return str(path).rstrip("/")
+    if isinstance(path, str) and path.startswith("file://"):
+        path = path[len("file://") :]
+    return Path(path).absolute()
+
+
+def join(base: PathLike, rel: str) -> str | Path:
+    """``rel`` (a relative name with ``/`` separators) under ``base``."""
+    if is_url(base):
+        return str(base).rstrip("/") + "/" + str(rel)
+    return Path(base) / rel
+
+
+def name_of(path: PathLike) -> str:
+    """The last component of ``path``."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if is_url(path) else Path(path).name
+
+
+def parent_of(path: PathLike) -> str | Path:
+    """The folder (prefix) holding ``path``."""
+    return str(path).rstrip("/").rsplit("/", 1)[0] if is_url(path) else Path(path).parent
+
+
+def set_storage_options(protocol: str, **options: Any) -> None:
+    """Options for the fsspec file system of ``protocol`` (e.g. ``"s3"``: ``endpoint_url=``,
+    ``key=``, ``secret=``, ``client_kwargs=``), used by every later :func:`filesystem` call; they
+    are passed to the file system's constructor, never logged. Without it, the library's own
+    defaults (environment variables, config files) apply."""
+    _OPTIONS[protocol] = dict(options)
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """``(fsspec file system, path inside it)`` for ``url`` (``fsspec.core.url_to_fs`` with the
+    options of :func:`set_storage_options`).
+
+    Raises:
+        CkptqError: fsspec, or the library of the URL's protocol (``s3fs`` for ``s3://``), is not
+            installed (``pip install 'ckptq[s3]'``).
+    """
+    protocol = url.split("://", 1)[0]
+    try:
+        from fsspec.core import url_to_fs
+
+        return url_to_fs(url, **_OPTIONS.get(protocol, {}))
+    except ImportError as e:
+        raise CkptqError(
+            f"{url}: reading or writing {protocol}:// URLs needs fsspec and its {protocol} file system "
+            f"({e}); install them, e.g. pip install 'ckptq[s3]' for s3://"
+        ) from None
+
+
+def file_size(path: PathLike) -> int | None:
+    """Bytes of the file (object) ``path``, or None if there is none.
+
+    Raises:
+        CkptqError: the object store refused or failed the request (credentials, endpoint, network);
+            the message names the URL and the server's error, never the credentials."""
+    if not is_url(path):
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        import stat
+
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+    fs, p = filesystem(str(path))
+    try:
+        info = fs.info(p)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise CkptqError(
+            f"{path}: the object store refused or failed the request ({type(e).__name__}: {e}); check the "
+            f"endpoint and credentials (for s3://: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... or fsspec's options)"
+        ) from None
+    return int(info["size"]) if info.get("type") == "file" else None
+
+
+def open_file(path: PathLike, mode: str = "rb", *, block_size: int | None = None) -> Any:
+    """Open ``path`` (``"rb"``, ``"wb"``, ``"r"``, ``"w"``). For URLs, a read-only file reads by
+    byte range in blocks of :data:`READ_BLOCK` (kept in fsspec's block cache: for small reads such
+    as record headers; fetch payloads with :func:`read_range`), and a file opened for writing
+    uploads as it goes (multipart parts of :data:`WRITE_BLOCK`): the object appears when it is closed."""
+    if not is_url(path):
+        return open(path, mode)
+    fs, p = filesystem(str(path))
+    if "r" in mode:
+        return fs.open(p, mode, block_size=block_size or READ_BLOCK, cache_type="blockcache")
+    return fs.open(p, mode, block_size=block_size or WRITE_BLOCK)
+
+
+class _Range(io.BytesIO):
+    """Bytes ``base ..`` of a file, held in memory, addressed by their offsets in the file."""
+
+    def __init__(self, data: bytes, base: int) -> None:
+        super().__init__(data)
+        self._base = base
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return super().seek(pos - self._base if whence == 0 else pos, whence) + self._base
+
+    def tell(self) -> int:
+        return super().tell() + self._base
+
+
+def read_range(path: PathLike, start: int, end: int) -> io.BytesIO:
+    """Bytes ``start .. end`` of file ``path`` (fewer if it ends first: never more memory than the
+    file holds), fetched at once (one ranged GET for URLs), as a seekable stream addressed by file
+    offsets (``seek(start)`` is its first byte).
+
+    Raises:
+        OSError (FileNotFoundError): no such file."""
+    if is_url(path):
+        fs, p = filesystem(str(path))
+        try:  # the server sends what the object holds of the range
+            data = fs.cat_file(p, start=start, end=end) if end > start else b""
+        except OSError:
+            if file_size(path) is None:
+                raise
+            data = b""  # a range starting at or past the end
+    else:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = os.pread(f.fileno(), max(0, min(end, size) - start), start)
+    return _Range(data, start)
+
+
+def discard(f: Any) -> None:
+    """Close a file opened for writing by :func:`open_file` without publishing it where the file
+    system allows (an object store's upload is aborted; a local file is closed as written)."""
+    drop = getattr(f, "discard", None)
+    if drop is not None and hasattr(f, "fs"):
+        drop()
+        f.closed = True  # fsspec: the buffer is gone; close() must not upload
+    else:
+        f.close()
+
+
+class RangeReader:
+    """Reads byte ranges of the files of one checkpoint into caller buffers (``pread`` locally, one
+    ranged GET each for URLs); keeps each local file open until :meth:`close`.
+
+    Not thread-safe."""
+
+    def __init__(self, root: PathLike) -> None:
+        self.root = root
+        self.remote = is_url(root)
+        self._open: dict[str, Any] = {}
+
+    def fd(self, rel: str) -> int:
+        """An OS file descriptor of local file ``rel`` (for ``copy_file_range``)."""
+        assert not self.remote, "object stores have no file descriptors"
+        f = self._open.get(rel)
+        if f is None:
+            f = self._open[rel] = os.open(join(self.root, rel), os.O_RDONLY)
+        return f
+
+    def handle(self, rel: str) -> Any:
+        """The open file ``rel`` (a file object for URLs; an OS descriptor locally)."""
+        if not self.remote:
+            return self.fd(rel)
+        f = self._open.get(rel)
+        if f is None:
+            f = self._open[rel] = open_file(join(self.root, rel), "rb")
+        return f
+
+    def readinto(self, rel: str, into: memoryview, pos: int) -> int:
+        """Read up to ``len(into)`` bytes at byte ``pos`` of ``rel`` into ``into``; returns how many
+        (0: end of file)."""
+        if not self.remote:
+            return os.preadv(self.fd(rel), [into], pos)
+        fs, p = filesystem(str(join(self.root, rel)))
+        data = fs.cat_file(p, start=pos, end=pos + len(into))  # one ranged GET, no cache
+        into[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        for f in self._open.values():
+            if isinstance(f, int):
+                os.close(f)
+            else:
+                f.close()
+        self._open.clear()
+
+
+def list_names(path: PathLike) -> list[str]:
+    """Names of the files directly under folder (prefix) ``path`` ([] if none)."""
+    if not is_url(path):
+        p = Path(path)
+        return sorted(c.name for c in p.iterdir()) if p.is_dir() else []
+    fs, p = filesystem(str(path))
+    try:
+        return sorted(str(n).rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(p, detail=False, refresh=True))
+    except FileNotFoundError:
+        return []
+
+
+def remove_tree(path: PathLike, *, first: tuple[str, ...] = ()) -> None:
+    """Remove folder (prefix) ``path`` and everything under it, if it exists. The files named in
+    ``first`` (``.metadata``; an export's ``config.json``: what makes the folder a checkpoint) go
+    first, one by one, so it stops being one before any of its data goes."""
+    if not is_url(path):
+        for name in first:
+            if (Path(path) / name).is_file():
+                os.unlink(Path(path) / name)
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = filesystem(str(path))
+    for name in first:
+        try:
+            fs.rm_file(p.rstrip("/") + "/" + name)
+        except FileNotFoundError:
+            pass
+    try:
+        fs.rm(p, recursive=True)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(p)
+
+
+def dcp_filesystem(url: str) -> tuple[Any, str]:
+    """DCP's own fsspec ``FileSystemBase`` (``torch.distributed.checkpoint._fsspec_filesystem``,
+    what ``FsspecWriter`` / ``FsspecReader`` use) bound to ``url``, and the path DCP keeps: for
+    ckptq's ``dcp.save`` / ``dcp.load`` storage writer and reader on URLs."""
+    fs, _ = filesystem(url)  # the clear error when fsspec or the protocol's library is missing
+    from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
+
+    dcp_fs = FileSystem()
+    dcp_fs.fs = fs
+    return dcp_fs, url.rstrip("/")

@@ -1,0 +1,378 @@
+"""Planning at 1T scale from metadata alone: open ``.metadata`` and plan one target rank's part.
+
+One command: ``python scripts/bench_plan_scale.py [--curve] [--models] [--json OUT] [--markdown FILE]``.
+
+1. ``build``: a synthetic DCP checkpoint *without tensor bytes*: ``.metadata`` (DCP ``Metadata`` with
+   every chunk and storage location, the ckptq record with its digest, pickled as DCP's
+   ``FileSystemWriter`` pickles it) and one sparse data file per saving rank (``truncate`` to the
+   length the locations need), so every check of ckptq's reader runs, the data-file one included.
+   Models: DeepSeek-V3-671B (61 layers, first 3 dense with intermediate 18432, 256 routed experts +
+   1 shared, hidden 7168, expert intermediate 2048, MLA: q_lora 1536, kv_lora 512, 128 heads of
+   128 + 64 rope dims, v 128; vocab 129280) and Kimi-K2-1T (61 layers, first dense, 384 experts + 1
+   shared, 64 heads, vocab 163840). Experts either per expert (2-D ``...experts.linear_fc1.weight{e}``,
+   TE GroupedLinear's names) or grouped 3-D (``...experts.linear_fc1.weight`` of (E, 2*inter, hidden)).
+   Formats: routed experts NVFP4, shared experts and dense MLPs MXFP8, attention FP8 block 128x128,
+   norms, router, embeddings and head bf16. Saved by ``ep * fsdp`` ranks: experts by EP (each
+   expert on one EP group) x FSDP2 ``Shard(0)`` of its rows within the group (3-D: ``Shard(0)`` of
+   the expert dim over ep, ``Shard(1)`` over fsdp); the other weights by FSDP2 x TP over all
+   ranks (column-parallel ``(_StridedShard(0, tp), Shard(0))``, row-parallel ``(Shard(0), Shard(1))``).
+2. ``measure``: in a fresh process per measurement, the seconds and peak RSS (``VmHWM`` of that
+   process, read at each stage's end; RSS, not tracemalloc) of: importing ckptq's reshard planner,
+   opening the checkpoint as ``ckptq reshard`` does (:func:`ckptq.open_checkpoint`: the allow-listed
+   unpickle and every check of :mod:`ckptq.io.metadata`), and planning it for another mesh
+   (``ep x dp_shard x tp`` with another EP degree and TP; per-expert layouts are stacked into 3-D
+   experts, ``--grouped stack``) for one target rank (``plan_reshard(..., ranks=[r])``: the part
+   that rank's process writes) or, with ``--whole``, for every rank.
+
+Results: a markdown table on stdout (``--markdown`` appends it to a file) and JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODELS = {
+    # name: (layers, dense layers, routed experts, heads, vocab, dense intermediate)
+    "dsv3-671b": dict(layers=61, dense=3, experts=256, heads=128, vocab=129280, dense_inter=18432),
+    "kimi-k2-1t": dict(layers=61, dense=1, experts=384, heads=64, vocab=163840, dense_inter=18432),
+}
+HIDDEN, MOE_INTER, Q_LORA, KV_LORA, ROPE, NOPE, V_HEAD = 7168, 2048, 1536, 512, 64, 128, 128
+
+
+def model_tensors(model: str, layers: int | None, grouped: bool):
+    """``(fqn, shape, format or None, kind)`` of every weight; kind: ``expert``, ``col``, ``row``
+    (TP) or ``rep`` (FSDP only)."""
+    m = MODELS[model]
+    n_layers = m["layers"] if layers is None else layers
+    h, e, heads = HIDDEN, m["experts"], m["heads"]
+    yield "model.embed_tokens.weight", (m["vocab"], h), None, "rep"
+    yield "lm_head.weight", (m["vocab"], h), None, "col"
+    yield "model.norm.weight", (h,), None, "rep"
+    for i in range(n_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,), None, "rep"
+        yield f"{p}.post_attention_layernorm.weight", (h,), None, "rep"
+        a = f"{p}.self_attn"
+        yield f"{a}.q_a_proj.weight", (Q_LORA, h), "fp8_block", "rep"
+        yield f"{a}.q_a_layernorm.weight", (Q_LORA,), None, "rep"
+        yield f"{a}.q_b_proj.weight", (heads * (NOPE + ROPE), Q_LORA), "fp8_block", "col"
+        yield f"{a}.kv_a_proj_with_mqa.weight", (KV_LORA + ROPE, h), "fp8_block", "rep"
+        yield f"{a}.kv_a_layernorm.weight", (KV_LORA,), None, "rep"
+        yield f"{a}.kv_b_proj.weight", (heads * (NOPE + V_HEAD), KV_LORA), "fp8_block", "col"
+        yield f"{a}.o_proj.weight", (h, heads * V_HEAD), "fp8_block", "row"
+        if i < m["dense"]:
+            yield f"{p}.mlp.gate_up_proj.weight", (2 * m["dense_inter"], h), "mxfp8", "col"
+            yield f"{p}.mlp.down_proj.weight", (h, m["dense_inter"]), "mxfp8", "row"
+            continue
+        yield f"{p}.mlp.router.weight", (e, h), None, "rep"
+        yield f"{p}.mlp.shared_experts.gate_up_proj.weight", (2 * MOE_INTER, h), "mxfp8", "col"
+        yield f"{p}.mlp.shared_experts.down_proj.weight", (h, MOE_INTER), "mxfp8", "row"
+        for name, shape in (("linear_fc1", (2 * MOE_INTER, h)), ("linear_fc2", (h, MOE_INTER))):
+            if grouped:
+                yield f"{p}.mlp.experts.{name}.weight", (e, *shape), "nvfp4", "expert"
+            else:
+                for j in range(e):
+                    yield f"{p}.mlp.experts.{name}.weight{j}", shape, "nvfp4", "expert"
+
+
+def build(path: Path, model: str, layers: int | None, grouped: bool, ep: int, fsdp: int, tp: int) -> dict:
+    """Write the synthetic checkpoint's ``.metadata`` and sparse data files into ``path``."""
+    import functools
+    import re
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptq import chunks
+    from ckptq.contract import CKPTQ_KEY, make_record, with_digest
+    from ckptq.formats import format_class
+    from ckptq.formats.base import DESCRIPTOR_VERSION, dtype_to_str
+    from ckptq.placement import MeshSpec, rank_boxes
+
+    world = ep * fsdp
+    if world % tp:
+        raise SystemExit(f"tp={tp} does not divide {world} ranks")
+    dense_mesh = MeshSpec(("dp_shard", "tp"), (world // tp, tp))
+    expert_mesh = MeshSpec(("ep", "fsdp"), (ep, fsdp))
+    fsdp_mesh = MeshSpec(("fsdp",), (fsdp,))
+    placements = {
+        "col": (_StridedShard(0, split_factor=tp), Shard(0)),
+        "row": (Shard(0), Shard(1)),
+        "rep": (Shard(0), Replicate()),
+    }
+
+    @functools.cache
+    def owners(shape: tuple, kind: str) -> tuple:
+        """(saving rank, logical box) of each distinct non-empty box."""
+        if kind == "expert" and len(shape) == 3:
+            boxes = rank_boxes(shape, expert_mesh, (Shard(0), Shard(1)))
+        elif kind == "expert":
+            boxes = rank_boxes(shape, fsdp_mesh, (Shard(0),))
+        else:
+            boxes = rank_boxes(shape, dense_mesh, placements[kind] if len(shape) == 2 else placements["rep"])
+        out, seen = [], set()
+        for r, b in enumerate(boxes):
+            if b not in seen and all(b[1]):
+                seen.add(b)
+                out.append((r, b))
+        return tuple(out)
+
+    @functools.cache
+    def specs_of(fmt: str, ndim: int):
+        cls = format_class(fmt)
+        recipe = cls.Recipe()
+        return cls, recipe, cls.component_specs((1,) * ndim, recipe)
+
+    sdm, storage, descriptors = {}, {}, {}
+    ends = [0] * world
+    size_cache: dict = {}
+
+    def add_chunk(key: str, rank: int, cbox, dtype: torch.dtype, index: int) -> None:
+        offs, sizes = cbox
+        sz = size_cache.setdefault(sizes, torch.Size(sizes))
+        of = size_cache.setdefault(offs, torch.Size(offs))
+        sdm[key].chunks.append(ChunkStorageMetadata(of, sz))
+        n = dtype.itemsize
+        for s in sizes:
+            n *= s
+        storage[MetadataIndex(key, of, index)] = _StorageInfo(f"__{rank}_0.distcp", ends[rank], n)
+        ends[rank] += n
+
+    expert_re = re.compile(r"\.weight(\d+)$")
+    for fqn, shape, fmt, kind in model_tensors(model, layers, grouped):
+        base = 0
+        if kind == "expert" and len(shape) == 2:
+            e = int(expert_re.search(fqn).group(1))
+            per_group = -(-MODELS[model]["experts"] // ep)
+            base = (e // per_group) * fsdp
+        own = owners(shape, kind)
+        if fmt is not None:  # a tensor whose shards cut its blocks is saved in bf16 (as a save would)
+            cls, recipe, specs = specs_of(fmt, len(shape))
+            align = chunks.alignment(cls.component_specs(shape, recipe), len(shape))
+            fmt = fmt if all(chunks.is_aligned(align, shape, b) for _, b in own) else None
+        if fmt is None:
+            sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size(shape), [])
+            for i, (r, b) in enumerate(own):
+                add_chunk(fqn, base + r, b, torch.bfloat16, i)
+            continue
+        comps = {}
+        for spec in specs:
+            key = f"{fqn}.{spec.name}"
+            cshape = spec.shape(shape)
+            comps[spec.name] = {"dtype": dtype_to_str(spec.dtype), "shape": list(cshape), "fqn": key}
+            sdm[key] = TensorStorageMetadata(TensorProperties(dtype=spec.dtype), torch.Size(cshape), [])
+            seen = set()
+            for r, b in own:
+                cbox = chunks.component_box(spec, shape, b)
+                if cbox[0] in seen or not all(cbox[1]):
+                    continue
+                seen.add(cbox[0])
+                add_chunk(key, base + r, cbox, spec.dtype, len(seen) - 1)
+        descriptors[fqn] = {
+            "format": fmt,
+            "version": DESCRIPTOR_VERSION,
+            "shape": list(shape),
+            "dtype": "bfloat16",
+            "recipe": cls._recipe_to_json(recipe),
+            "components": comps,
+            "mode": "native",
+        }
+    md = Metadata(sdm, planner_data={CKPTQ_KEY: make_record(descriptors, world)}, storage_data=storage)
+    with_digest(md)
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)  # as torch's FileSystemWriter.finish
+    for r, end in enumerate(ends):
+        with open(path / f"__{r}_0.distcp", "wb") as f:
+            f.truncate(end)  # sparse: the lengths are what the reader checks
+    return {
+        "model": model,
+        "layers": layers or MODELS[model]["layers"],
+        "experts": "grouped 3-D" if grouped else "per expert 2-D",
+        "savers": f"ep={ep},fsdp={fsdp} (tp={tp} for dense)",
+        "saving_ranks": world,
+        "entries": len(sdm),
+        "logical_tensors": sum(1 for _ in model_tensors(model, layers, grouped)),
+        "saved_chunks": len(storage),
+        "params": sum(_numel(s) for _, s, _, _ in model_tensors(model, layers, grouped)),
+        "metadata_mib": os.path.getsize(path / ".metadata") / 2**20,
+        "checkpoint_gib": sum(ends) / 2**30,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# What runs in the measured process: times and VmHWM at each stage's end.
+MEASURE = r"""
+import json, sys, time
+t0, c0 = time.perf_counter(), time.process_time()
+def hwm():
+    return [int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:')][0] / 1024
+def stage(name, t, c):
+    out[name + "_s"], out[name + "_cpu_s"], out[name + "_mib"] = time.perf_counter() - t, time.process_time() - c, hwm()
+    return time.perf_counter(), time.process_time()
+sys.path.insert(0, {root!r})
+from ckptq.checkpoint import open_checkpoint
+from ckptq.placement import MeshSpec, PlacementRules
+from ckptq.parse import parse_placement
+from ckptq.reshard import plan_reshard
+out = {{}}
+t, c = stage("import", t0, c0)
+view = open_checkpoint({path!r})
+t, c = stage("open", t, c)
+mesh = MeshSpec(("ep", "dp_shard", "tp"), {mesh!r})
+P = lambda *s: [parse_placement(x) for x in s]
+rules = PlacementRules(mesh, "file", {{
+    "*.experts.*": P("S(0)", "S(1)", "R"),
+    "*.gate_up_proj.weight": P("S(0)", "S(0)", "S(0)"), "*.q_b_proj.weight": P("S(0)", "S(0)", "S(0)"),
+    "*.kv_b_proj.weight": P("S(0)", "S(0)", "S(0)"), "lm_head.weight": P("S(0)", "S(0)", "S(0)"),
+    "*.o_proj.weight": P("S(0)", "S(0)", "S(1)"), "*.down_proj.weight": P("S(0)", "S(0)", "S(1)"),
+    "*": P("S(0)", "S(0)", "R"),
+}})
+kw = {{"grouped": "stack", "grouped_glob": "*.experts.*"}} if {stack!r} else {{}}
+if {ranks!r} is not None:
+    kw["ranks"] = {ranks!r}
+plan = plan_reshard(view, mesh, rules, **kw)
+stage("plan", t, c)
+out.update(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0)
+per_rank = plan.bytes_per_rank()
+out.update(jobs=len(plan.jobs), boxes=sum(len(j.owners) for j in plan.jobs), problems=len(plan.problems),
+           target_ranks=mesh.world_size, planned_bytes=sum(per_rank.values()))
+print(json.dumps(out))
+"""
+
+
+def measure(path: Path, mesh: tuple, stack: bool, ranks: list[int] | None, env: dict, root=ROOT) -> dict:
+    """One fresh process: import, open, plan (wall and CPU seconds, ``VmHWM`` MiB after each)."""
+    code = MEASURE.format(root=str(root), path=str(path), mesh=tuple(mesh), stack=stack, ranks=ranks)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+#: (name, label, model, layers (None: all), grouped 3-D experts, saving ep, fsdp, tp, target (ep, dp_shard, tp))
+CASES = [
+    ("dsv3-p", "DeepSeek-V3-671B, per-expert", "dsv3-671b", None, False, 64, 16, 8, (32, 32, 2)),
+    ("dsv3-g", "DeepSeek-V3-671B, grouped 3-D", "dsv3-671b", None, True, 64, 16, 8, (32, 32, 2)),
+    ("kimi-p", "Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 128, 16, 8, (64, 32, 2)),
+    ("kimi-g", "Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 128, 32, 8, (64, 32, 2)),
+    # Kimi-K2-1T saved by 1024 ranks: fits a 4-minute run (the 2048 / 4096-rank ones take longer)
+    ("kimi-p1k", "Kimi-K2-1T, per-expert", "kimi-k2-1t", None, False, 64, 16, 8, (32, 32, 2)),
+    ("kimi-g1k", "Kimi-K2-1T, grouped 3-D", "kimi-k2-1t", None, True, 64, 16, 8, (32, 32, 2)),
+    # the cost curve: DeepSeek-V3 shapes, per-expert tensors, fewer layers / saving ranks
+    ("1e4", "curve 10^4", "dsv3-671b", 4, False, 8, 4, 2, (4, 4, 1)),
+    ("1e5", "curve 10^5", "dsv3-671b", 8, False, 32, 8, 4, (16, 8, 2)),
+    ("1e6", "curve 10^6", "dsv3-671b", 20, False, 64, 32, 8, (32, 32, 4)),
+    ("1e7", "curve 10^7", "dsv3-671b", 61, False, 128, 64, 8, (64, 64, 4)),
+]
+MODEL_CASES = ("dsv3-p", "dsv3-g", "kimi-p", "kimi-g")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default=None, help="keep the synthetic checkpoints here (reused when present)")
+    ap.add_argument("--models", action="store_true", help="the 671B / 1T rows")
+    ap.add_argument("--curve", default="", help="comma list of curve points 1e4,1e5,1e6,1e7 (fewer layers / ranks)")
+    ap.add_argument("--case", default="", help="comma list of cases by name (CASES: dsv3-p, kimi-g1k, 1e4, ...)")
+    ap.add_argument("--before", default=None, help="a directory holding another ckptq package to measure too")
+    ap.add_argument("--whole", action="store_true", help="also plan every target rank (the old cost)")
+    ap.add_argument("--rank", type=int, default=None, help="the target rank planned (default: the middle one)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None)
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptq-planscale-"))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+    cases = [c for c in CASES if (args.models and c[0] in MODEL_CASES) or c[0] in args.curve.split(",")]
+    cases += [c for c in CASES if c[0] in args.case.split(",") and c not in cases]
+    results = []
+    for _, label, model, layers, grouped, ep, fsdp, tp, target in cases:
+        d = work / f"{model}-{layers}-{'g' if grouped else 'p'}-{ep}x{fsdp}x{tp}"
+        info_file = d / "info.json"
+        if not info_file.is_file():
+            t0 = time.perf_counter()
+            info = build(d, model, layers, grouped, ep, fsdp, tp)
+            info["build_s"] = time.perf_counter() - t0
+            info_file.write_text(json.dumps(info))
+        info = json.loads(info_file.read_text())
+        world = target[0] * target[1] * target[2]
+        rank = args.rank if args.rank is not None else world // 2 + 1
+        row = {"label": label, **info, "target_mesh": f"ep={target[0]},dp_shard={target[1]},tp={target[2]}"}
+        row["one_rank"] = measure(d, target, not grouped, [rank], env)
+        row["one_rank"]["rank"] = rank
+        if args.whole:
+            row["whole"] = measure(d, target, not grouped, None, env)
+        if args.before:
+            before_env = {**env, "PYTHONPATH": str(Path(args.before).absolute())}
+            row["before"] = measure(d, target, not grouped, None, before_env, root=args.before)
+        results.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    machine = f"{platform.node()}: {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+    import torch
+
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine}, torch {torch.__version__}. "
+        "Each cell: wall seconds (CPU seconds) / peak RSS MiB (`VmHWM` of the measuring process at the end of "
+        "the stage; it includes the stages before).",
+        "",
+        "| checkpoint | saved chunks | `.metadata` MiB | planned for | import | open `.metadata` | plan one rank "
+        "| total | whole plan (every rank) | before: open + whole plan |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(m: dict | None, stage: str) -> str:
+        if not m:
+            return ""
+        return f"{m[stage + '_s']:.2f} ({m[stage + '_cpu_s']:.2f}) / {m[stage + '_mib']:.0f}"
+
+    for r in results:
+        o = r["one_rank"]
+        w, before = r.get("whole"), r.get("before")
+        lines.append(
+            f"| {r['label']} ({r['params'] / 1e9:.0f}B params, {r['logical_tensors']:,} tensors, saved by "
+            f"{r['saving_ranks']} ranks) | {r['saved_chunks']:,} | {r['metadata_mib']:.0f} | {r['target_mesh']}, "
+            f"rank {o['rank']} ({o['jobs']:,} jobs, {o['boxes']:,} boxes) | {cell(o, 'import')} | {cell(o, 'open')} "
+            f"| {cell(o, 'plan')} | {o['total_s']:.2f} ({o['total_cpu_s']:.2f}) / {o['plan_mib']:.0f} "
+            f"| {cell(w, 'plan')} | "
+            + (f"{before['total_s']:.2f} ({before['total_cpu_s']:.2f}) / {before['plan_mib']:.0f} |" if before else "|")
+        )
+    text = "\n".join(lines)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": results, "machine": machine}, indent=1))
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
