@@ -42,6 +42,18 @@ __all__ = ["Entry", "CheckpointView", "CheckpointSource", "SavedChunk", "open_ch
 #: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
 STAGING_BYTES = 1 << 20
 
+#: A read of a saved chunk's run of bytes longer than two pieces is split into pieces of this size,
+#: read at once by :data:`READ_THREADS` threads (the disk sees several requests in flight, as a
+#: single sequential stream's readahead alone does not give it) and hashed in order as they arrive.
+READ_PIECE = 8 << 20
+READ_THREADS = 4
+
+#: Bytes past a read that the kernel is asked to fetch meanwhile (``posix_fadvise(WILLNEED)``, a
+#: window moved along as the reads go): the disk has requests queued while the bytes before are
+#: copied and hashed, and the next records' small framing reads find their pages in the cache.
+READ_AHEAD = 64 << 20
+_read_pool: Any = None
+
 
 @dataclasses.dataclass
 class SavedChunk:
@@ -100,6 +112,7 @@ class CheckpointView(EntryTable):
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
         self._ranges = storage.RangeReader(self.path)
+        self._advised: dict[str, int] = {}  # local data file -> end of the range asked for (READ_AHEAD)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
 
@@ -185,6 +198,9 @@ class CheckpointView(EntryTable):
         if key in self._saved:
             return self._saved[key]
         from .io.records import locate_payload
+
+        if not self._saved:
+            self._advise_framing()
 
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
@@ -313,11 +329,12 @@ class CheckpointView(EntryTable):
     def data_fd(self, c: SavedChunk) -> int:
         """A read-only file descriptor of ``c``'s data file (open until :meth:`close`; local
         checkpoints only: :attr:`local`)."""
-        return self._ranges.fd(c.file)
+        return self._fd(c.file)
 
     def close(self) -> None:
         """Close the data files :meth:`read_box` opened (it reopens them when called again)."""
         self._ranges.close()
+        self._advised.clear()
         self._staging = None
 
     def _record_file(self, rel: str) -> Any:
@@ -329,8 +346,84 @@ class CheckpointView(EntryTable):
             return contextlib.nullcontext(self._ranges.handle(rel))
         return open(self.path / rel, "rb")
 
-    def _pread(self, c: SavedChunk, into: memoryview, at: int) -> None:
-        """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at``."""
+    def _fd(self, rel: str) -> int:
+        """The descriptor of local data file ``rel`` (:meth:`data_fd`), advised SEQUENTIAL when first
+        opened (the kernel's larger readahead window: records are read front to back)."""
+        fd = self._ranges.fd(rel)
+        if rel not in self._advised:
+            self._advised[rel] = 0
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        return fd
+
+    def _pread(self, c: SavedChunk, into: memoryview, at: int, hashed: bool = False) -> int | None:
+        """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at``; with ``hashed``, return
+        their checksum (:func:`ckptq.checksums.checksum`). A long read is split into
+        :data:`READ_PIECE` pieces read at once on :data:`READ_THREADS` threads, each piece hashed
+        (in order) as soon as it is in while the later ones are still being read."""
+        global _read_pool
+        n = len(into)
+        if self.local:
+            self._read_ahead(c.file, c.payload + at)
+        if n < 2 * READ_PIECE or not self.local:  # object stores: one ranged GET
+            self._pread_range(c, into, at)
+            return checksum(into) if hashed else None
+        if _read_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptq-read")
+        self._fd(c.file)  # opened here, not by the threads at once
+        pieces = [(o, min(READ_PIECE, n - o)) for o in range(0, n, READ_PIECE)]
+        futures = [_read_pool.submit(self._pread_range, c, into[o : o + k], at + o) for o, k in pieces]
+        running = 0
+        try:
+            for (o, k), f in zip(pieces, futures, strict=True):
+                f.result()
+                if hashed:
+                    running = checksum(into[o : o + k], running)
+        finally:
+            for f in futures:  # none may still write into ``into`` after an error
+                f.cancel()
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()
+        return running if hashed else None
+
+    def _advise_framing(self) -> None:
+        """Ask the kernel to fetch the first and last 64 KiB of every record (the ``torch.save``
+        framing :meth:`saved_chunks` checks: the pickle at the start, the zip directory at the end)
+        at once, so those small reads do not wait for the disk one after the other. Advice only."""
+        if not hasattr(os, "posix_fadvise") or not self.local:
+            return
+        edge = 1 << 16
+        for info in (self.metadata.storage_data or {}).values():
+            rel = getattr(info, "relative_path", None)
+            if rel is None or isinstance(info, ForeignLocation):
+                continue
+            start, length = int(info.offset), int(info.length)
+            try:
+                fd = self._fd(str(rel))
+                os.posix_fadvise(fd, start, min(edge, length), os.POSIX_FADV_WILLNEED)
+                if length > edge:
+                    os.posix_fadvise(fd, start + length - edge, edge, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
+
+    def _read_ahead(self, rel: str, pos: int) -> None:
+        """Ask the kernel to fetch data file ``rel`` from ``pos`` to ``pos + READ_AHEAD`` (the part not
+        asked for yet; only once the window has half run out). Advice only: errors are ignored."""
+        end = self._advised.get(rel, 0)
+        if not hasattr(os, "posix_fadvise") or pos + READ_AHEAD // 2 < end:
+            return
+        begin = max(pos, end)
+        try:
+            os.posix_fadvise(self._fd(rel), begin, pos + READ_AHEAD - begin, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return
+        self._advised[rel] = pos + READ_AHEAD
+
+    def _pread_range(self, c: SavedChunk, into: memoryview, at: int) -> None:
+        """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at`` (one thread)."""
         pos, n = c.payload + at, len(into)
         done = 0
         try:
@@ -372,9 +465,9 @@ class CheckpointView(EntryTable):
         r0, nrows = rel_src[0], ov[1][0]
         if tuple(ov[1][1:]) == tuple(c.box[1][1:]) and dst.flags.c_contiguous:  # one run on both sides
             view = memoryview(dst).cast("B")
-            self._pread(c, view, r0 * row)
+            running = self._pread(c, view, r0 * row, hashed=check and whole)
             if check and whole:
-                self._verify(c, checksum(view))
+                self._verify(c, running)
         else:
             band = max(1, STAGING_BYTES // max(row, 1))
             stage = self._stage(min(band, nrows) * row)

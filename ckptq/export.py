@@ -26,6 +26,7 @@ name does not end in ``.weight`` is written as ``<name>.weight`` (+ the layout's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -44,6 +45,7 @@ from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 from .io import storage
+from .io.device import device_scope, prefetch, resolve_device, to_host
 from .io.writer import check_destination, commit_dir, staging_dir
 from .metrics import sqnr_db
 
@@ -222,37 +224,60 @@ def _write_tensor(f, t: torch.Tensor) -> int:
     return arr.nbytes
 
 
+def _computes(it: _ExportEntry, x: Any) -> bool:
+    """Whether :func:`_values` runs kernels on ``x`` (dequantizes or quantizes it): worth the device."""
+    if it.kind == "tensor":
+        return not callable(it.fm) and isinstance(x, QuantizedTensor)
+    return it.requant
+
+
 def _open_out(path: Any) -> Any:
     """A shard file opened for writing: unbuffered locally (its header is rewritten in place),
     a streamed multipart upload on an object store."""
     return storage.open_file(path, "wb") if storage.is_url(path) else open(path, "wb", buffering=0)
 
 
-def _final_header(view, shard, consumer: _Consumer, entries, metadata: dict, hasher: Hasher) -> bytes:
+def _final_header(view, shard, consumer: _Consumer, entries, metadata: dict, hasher: Hasher, device) -> bytes:
     """The shard's header with its checksums and amax records, from computing its values once
     without writing them (for outputs that cannot be rewritten in place: the values are computed
-    again as they are written, deterministically)."""
-    for it in shard:
-        tensors, meta, _ = _values(view, it, consumer)
-        for name, _, _ in it.out_names:
-            hasher.submit(name, tensors[name])
-        metadata.update(meta)
-        del tensors
+    again as they are written, deterministically; on every device the same bytes)."""
+    with contextlib.closing(_shard_values(view, shard, consumer, device)) as values:
+        for it, tensors, meta, _ in values:
+            for name, _, _ in it.out_names:
+                hasher.submit(name, tensors[name])
+            metadata.update(meta)
+            del tensors
     metadata[SAFETENSORS_KEY] = safetensors_table(hasher.results())
     return _header(entries, metadata)
 
 
-def _values(view, it: _ExportEntry, consumer: _Consumer):
-    x = view.read(it.fqn)
+def _shard_values(view, shard: list[_ExportEntry], consumer: _Consumer, device):
+    """Yield ``(it, tensors, metadata, info)`` (:func:`_values`) for each entry of ``shard`` in order,
+    computed on ``device``; the next entry's source is read on a thread meanwhile
+    (:func:`ckptq.io.device.prefetch`; closing this generator stops that thread)."""
+    stream = prefetch(shard, lambda it: view.read(it.fqn), device=device, wants_device=_computes)
+    try:
+        for it, x in stream:
+            with device_scope(device):
+                out = _values(x, it, consumer)
+            del x
+            yield (it, *out)
+    finally:
+        stream.close()
+
+
+def _values(x, it: _ExportEntry, consumer: _Consumer):
+    """The layout's tensors of entry ``it`` from its source value ``x`` (on the host, or on the CUDA
+    device of ``--device`` where :func:`_computes`: the kernels run there, the results come back)."""
     if it.kind == "tensor" and callable(it.fm):  # an activation scale, renamed / inverted for the layout
-        return {it.out_names[0][0]: it.fm(x)}, {}, {}
+        return {it.out_names[0][0]: it.fm(to_host(x))}, {}, {}
     if it.kind == "tensor":
         dtype = it.out_names[0][1]
         if isinstance(x, QuantizedTensor):
-            return {it.out_names[0][0]: x.dequantize(dtype)}, {}, {}
+            return {it.out_names[0][0]: to_host(x.dequantize(dtype))}, {}, {}
         return {it.out_names[0][0]: x if x.dtype == dtype else x.to(dtype)}, {}, {}
     if it.requant:
-        x = requantize(x, it.fmt, **_recipe_options(it.recipe))
+        x = to_host(requantize(x, it.fmt, **_recipe_options(it.recipe)))
     recipe = {**_default_recipe(it.fmt), **x._recipe_to_json(x.recipe)}
     stored = {} if it.requant else it.stored
     out = hf.export_tensors(it.fm, it.module, x, stored)
@@ -421,6 +446,7 @@ def export_checkpoint(
     on_inexact: str = "refuse",
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
+    device: str | torch.device | None = "auto",
     distributed: bool = False,
 ) -> dict:
     """Write checkpoint ``src`` as a Hugging Face safetensors folder ``dst`` in ``layout``.
@@ -457,6 +483,11 @@ def export_checkpoint(
             ``"keep"`` (write it; the difference is reported). See docs/producers.md.
         overwrite: replace an existing ``dst``.
         progress: ``True`` for a tqdm bar on stderr, or a callable given the bytes of each tensor written.
+        device: where requantizing and dequantizing run: ``"auto"`` (a CUDA device when one is there
+            and ckptq's CUDA kernels are built, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            (:func:`ckptq.io.device.resolve_device`). The next tensor is read on a thread meanwhile
+            (:func:`ckptq.io.device.prefetch`); tensors written as they are stay on the host. The
+            same bytes on every device.
         distributed: split the shard files over the processes of the default ``torch.distributed``
             process group (initialized from torchrun's environment with gloo if it is not yet): every
             process plans the same shards, writes whole shard files of its own (balanced by bytes;
@@ -471,10 +502,11 @@ def export_checkpoint(
         layout consumer's decode and ckptq's (NVFP4; 0 = bit-exact)}, "config_files": [...], "config_from":
         where the model config came from, "consumer": {"loaders", "dtype", "on_inexact", "differs": {fqn:
         {"elements", "max_abs_diff", "requantize_sqnr_db"}}, "unloadable": {fqn: why}, "requantized_sqnr_db":
-        {fqn: dB}}}``.
+        {fqn: dB}}, "device": where the kernels ran}``.
 
     Raises:
-        UsageError: an unknown layout or format, a size or rename rule that does not parse.
+        UsageError: an unknown layout or format, a size or rename rule that does not parse, a
+            ``device`` that cannot be used.
         UnsupportedFormatError: a tensor the layout cannot hold (names it and the fix), or the
             consumer's default loader would decode differently and ``on_inexact`` is ``"refuse"``.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps ``src``; nothing is written.
@@ -487,6 +519,7 @@ def export_checkpoint(
         if format is not None:
             raise UsageError(f"--format does not apply to --layout {layout}; convert the checkpoint with --to first")
         return export_flattened(src, dst, flat, max_shard_size, names, overwrite, progress)
+    dev = resolve_device(device)
     lay = _parse_layout(layout)
     fmt = _parse_format(lay, format)
     if on_inexact not in ON_INEXACT:
@@ -516,26 +549,27 @@ def export_checkpoint(
 
             show = group is None or group.rank == 0
             with tqdm(total=total, unit="B", unit_scale=True, desc="exporting", leave=False, disable=not show) as bar:
-                result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, group)
+                result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, bar.update, group, dev)
         else:
-            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, group)
+            result = _run(view, lay, dst, shards, n, base, items, skipped, consumer, progress or None, group, dev)
     finally:
         if group is not None:
             group.close()
-    return {**result, "config_from": config_from}
+    return {**result, "config_from": config_from, "device": str(dev)}
 
 
-def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consumer, progress, group) -> dict:
+def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consumer, progress, group, device) -> dict:
     """Write ``shards`` into a staging folder and rename it to ``dst``: alone, or with the shard files
     split over the processes of ``group`` (:func:`ckptq.distributed.prepare_write_commit`: each
     process writes whole files of its own; rank 0 merges what they report, writes the index and the
-    config files last and renames the folder once every process succeeded)."""
+    config files last and renames the folder once every process succeeded). Requantizing and
+    dequantizing run on ``device``."""
     files = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     def write(tmp: Any) -> dict:
         expect_shared_dir(tmp, group)
         mine = range(n) if group is None else sorted(group.assign({i: _shard_bytes(s) for i, s in enumerate(shards)}))
-        return {i: _write_shard(view, storage.join(tmp, files[i]), shards[i], consumer, progress) for i in mine}
+        return {i: _write_shard(view, storage.join(tmp, files[i]), shards[i], consumer, progress, device) for i in mine}
 
     def commit(tmp: Any, parts: list[dict]) -> dict:
         done = {i: part for p in parts for i, part in p.items()}  # shard order: the one-process report
@@ -582,10 +616,11 @@ def _shard_bytes(shard: list[_ExportEntry]) -> int:
     return max(1, sum(it.nbytes for it in shard))
 
 
-def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer, progress) -> tuple:
+def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer, progress, device) -> tuple:
     """Write one shard file (header from the plan, the tensors one at a time, then the header again
     with the checksums and amax records; fsynced). On an object store (``path`` a URL: an object
-    cannot be rewritten) the final header comes from a first pass over the values instead. Returns
+    cannot be rewritten) the final header comes from a first pass over the values instead. The values
+    are computed on ``device``, the next entry's source read meanwhile (:func:`_shard_values`). Returns
     ``(tensor names, payload bytes, {fqn: max_ulps}, consumer findings, file size)``: what the index
     and the report need from it."""
     entries = [o for it in shard for o in it.out_names]
@@ -601,14 +636,13 @@ def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer
     before = consumer.findings()
     remote = storage.is_url(path)
     if remote:
-        header = _final_header(view, shard, consumer, entries, metadata, hasher)
+        header = _final_header(view, shard, consumer, entries, metadata, hasher, device)
     names: list[str] = []
     numerics: dict[str, int] = {}
     written = 0
-    with _open_out(path) as f:
+    with _open_out(path) as f, contextlib.closing(_shard_values(view, shard, consumer, device)) as values:
         f.write(header)
-        for it in shard:
-            tensors, meta, info = _values(view, it, consumer)
+        for it, tensors, meta, info in values:
             for name, dtype, shape in it.out_names:
                 t = tensors[name]
                 if t.dtype != dtype or tuple(t.shape) != tuple(shape):
@@ -783,6 +817,7 @@ def export_flattened(
         "numerics": numerics,
         "config_files": [],
         "config_from": "none (torchao's safetensors form has no config.json)",
+        "device": "cpu",  # nothing is computed: the tensors are flattened as they are
         "consumer": {
             "loaders": hf.CONSUMERS.get(adapter.producer, adapter.producer),
             "dtype": None,

@@ -282,6 +282,7 @@ def test_library_calls_write_what_the_cli_writes(ckpt, tmp_path):
             "processes",
             "process_rank",
             "seconds",
+            "device",
         }
         assert result["plan"] == json.loads(r.stdout)["plan"]
         assert _tree_bytes(tmp_path / f"lib{i}") == _tree_bytes(args[2]), args

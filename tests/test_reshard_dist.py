@@ -66,19 +66,19 @@ def _worker(rank, world_size, command, src, dst, options, fail_rank):
 
 
 def _count_work(transform_module, writer_module) -> dict:
-    """Count, in this process, the tensors computed (``materialize``) and the tensor records written."""
+    """Count, in this process, the tensors computed (``transform``) and the tensor records written."""
     counts = {"computed": 0, "records": 0}
-    materialize, add_entry = transform_module.materialize, writer_module.CheckpointDirWriter._add_entry_chunk
+    computed, add_entry = transform_module.transform, writer_module.CheckpointDirWriter._add_entry_chunk
 
-    def counted_materialize(*args, **kwargs):
+    def counted_transform(*args, **kwargs):
         counts["computed"] += 1
-        return materialize(*args, **kwargs)
+        return computed(*args, **kwargs)
 
     def counted_add_entry(self, *args, **kwargs):
         counts["records"] += 1
         return add_entry(self, *args, **kwargs)
 
-    transform_module.materialize = counted_materialize
+    transform_module.transform = counted_transform
     writer_module.CheckpointDirWriter._add_entry_chunk = counted_add_entry
     return counts
 
@@ -87,12 +87,12 @@ def _one_process_work(fn, src, dst, options) -> dict:
     from ckptq.io import writer
     from ckptq.reshard import transform
 
-    saved = transform.materialize, writer.CheckpointDirWriter._add_entry_chunk
+    saved = transform.transform, writer.CheckpointDirWriter._add_entry_chunk
     try:
         counts = _count_work(transform, writer)
         return {"report": fn(src, dst, **options), **counts}
     finally:
-        transform.materialize, writer.CheckpointDirWriter._add_entry_chunk = saved
+        transform.transform, writer.CheckpointDirWriter._add_entry_chunk = saved
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ __all__ = [
     "MisalignedOpt",
     "OverwriteOpt",
     "DryRunOpt",
+    "DeviceOpt",
 ]
 
 JsonOpt = Annotated[
@@ -73,5 +74,14 @@ DryRunOpt = Annotated[
     bool,
     typer.Option(
         "--dry-run", help="Print what would be written (per tensor and rank) and alignment problems; write nothing."
+    ),
+]
+
+DeviceOpt = Annotated[
+    str,
+    typer.Option(
+        "--device",
+        help="Where requantizing / dequantizing runs: auto (CUDA when there and the kernels are built), cpu, cuda, "
+        "cuda:N. The same bytes either way.",
     ),
 ]

@@ -11,7 +11,7 @@ import typer
 
 from . import _output as out
 from ._app import command
-from ._options import JsonOpt, OverwriteOpt
+from ._options import DeviceOpt, JsonOpt, OverwriteOpt
 
 __all__ = ["export"]
 
@@ -106,6 +106,7 @@ def export(
         ),
     ] = "refuse",
     overwrite: OverwriteOpt = False,
+    device: DeviceOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face safetensors folder in a serving layout (streaming, sharded).
@@ -127,6 +128,7 @@ def export(
         on_inexact=on_inexact,
         overwrite=overwrite,
         progress=out.progress_enabled(),
+        device=device,
         distributed=torchrun_world_size() > 1,
     )
     if int(os.environ.get("RANK", "0") or 0) != 0:
@@ -160,5 +162,6 @@ def export(
     out.log(
         f"wrote {result['path']} ({result['layout']}): {len(result['files'])} shard(s), "
         f"{out.format_bytes(result['bytes'])}, {result['tensors']} tensors, "
-        f"{len(result['high_precision'])} kept in high precision; model config: {result['config_from']}"
+        f"{len(result['high_precision'])} kept in high precision; model config: {result['config_from']}; "
+        f"computing on {result['device']}"
     )

@@ -10,7 +10,18 @@ import typer
 
 from . import _output as out
 from ._app import command
-from ._options import DryRunOpt, DstArg, JsonOpt, MeshOpt, MisalignedOpt, OverwriteOpt, PlanOpt, RuleOpt, SrcArg
+from ._options import (
+    DeviceOpt,
+    DryRunOpt,
+    DstArg,
+    JsonOpt,
+    MeshOpt,
+    MisalignedOpt,
+    OverwriteOpt,
+    PlanOpt,
+    RuleOpt,
+    SrcArg,
+)
 
 __all__ = ["reshard", "convert"]
 
@@ -95,7 +106,7 @@ def _report(result: dict, dst, *, dry_run: bool, json_output: bool, per_rank: bo
     for fqn, s in result["requantized"].items():
         out.log(f"requantized '{fqn}': SQNR {s:.2f} dB vs the source values")
     by = f" by {result['processes']} processes" if result.get("processes", 1) > 1 else ""
-    out.log(f"wrote {result['path']} for {_plural(result['world_size'], 'rank')}{by}")
+    out.log(f"wrote {result['path']} for {_plural(result['world_size'], 'rank')}{by} (computing on {result['device']})")
 
 
 def _rank_rows(ranks: list[dict], per_rank: bool) -> list[list]:
@@ -167,6 +178,7 @@ def reshard(
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
     per_rank: PerRankOpt = False,
+    device: DeviceOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
     """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor.
@@ -175,7 +187,7 @@ def reshard(
     """
     from ..reshard import ReshardOptions
 
-    options = ReshardOptions(mode=mode, dtype=dtype, grouped=grouped, grouped_glob=grouped_glob)
+    options = ReshardOptions(mode=mode, dtype=dtype, grouped=grouped, grouped_glob=grouped_glob, device=device)
     _run(src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output)
 
 
@@ -240,6 +252,7 @@ def convert(
     overwrite: OverwriteOpt = False,
     dry_run: DryRunOpt = False,
     per_rank: PerRankOpt = False,
+    device: DeviceOpt = "auto",
     json_output: JsonOpt = False,
 ) -> None:
     """Write every quantized tensor of a checkpoint natively, in another format, or in high precision
@@ -252,7 +265,14 @@ def convert(
     if block is not None and not allow_any_block and to.strip().lower() == "fp8_block":
         _check_block(block)
     options = ReshardOptions(
-        to=to, block=block, two_d=two_d, columnwise=columnwise, fp8_dtype=fp8_dtype, pow2=pow2, scale_rule=scale_rule
+        to=to,
+        block=block,
+        two_d=two_d,
+        columnwise=columnwise,
+        fp8_dtype=fp8_dtype,
+        pow2=pow2,
+        scale_rule=scale_rule,
+        device=device,
     )
     _run(src, dst, options, mesh, plan, rule, allow_unmatched, misaligned, overwrite, dry_run, per_rank, json_output)
 

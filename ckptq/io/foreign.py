@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import os
 import pickle
 import re
 from collections.abc import Mapping
@@ -52,7 +53,8 @@ from ..contract import (
     saved_world_size,
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
-from .record_check import check_record_header
+from .device import prefetch
+from .record_check import Window, check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
 
@@ -94,8 +96,10 @@ def _versions() -> str:
     return "; ".join(f"{a.producer}: {a.pickle_versions}" for a in adapters.registered() if a.pickle_versions)
 
 
-def load_record(blob: bytes, *, source: str) -> Any:
-    """Unpickle one DCP data record (a ``torch.save`` archive) without running its code.
+def load_record(blob: bytes | Any, *, source: str) -> Any:
+    """Unpickle one DCP data record (a ``torch.save`` archive: its bytes, or a seekable file of
+    them such as :func:`_open_record`'s window, from which torch reads the storages in place)
+    without running its code.
 
     torch's ``weights_only`` unpickler resolves torch's own tensor types; the foreign globals the
     registered adapters declare resolve to ckptq stand-ins (TE's reconstructors build a payload
@@ -105,11 +109,12 @@ def load_record(blob: bytes, *, source: str) -> Any:
         UnsafeCheckpointError: the record references a global nobody declared (named).
         CheckpointFormatError: the record is truncated or corrupt.
     """
-    check_record_header(io.BytesIO(blob), source)  # the pickle's CRC-32: a flipped flag is an error
+    stream = io.BytesIO(blob) if isinstance(blob, (bytes, bytearray, memoryview)) else blob
+    check_record_header(stream, source)  # the pickle's CRC-32: a flipped flag is an error
     globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
     try:
         with _only_ours(globs):
-            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"global '{found.group(1)}' is not one ckptq maps" if found else str(e).strip().splitlines()[-1]
@@ -160,6 +165,32 @@ def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
     return data
 
 
+@contextlib.contextmanager
+def _open_record(root: Path | str, info: Any):
+    """The record at ``info`` as what :func:`load_record` reads: for a local data file a seekable
+    :class:`~ckptq.io.record_check.Window` of it (read with ``preadv`` straight into the reader's
+    buffers), for an object store's its bytes (one ranged GET: :func:`_read_bytes`); either way
+    after checking that it lies inside the file (a location beyond it is a CheckpointFormatError,
+    not an allocation)."""
+    from .storage import is_url
+
+    if is_url(root):
+        yield _read_bytes(root, info)
+        return
+    path = Path(root) / str(info.relative_path)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        start, want = int(info.offset), int(info.length)
+        if start < 0 or want < 0 or start + want > size:
+            raise CheckpointFormatError(
+                f"{root}: record '{info.relative_path}' bytes {start}..{start + want} lies beyond the "
+                f"file's {size} bytes; the file is truncated or the metadata corrupt: restore them or re-save"
+            )
+        with contextlib.suppress(OSError, AttributeError):  # read once, in order
+            os.posix_fadvise(f.fileno(), start, want, os.POSIX_FADV_SEQUENTIAL)
+        yield Window(f, start, want)
+
+
 def _per_tensor(qt) -> dict:
     return {
         s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
@@ -201,19 +232,32 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     descriptors = dict(record["tensors"])
     found = 0
     claimed = _component_keys(record["tensors"])
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or fqn in claimed or not md.chunks:
-            continue
-        info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
-        if info is None or not hasattr(info, "relative_path"):
-            continue
+
+    def first_records():
+        for fqn, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata) or fqn in record["tensors"] or fqn in claimed or not md.chunks:
+                continue
+            info = storage.get(MetadataIndex(fqn, md.chunks[0].offsets))
+            if info is not None and hasattr(info, "relative_path"):
+                yield fqn, md, info
+
+    def load_first(item) -> Any:
+        """The unpickled first record of a tensor whose first bytes name a producer, else None."""
+        fqn, _, info = item
         try:
             head = _read_bytes(root, info, _PEEK)
         except (OSError, CheckpointFormatError):
-            continue  # a missing or short data file: the storage check names it
+            return None  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):
+            return None
+        with _open_record(root, info) as rec_file:
+            return load_record(rec_file, source=f"{root}: '{fqn}'")
+
+    # the next record is read and unpickled on a thread while this one is converted and checked (an
+    # error below leaves the generator to the garbage collector, whose close() stops that thread)
+    for (fqn, md, _info), payload in prefetch(first_records(), load_first, device=torch.device("cpu"), depth=2):
+        if payload is None:
             continue
-        payload = load_record(_read_bytes(root, info), source=f"{root}: '{fqn}'")
         adapter = adapters.adapter_for(payload)
         if adapter is None:
             continue  # a plain tensor after all
@@ -310,7 +354,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
         where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
         if exp.format is None:
             raise CkptqError(exp.problem)
-        payload = load_record(_read_bytes(root, loc0), source=where)
+        with _open_record(root, loc0) as rec_file:
+            payload = load_record(rec_file, source=where)
         adapter = adapters.adapter_for(payload)
         if adapter is None:
             raise CheckpointFormatError(

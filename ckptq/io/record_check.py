@@ -14,6 +14,7 @@ Used by :class:`~ckptq.io.SafeFileSystemReader` (every record it reads), :mod:`c
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from typing import Any
 
@@ -56,11 +57,25 @@ class Window(ReadView):
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self.size - self.pos))
+        fd = self._fileno()
+        if fd is not None and n:  # straight into ``b`` (torch.load reads storages this way): one copy
+            got = os.preadv(fd, [memoryview(b).cast("B")[:n]], self._start + self.pos)
+            self.pos += got
+            return got
         self._base.seek(self._start + self.pos)
         data = self._base.read(n)
         b[: len(data)] = data
         self.pos += len(data)
         return len(data)
+
+    def _fileno(self) -> int | None:
+        """The base file's descriptor when it is a plain OS file (read at absolute offsets), else None."""
+        if not hasattr(self, "_fd"):
+            try:
+                self._fd = self._base.fileno()
+            except (AttributeError, OSError, io.UnsupportedOperation):
+                self._fd = None
+        return self._fd
 
 
 def load_weights_only(stream: Any, where: str, map_location: Any) -> Any:

@@ -62,6 +62,9 @@ class ReshardOptions:
             process calls with the same options; see :func:`~ckptq.reshard.run.run_reshard`).
             ``ckptq reshard|convert`` set it when started by ``torchrun`` with more than one process;
             each requantized tensor is computed by one process.
+        device: where re-encoding and dequantizing run: ``"auto"`` (a CUDA device when one is there
+            and ckptq's CUDA kernels are built, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
+            (the CLI's ``--device``; :func:`ckptq.io.device.resolve_device`). The same bytes either way.
     """
 
     mesh: str | MeshSpec = "1"
@@ -84,6 +87,7 @@ class ReshardOptions:
     dry_run: bool = False
     progress: bool | Callable[[int], None] | None = None
     distributed: bool = False
+    device: str | torch.device | None = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules or ()))
@@ -153,5 +157,7 @@ def reshard_checkpoint(
     summary = {**plan.summary(), "unmatched_rules": unmatched}
     if o.dry_run:
         return {"plan": summary}
-    report = run_reshard(view, plan, dst, overwrite=o.overwrite, progress=o.progress, distributed=o.distributed)
+    report = run_reshard(
+        view, plan, dst, overwrite=o.overwrite, progress=o.progress, distributed=o.distributed, device=o.device
+    )
     return {**report, "plan": summary}

@@ -3,7 +3,8 @@
 Each job's records get their slots first (:mod:`ckptq.io.pipeline`: target file, byte offset and
 length from dtypes and shapes alone), and each job is decided once as copied (its bytes are the
 source's: target boxes read by byte range, or whole saved chunks copied file to file) or computed
-(:func:`ckptq.reshard.transform.materialize`, then cut into its records). Records go through a
+(its source read whole on a thread, :func:`ckptq.reshard.transform.transform` on the CPU or a CUDA
+device, then cut into its records). Records go through a
 :class:`~ckptq.io.pipeline.WriterThread` into a staging directory renamed into place when complete
 (:func:`ckptq.distributed.prepare_write_commit`: alone, or with the jobs split over the processes
 of a ``torch.distributed`` job).
@@ -18,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,6 +40,7 @@ from ..errors import CheckpointFormatError, CkptqError, ShardingError
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
 from ..io import storage
+from ..io.device import PrefetchStats, device_scope, prefetch, resolve_device, to_host
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
 from . import transform
@@ -54,6 +57,7 @@ def run_reshard(
     overwrite: bool = False,
     progress: bool | Callable[[int], None] | None = None,
     distributed: bool = False,
+    device: str | torch.device | None = "auto",
 ) -> dict:
     """Execute ``plan`` into ``dst`` (a new directory; an existing one needs ``overwrite``).
 
@@ -79,25 +83,34 @@ def run_reshard(
             target files of one staging directory; rank 0 writes ``.metadata`` and renames it into
             place once every process reported success. The output is the same bytes as one
             process's. Every process must call this with the same arguments.
+        device: where tensors that are re-encoded or dequantized are computed: ``"cpu"``,
+            ``"cuda"`` / ``"cuda:N"``, or ``"auto"`` (CUDA when a device and ckptq's CUDA kernels are
+            there, else the CPU; :func:`ckptq.io.device.resolve_device`). Their sources are read on a
+            thread while the previous one is computed and, on CUDA, copied to the device on a side
+            stream (:func:`ckptq.io.device.prefetch`); copied bytes never go to the device. The output
+            is the same bytes on every device.
 
     Returns:
         ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db},
-        "processes", "process_rank"}`` (in distributed mode: of the whole checkpoint, on every
+        "processes", "process_rank", "device"}`` (in distributed mode: of the whole checkpoint, on every
         process; ``processes`` is 1 and ``process_rank`` 0 otherwise). ``seconds``: ``total`` (this
         call), ``transform`` (the kernels: re-encoding, dequantizing, SQNR of whole tensors) and
-        ``whole_reads`` (reading those tensors), both summed over processes; the rest of ``total``
+        ``whole_reads`` (reading those tensors, on the reader thread, overlapped with the kernels),
+        both summed over processes; the rest of ``total``
         is byte-range copying, hashing and writing.
 
     Raises:
         ShardingError: the plan has alignment problems (nothing is written).
+        UsageError: ``device`` names a device that cannot be used.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps the source; in distributed
             mode, on every process, when any process failed (naming the ranks and their errors).
     """
     t_start = time.perf_counter()
+    dev = resolve_device(device)
     dst = storage.location(dst)
     group = Group.default() if distributed else None
     try:
-        run = _Run(view, plan, dst, overwrite, progress, group)
+        run = _Run(view, plan, dst, overwrite, progress, group, dev)
         totals = prepare_write_commit(
             group, prepare=run.prepare, write=run.write, commit=run.commit, abort=run.abort, discard=run.discard
         )
@@ -113,6 +126,7 @@ def run_reshard(
         "requantized": requantized,
         "processes": 1 if group is None else group.size,
         "process_rank": 0 if group is None else group.rank,
+        "device": str(dev),
         "seconds": {"total": time.perf_counter() - t_start, "transform": transform_s, "whole_reads": whole_read_s},
     }
 
@@ -152,9 +166,11 @@ class _RunState:
 class _Run:
     """One run's steps for :func:`~ckptq.distributed.prepare_write_commit` (the same on every process)."""
 
-    def __init__(self, view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group: Group | None) -> None:
+    def __init__(
+        self, view, plan: ReshardPlan, dst: Path, overwrite: bool, progress, group: Group | None, device: torch.device
+    ) -> None:
         self.view, self.plan, self.dst, self.overwrite = view, plan, dst, overwrite
-        self.progress, self.group = progress, group
+        self.progress, self.group, self.device = progress, group, device
         self.writer: CheckpointDirWriter | None = None
         self.state = _RunState()
 
@@ -182,7 +198,7 @@ class _Run:
             mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(file_map, copies))
             total = sum(o.nbytes for i in mine for o in file_map[i])
             with _progress(self.progress, total, show=group is None or group.rank == 0) as update:
-                _execute(view, plan, file_map, copies, mine, self.writer, self.state, update)
+                _execute(view, plan, file_map, copies, mine, self.writer, self.state, update, self.device)
             return self.writer.close_local(), self.state
         finally:
             if hasattr(view, "close"):
@@ -323,10 +339,12 @@ def _execute(
     writer: CheckpointDirWriter,
     state: _RunState,
     progress: Callable[[int], None] | None,
+    device: torch.device,
 ) -> None:
     """Write the records of jobs ``mine`` (indices into ``plan.jobs``) in their slots in ``file_map``;
-    ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`)."""
-    work = []
+    ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`), first; then the
+    others, computed on ``device`` while the next one's source is read."""
+    copied, computed = [], []
     biggest = 0
     kernel_copy = getattr(view, "local", False) and not writer.remote  # copy_file_range needs two local files
     for i in sorted(mine):
@@ -336,12 +354,11 @@ def _execute(
                 [biggest]
                 + [o.nbytes for o in outs if not kernel_copy or view.whole_chunk(_src_key(job, o), o.box) is None]
             )
-        work.append((job, outs, copy))
+            copied.append((job, outs))
+        else:
+            computed.append((job, outs))
     with WriterThread(writer, buffers=2, buffer_bytes=biggest) as pipe:
-        for job, outs, copy in work:
-            if not copy:
-                _write_job(view, job, outs, pipe, state, progress)
-                continue
+        for job, outs in copied:
             for o in outs:
                 src_key = _src_key(job, o)
                 whole = view.whole_chunk(src_key, o.box) if kernel_copy else None
@@ -355,22 +372,47 @@ def _execute(
                 if progress:
                     progress(o.nbytes)
             state.add_output(view, job, _copy_descriptor(job))
+        # the rest: the next job's source is read on a thread while this one is computed (on `device`)
+        stats = PrefetchStats()
+        stream = prefetch(
+            computed,
+            lambda work: _read_job(view, work[0]),
+            device=device,
+            wants_device=lambda work, value: work[0].out != "bytes" and transform.computes(work[0], value),
+            stats=stats,
+        )
+        with contextlib.closing(stream), device_scope(device):  # closing: the reader thread stops on an error
+            for (job, outs), value in stream:
+                _write_job(view, job, outs, value, pipe, state, progress)
+        state.whole_read_s += stats.read_s
 
 
-def _write_job(view, job: TensorJob, outs: list[RecordSlot], pipe: WriterThread, state: _RunState, progress) -> None:
-    """Read, transform and cut one job whose bytes change into its record slots ``outs``."""
+def _read_job(view, job: TensorJob) -> Any:
+    """What :func:`_write_job` needs read for ``job``: a bytes entry's record and transforms, else
+    its whole source tensor (:func:`~ckptq.reshard.transform.read_source`)."""
+    if job.out == "bytes":
+        return view.read_raw_bytes(job.sources[0].fqn)
+    return transform.read_source(view, job)
+
+
+def _write_job(
+    view, job: TensorJob, outs: list[RecordSlot], value: Any, pipe: WriterThread, state: _RunState, progress
+) -> None:
+    """Transform and cut one job whose bytes change (``value``: from :func:`_read_job`, maybe on a
+    CUDA device) into its record slots ``outs``."""
     src = job.sources[0]
     if job.out == "bytes":
-        record, transforms = view.read_raw_bytes(src.fqn)
+        record, transforms = value
         if len(record) != outs[0].length:
             raise CheckpointFormatError(f"{view.path}: '{src.fqn}' changed while it was being read; run again")
         pipe.add_bytes(outs[0], record, transforms)
         state.add_output(view, job, None)
         return
-    t0, timing = time.perf_counter(), {}
-    out, sqnr = transform.materialize(view, job, timing)
-    state.whole_read_s += timing.get("read", 0.0)
-    state.transform_s += time.perf_counter() - t0 - timing.get("read", 0.0)
+    t0 = time.perf_counter()
+    out, sqnr = transform.transform(value, job)
+    out = to_host(out)
+    del value
+    state.transform_s += time.perf_counter() - t0
     if sqnr is not None:
         state.requantized[job.fqn] = sqnr
     if isinstance(out, QuantizedTensor):

@@ -1,13 +1,14 @@
 """Whole-tensor transformation of a job whose bytes change: read, stack/split, re-encode or dequantize.
 
 Only jobs that cannot be copied by byte range come here (:mod:`ckptq.reshard.run`): each reads its
-source tensor(s) whole, so peak memory is about one source tensor plus its transformed copy.
+source tensor(s) whole (:func:`read_source`, on the reader thread of :func:`ckptq.io.device.prefetch`)
+and :func:`transform` computes the output on the device the source was moved to, so peak memory is
+about two source tensors (this one and the next, read meanwhile) plus a transformed copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
@@ -18,17 +19,13 @@ from ..formats.base import QuantizedTensor, slice_box
 from ..metrics import sqnr_db
 from .plan import TensorJob
 
-__all__ = ["materialize"]
+__all__ = ["read_source", "computes", "transform"]
 
 
-def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None) -> tuple[Any, float | None]:
-    """Read the job's source(s) and produce the whole output tensor, plus the SQNR (dB) of its
-    values against the source's when it had to be re-encoded (else None). ``timing["read"]`` gains
-    the seconds spent reading the sources."""
-    t0 = time.perf_counter()
+def read_source(view: CheckpointView, job: TensorJob) -> Any:
+    """The job's source tensor, whole, on the host: its one source, or the stack of its grouped
+    members, or member ``job.member`` of a stacked source (byte moves only; nothing is computed)."""
     parts = [view.read(e.fqn) for e in job.sources]
-    if timing is not None:
-        timing["read"] = timing.get("read", 0.0) + time.perf_counter() - t0
     if len(parts) > 1:  # grouped stack: per-member components gain a leading batch dim
         if isinstance(parts[0], QuantizedTensor):
             q0 = parts[0]
@@ -46,6 +43,25 @@ def materialize(view: CheckpointView, job: TensorJob, timing: dict | None = None
             src = type(sub)({k: v[0] for k, v in sub._components.items()}, tuple(src.shape[1:]), src.dtype, src.recipe)
         else:
             src = src[i]
+    return src
+
+
+def computes(job: TensorJob, src: Any) -> bool:
+    """Whether :func:`transform` runs kernels on ``src`` (re-encodes or dequantizes it), i.e. whether
+    it is worth moving to a compute device; False where its bytes are kept (a cast of a plain
+    tensor is not counted: it stays on the host)."""
+    if not isinstance(src, QuantizedTensor):
+        return False
+    if job.out != "quantized":
+        return True
+    cls = format_class(job.out_format)
+    return not (isinstance(src, cls) and src.recipe == cls._recipe_from_json(job.out_recipe))
+
+
+def transform(src: Any, job: TensorJob) -> tuple[Any, float | None]:
+    """``src`` (from :func:`read_source`, on any device) as the job's output tensor (on the same
+    device), plus the SQNR (dB) of its values against the source's when it was re-encoded (else
+    None). The kernels of ``src``'s device run (:mod:`ckptq.ops`: the same bytes on every backend)."""
     if job.out == "quantized":
         cls = format_class(job.out_format)
         recipe = cls._recipe_from_json(job.out_recipe)
