@@ -155,7 +155,8 @@ class Staging:
         if n == 0:
             return
         if not self._bufs:
-            self._bufs = [pinned_or_plain(self.buffer_bytes, True) for _ in range(2)]
+            with torch.cuda.device(t.device):  # page-locked through this device's context
+                self._bufs = [pinned_or_plain(self.buffer_bytes, True) for _ in range(2)]
         stream, size = self._stream(t.device), self.buffer_bytes
         stream.wait_stream(torch.cuda.current_stream(t.device))
         events = [torch.cuda.Event(), torch.cuda.Event()]
@@ -229,6 +230,7 @@ class RangeReader:
     def __init__(
         self, path: Any, ranges: list, *, buffer_bytes: int, depth: int, pin: bool, fadvise: bool = True
     ) -> None:
+        self.device = torch.cuda.current_device() if pin else None  # the caller's, for the pinned buffers
         import queue
 
         self.fd = os.open(path, os.O_RDONLY)
@@ -246,6 +248,8 @@ class RangeReader:
 
     def _run(self) -> None:
         try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)
             for start, length in self.ranges:
                 done = 0
                 while done < length or (length == 0 and done == 0):

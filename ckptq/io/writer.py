@@ -513,15 +513,19 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         import concurrent.futures as cf
 
         prefix = plan.storage_data.prefix
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
         jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(max(1, self.thread_count), plan.items))]
         if len(jobs) == 1:
-            return self._write_file(*jobs[0], planner)
+            return self._write_file(*jobs[0], planner, None)
         with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptq-write") as pool:
-            futures = [pool.submit(self._write_file, name, items, planner) for name, items in jobs]
+            futures = [pool.submit(self._write_file, name, items, planner, device) for name, items in jobs]
             return [r for f in futures for r in f.result()]
 
-    def _write_file(self, name: str, items: list, planner: Any) -> list:
-        """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``."""
+    def _write_file(self, name: str, items: list, planner: Any, device: int | None) -> list:
+        """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``
+        (on a thread of its own: ``device`` is the calling thread's current CUDA device)."""
+        if device is not None:
+            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
         import zlib
 
         from torch.distributed.checkpoint.planner import WriteItemType
