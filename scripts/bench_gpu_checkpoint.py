@@ -362,6 +362,58 @@ def _collect(queue, procs, n: int) -> list:
     return out
 
 
+#: the rows of docs/benchmarks.md's table: (row, save case, load case, async case)
+TABLE = [
+    ("default planner, bf16 (DCP's writer/reader)", "a_default_bf16", "a_default_bf16", "a_default_bf16"),
+    ("default planner, bf16, ckptq's writer/reader", "a_bf16_ckptq_writer", "a_same_bytes_safe_reader", None),
+    ("ckptq native (MXFP8 / NVFP4)", "b_ckptq_native", "b_native_safe_reader", "b_ckptq_native"),
+    ("ckptq high precision (bf16 values)", "d_high_precision", "d_high_precision_safe_reader", "d_high_precision"),
+    ("quantize on save (async: quantize_state_dict first)", "c_quantize_on_save", None, "c_quantize_then_async"),
+]
+
+
+def table(report: dict) -> str:
+    """The markdown table of a run's JSON (``--table``): per rank, GB/s of saves and loads, the
+    time ``async_save`` blocked and the D2H copy of the same bytes, with the ratios the goals name."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = []
+    for r in report["ranks"]:
+        p = r["disk_probe"]
+        lines += [
+            f"rank {r['rank']} ({report['gpu']}, {report['layers']} layers, {r['bf16_GB_per_rank']:.2f} GB of bf16 "
+            f"per rank, rounds {r['rounds']}):",
+            "",
+            "| | save GB/s | load GB/s | async_save blocked s | D2H copy s | blocked / D2H |",
+            "|---|---|---|---|---|---|",
+            f"| disk probe (one file, large writes + fsync; reads after DONTNEED) | {f(p['write_GBps'])} "
+            f"| {f(p['read_GBps'])} | | | |",
+        ]
+        for row, save, load, asy in TABLE:
+            sv = r.get(f"save_{save}", {}).get("GBps")
+            ld = r.get(f"load_{load}", {}).get("GBps") if load else None
+            a = r.get(f"async_{asy}", {}) if asy else {}
+            lines.append(
+                f"| {row} | {f(sv)} | {f(ld)} | {f(a.get('blocked_s'), '{:.3f}')} | {f(a.get('d2h_s'), '{:.3f}')} "
+                f"| {f(a.get('blocked_vs_d2h'))} |"
+            )
+        same = r["load_a_default_bf16_same_bytes_as_b"]["GBps"]
+        nat_save, nat_load = r["save_b_ckptq_native"]["GBps"], r["load_b_native_safe_reader"]["GBps"]
+        lines += [
+            "",
+            f"native save vs default planner {nat_save / r['save_a_default_bf16']['GBps']:.2f}x; "
+            f"native load vs the same bytes of bf16 (DCP's reader) {nat_load / same:.2f}x; "
+            f"native save vs disk write {r['save_b_ckptq_native']['GBps'] / p['write_GBps']:.2f}; native load vs disk "
+            f"read {r['load_b_native_safe_reader']['GBps'] / p['read_GBps']:.2f}; bf16 save, ckptq's writer vs DCP's "
+            f"{r['save_a_bf16_ckptq_writer']['GBps'] / r['save_a_default_bf16']['GBps']:.2f}x; native load, ckptq's "
+            f"reader vs DCP's {r['load_b_native_safe_reader']['GBps'] / r['load_b_native_dcp_reader']['GBps']:.2f}x",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=38)
@@ -395,9 +447,14 @@ def main() -> None:
         default=2.0,
         help="GiB copied by the device-to-device copy probe",
     )
+    ap.add_argument("--table", default=None, help="print the markdown table of a run's JSON and exit")
     args = ap.parse_args()
 
     import json
+
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
 
     import torch
     import torch.multiprocessing as mp

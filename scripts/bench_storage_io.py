@@ -129,6 +129,25 @@ def rounds(cases: dict, repeat: int) -> dict:
     return out
 
 
+def table(report: dict) -> str:
+    """The markdown table of a run's JSON (``--table``): GB/s of every save and load, and vs the probe."""
+    p = report["disk_probe"]
+    lines = [
+        f"{report['cpu_count']} CPUs, torch {report['torch']}, {report['gb_bf16']} GB of bf16, "
+        f"{report['repeat']} rounds; disk probe: write {p['write_GBps']:.2f} GB/s, read {p['read_GBps']:.2f} GB/s",
+        "",
+        "| case | GB | seconds (median) | GB/s | vs disk probe |",
+        "|---|---|---|---|---|",
+    ]
+    for name, v in report["saves"].items():
+        lines.append(
+            f"| save {name} | {v['GB']:.3f} | {v['s']:.3f} | {v['GBps']:.2f} | {v['GBps'] / p['write_GBps']:.2f} |"
+        )
+    for name, v in report["loads"].items():
+        lines.append(f"| load {name} | | {v['s']:.3f} | {v['GBps']:.2f} | {v['GBps'] / p['read_GBps']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=0.5, help="GB of bf16 in the state dict")
@@ -137,7 +156,11 @@ def main() -> None:
     ap.add_argument("--buffer-mib", type=int, default=None, help="buffer_bytes of ckptq's writer/reader, MiB")
     ap.add_argument("--dir", default="/tmp/ckptq-io")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", default=None, help="print the markdown table of a run's JSON and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
 
     import warnings
 

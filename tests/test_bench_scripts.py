@@ -62,6 +62,13 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
         loads = [k for k in x if k.startswith("load_")]
         assert len(loads) == 6 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
     assert r["load_b_native_on_1_gpu"]["s"] > 0
+    text = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_gpu_checkpoint.py"), "--table", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert text.count("| ckptq native (MXFP8 / NVFP4) |") == 2 and "native save vs default planner" in text
 
 
 def test_bench_storage_io_runs(tmp_path):
