@@ -648,13 +648,20 @@ def _staging_copy(state_dict: Any, pin: bool) -> Any:
         if isinstance(obj, (list, tuple)):
             return type(obj)(alloc(v) for v in obj)
         if isinstance(obj, DTensor):
-            local = torch.empty_like(obj._local_tensor, device="cpu", pin_memory=pin)
             return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+                empty(obj._local_tensor),
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
             )
         if isinstance(obj, torch.Tensor):
-            return torch.empty_like(obj, device="cpu", pin_memory=pin)
+            return empty(obj)
         return obj
+
+    def empty(t: torch.Tensor) -> torch.Tensor:  # nothing to page-lock in an empty tensor
+        return torch.empty_like(t.detach(), device="cpu", pin_memory=pin and t.numel() > 0)
 
     return alloc(state_dict)
 
