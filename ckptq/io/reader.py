@@ -92,7 +92,23 @@ class SafeFileSystemReader(FileSystemReader):
             metadata records, where it records one (on by default; a planner with
             ``verify_checksums=False``, e.g. ``QuantizedLoadPlanner(verify_checksums=False)``, turns
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
+        thread_count: data files read at once, each by its own thread (default
+            :data:`ckptq.io.fileio.DEFAULT_THREADS`).
+        buffer_bytes: bytes of each read request and of each of the three read-ahead buffers per
+            file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
+            not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         **kwargs: passed to ``FileSystemReader``.
+
+    How it reads: the records of each data file are read in file order by a background thread,
+    ahead of their use, with large ``preadv`` calls (:class:`ckptq.io.fileio.RangeReader`). A
+    record whose framing is byte for byte the one this torch writes for the chunk's dtype and
+    shape (:func:`ckptq.io.records.tensor_record`: every record DCP's ``FileSystemWriter`` and
+    ckptq's writers write with this torch) is checked by comparing that framing, so its pickle is
+    never run, and its payload is hashed and copied into the destination piece by piece (a
+    record whose checksum then fails has been copied by that time; the load fails as usual). Any
+    other record (another torch's framing, stream transforms, bytes entries) is read and checked
+    through ``torch.load(weights_only=True)`` as described above.
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
@@ -345,9 +361,9 @@ class SafeFileSystemReader(FileSystemReader):
                             value = checksum(part.numpy(), value)
                         for dst in direct:
                             dst[lo - head : hi - head].copy_(part, non_blocking=True)
-                            if dst.device.type == "cuda":
+                            if dst.device.type == "cuda":  # the buffer is reused once this copy ran
                                 event = torch.cuda.Event()
-                                event.record()
+                                event.record(torch.cuda.current_stream(dst.device))
                         if whole is not None:
                             whole[lo - head : hi - head].copy_(part)
                         got += hi - lo
