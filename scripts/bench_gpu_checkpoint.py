@@ -198,7 +198,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         saves,
         lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
         lambda name, save: save(root / name),
-        budget=0.4 * left,
+        budget=0.3 * left,
     )
     res["rounds"] = {"saves": len(next(iter(times.values())))}
     for name in saves:
@@ -224,7 +224,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
             storage_writer=c[2](root / f"async_{name}") if c[2] else None,
         ),
         wait=True,
-        budget=0.4 * left,
+        budget=0.3 * left,
     )
     res["rounds"]["async"] = len(next(iter(times.values())))
     # the copy out of the GPU of the same bytes into pinned memory (what staging must at least take)
@@ -279,7 +279,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         lambda _, c: dcp.load(
             c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0]) if c[3] else None
         ),
-        budget=0.2 * left,
+        budget=0.4 * left,
     )
     for name, (src, *_) in loads.items():
         all_s = [t for _, t in times[name]]
@@ -434,7 +434,7 @@ def main() -> None:
         "--budget-s",
         type=float,
         default=float("inf"),
-        help="seconds for the whole run: saves, async saves and loads get 40/40/20%% of what setup leaves, "
+        help="seconds for the whole run: saves, async saves and loads get 30/30/40%% of what setup leaves, "
         "and stop after the round that would overrun it (at least one round each)",
     )
     ap.add_argument("--dcp-writer-native", action="store_true", help="also save native with DCP's own writer")

@@ -94,7 +94,7 @@ class SafeFileSystemReader(FileSystemReader):
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
         thread_count: data files read at once, each by its own thread (default
             :data:`ckptq.io.fileio.DEFAULT_THREADS`).
-        buffer_bytes: bytes of each read request and of each of the three read-ahead buffers per
+        buffer_bytes: bytes of each read request and of each of the read-ahead buffers per
             file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
             not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
         fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
@@ -277,7 +277,7 @@ class SafeFileSystemReader(FileSystemReader):
     def _plan_file(self, rel: str, file: Any, size: int, reqs: list) -> Any:
         """A function that starts the read-ahead of the records of ``reqs`` that are read fast
         (see the class docstring) and returns ``(fast records, RangeReader or None)``."""
-        from .fileio import RangeReader
+        from .fileio import READ_AHEAD_BUFFERS, RangeReader
         from .records import tensor_record
 
         fast: dict[MetadataIndex, Any] = {}
@@ -307,7 +307,9 @@ class SafeFileSystemReader(FileSystemReader):
         def start() -> tuple:
             if not ranges:
                 return fast, None
-            reader = RangeReader(file, ranges, buffer_bytes=self.buffer_bytes, depth=3, pin=pin, fadvise=self.fadvise)
+            reader = RangeReader(
+                file, ranges, buffer_bytes=self.buffer_bytes, depth=READ_AHEAD_BUFFERS, pin=pin, fadvise=self.fadvise
+            )
             return fast, reader.start()
 
         return start
