@@ -13,11 +13,15 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
 * :class:`Staging`: copies a CUDA tensor out of the GPU in pieces of ``buffer_bytes`` into two
   pinned host buffers on a side stream (the copy of piece *k + 1* runs while piece *k* is hashed
   and written); CPU tensors are used in place;
+* :class:`RangeReader` / :class:`BufferPool`: the records of a file read in order, ahead of their
+  use, on a background thread into a bounded set of (pinned) buffers;
 * :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops.
 
-Knobs and their defaults (measured: ``docs/benchmarks.md``, "Storage writer and reader at disk
-speed"): :data:`DEFAULT_THREADS` files (one writer thread each) per rank, :data:`DEFAULT_BUFFER_BYTES`
-per staging buffer, :data:`DEFAULT_SYNC_EVERY` bytes between write-back starts.
+Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
+:data:`DEFAULT_BUFFER_BYTES` per staging or read buffer, :data:`DEFAULT_SYNC_EVERY` bytes between
+write-back starts, :data:`READ_AHEAD_BUFFERS` per file read. What was measured with them, and which
+are a choice not yet measured against others: ``docs/benchmarks.md``, "Storage writer and reader at
+disk speed".
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ __all__ = [
     "DEFAULT_THREADS",
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_SYNC_EVERY",
+    "READ_AHEAD_BUFFERS",
     "Flusher",
     "Staging",
     "pwrite_all",
