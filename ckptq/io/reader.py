@@ -93,7 +93,24 @@ class SafeFileSystemReader(FileSystemReader):
             metadata records, where it records one (on by default; a planner with
             ``verify_checksums=False``, e.g. ``QuantizedLoadPlanner(verify_checksums=False)``, turns
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
+        thread_count: data files read at once, each by its own thread (default
+            :data:`ckptq.io.fileio.DEFAULT_THREADS`).
+        buffer_bytes: bytes of each read request and of each of the read-ahead buffers per
+            file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
+            not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         **kwargs: passed to ``FileSystemReader``.
+
+    How it reads: the records of each local data file are read in file order by a background thread,
+    ahead of their use, with large ``preadv`` calls (:class:`ckptq.io.fileio.RangeReader`). A
+    record whose framing is byte for byte the one this torch writes for the chunk's dtype and
+    shape (:func:`ckptq.io.records.tensor_record`: every record DCP's ``FileSystemWriter`` and
+    ckptq's writers write with this torch) is checked by comparing that framing, so its pickle is
+    never run, and its payload is hashed and copied into the destination piece by piece (a
+    record whose checksum then fails has been copied by that time; the load fails as usual). Any
+    other record (another torch's framing, stream transforms, bytes entries) is read and checked
+    through ``torch.load(weights_only=True)`` as described above. The records of a URL's data
+    objects are fetched one ranged GET each and read that second way.
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
@@ -112,11 +129,19 @@ class SafeFileSystemReader(FileSystemReader):
         metadata: Metadata | None = None,
         verify_storage: bool = True,
         verify_checksums: bool = True,
+        thread_count: int | None = None,
+        buffer_bytes: int | None = None,
+        fadvise: bool = True,
         **kwargs: Any,
     ) -> None:
+        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS
+
         super().__init__(path, **kwargs)
         if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
             self.fs, self.path = dcp_filesystem(str(path))
+        self.thread_count = DEFAULT_THREADS if thread_count is None else max(1, int(thread_count))
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+        self.fadvise = fadvise
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
@@ -237,20 +262,169 @@ class SafeFileSystemReader(FileSystemReader):
                     f"the checkpoint is incomplete"
                 )
             per_file.setdefault(str(info.relative_path), []).append(it)
+        opened = []
         for rel, reqs in per_file.items():
             file = self.fs.concat_path(self.path, rel)
             try:
                 size = file_size(file)
                 if size is None:
                     raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self._open_data(file)
+                opened.append((rel, file, size, reqs))
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
-            with stream_cm as stream:
-                for req in reqs:
+        # the read-ahead of the next thread_count - 1 files runs while the records of one are used
+        starts = [self._plan_file(rel, file, size, reqs) for rel, file, size, reqs in opened]
+        started: dict[int, tuple] = {}
+        try:
+            for i, (rel, file, size, reqs) in enumerate(opened):
+                for j in range(i, min(len(starts), i + self.thread_count)):
+                    if j not in started:
+                        started[j] = starts[j]()
+                self._read_file(rel, file, size, reqs, planner, started.pop(i))
+        finally:
+            for _, reader in started.values():
+                if reader is not None:
+                    reader.close()
+
+    def _plan_file(self, rel: str, file: Any, size: int, reqs: list) -> Any:
+        """A function that starts the read-ahead of the records of ``reqs`` that are read fast
+        (see the class docstring) and returns ``(fast records, RangeReader or None)``. Local
+        files only: a URL's records are fetched by ranged GETs (:meth:`_open_data`)."""
+        from .fileio import READ_AHEAD_BUFFERS, RangeReader
+        from .records import tensor_record
+
+        fast: dict[MetadataIndex, Any] = {}
+        for req in () if is_url(str(file)) else reqs:
+            index = req.storage_index
+            info = self.storage_data[index]
+            want = (self._chunk_sizes or {}).get((index.fqn, tuple(index.offset or ())))
+            if (
+                index in fast
+                or req.type == LoadItemType.BYTE_IO
+                or want is None
+                or getattr(info, "transform_descriptors", None)
+                or int(info.offset) + int(info.length) > size
+            ):
+                continue
+            try:
+                record = tensor_record(want[0], tuple(want[1]))
+            except CkptqError:
+                continue
+            if record.length == int(info.length):
+                fast[index] = record
+        order = sorted(fast, key=lambda i: int(self.storage_data[i].offset))
+        fast = {i: fast[i] for i in order}
+        ranges = [(int(self.storage_data[i].offset), int(self.storage_data[i].length)) for i in order]
+        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+
+        def start() -> tuple:
+            if not ranges:
+                return fast, None
+            reader = RangeReader(
+                file, ranges, buffer_bytes=self.buffer_bytes, depth=READ_AHEAD_BUFFERS, pin=pin, fadvise=self.fadvise
+            )
+            return fast, reader.start()
+
+        return start
+
+    def _read_file(self, rel: str, file: Any, size: int, reqs: list, planner: Any, started: tuple) -> None:
+        fast, reader = started
+        by_index: dict[MetadataIndex, list] = {}
+        for req in reqs:
+            by_index.setdefault(req.storage_index, []).append(req)
+        slow = [req for req in reqs if req.storage_index not in fast]
+        try:
+            with self._open_data(file) as stream:
+                for index, record in fast.items():
+                    if not self._read_fast(reader, rel, index, record, by_index[index], planner):
+                        slow += by_index[index]  # another framing: read through torch.load
+                for req in sorted(slow, key=lambda r: int(self.storage_data[r.storage_index].offset)):
                     self._read_item(stream(req.storage_index), rel, size, req, planner)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _read_fast(self, reader: Any, rel: str, index: MetadataIndex, record: Any, reqs: list, planner: Any) -> bool:
+        """Read one record whose framing should be ``record``'s from ``reader`` into the
+        destinations of ``reqs``; False (nothing written) if its framing differs."""
+        from ..checksums import checksum
+
+        info = self.storage_data[index]
+        where = self._where(index, rel)
+        length, head, nbytes = int(info.length), len(record.header), record.nbytes
+        dtype, sizes = (self._chunk_sizes or {})[(index.fqn, tuple(index.offset or ()))]
+        whole, direct, targets = None, [], []
+        value, got, first, framed = 0, 0, True, True
+        try:
+            for off, buf, n in reader.pieces(length):
+                event = None
+                try:
+                    if first:
+                        first = False
+                        framed = n >= head and bytes(buf[:head].numpy()) == record.header
+                        if framed:
+                            targets = [(req, planner.resolve_tensor(req).detach()) for req in reqs]
+                        for req, target in targets:
+                            if _takes_whole_chunk(req, target, dtype, sizes):
+                                direct.append(target.reshape(-1).view(torch.uint8))
+                            elif whole is None:
+                                whole = torch.empty(nbytes, dtype=torch.uint8)
+                    lo, hi = max(off, head), min(off + n, head + nbytes)  # the payload in this piece
+                    if framed and lo < hi:
+                        part = buf[lo - off : hi - off]
+                        if self._verifying:
+                            value = checksum(part.numpy(), value)
+                        for dst in direct:
+                            dst[lo - head : hi - head].copy_(part, non_blocking=True)
+                            if dst.device.type == "cuda":  # the buffer is reused once this copy ran
+                                event = torch.cuda.Event()
+                                event.record(torch.cuda.current_stream(dst.device))
+                        if whole is not None:
+                            whole[lo - head : hi - head].copy_(part)
+                        got += hi - lo
+                finally:
+                    reader.pool.give(buf, event)
+        except CkptqError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: the record cannot be read ({type(e).__name__}: {e}); restore the file or re-save"
+            ) from e
+        if not framed:
+            return False
+        if got != nbytes:
+            raise CheckpointFormatError(
+                f"{where}: the file ends inside the record; it is truncated: restore it or re-save"
+            )
+        if self._verifying:
+            self._check_sum(index, None, where, got=value)
+        for req, target in targets:
+            if whole is not None and not _takes_whole_chunk(req, target, dtype, sizes):
+                chunk = whole.view(dtype).reshape(sizes) if nbytes else torch.empty(sizes, dtype=dtype)
+                try:
+                    tensor = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
+                except Exception as e:
+                    raise CheckpointFormatError(
+                        f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
+                    ) from e
+                if target.size() != tensor.size():
+                    raise CheckpointFormatError(
+                        f"{where}: read {list(tensor.size())} elements for a destination of "
+                        f"{list(target.size())}; the metadata is inconsistent"
+                    )
+                target.copy_(tensor)
+            try:
+                planner.commit_tensor(req, target)
+            except CkptqError:
+                raise
+            except Exception as e:
+                raise CheckpointFormatError(
+                    f"{where}: the load planner failed on this record ({type(e).__name__}: {e}); the record "
+                    f"read intact, so the checkpoint and the target state_dict disagree"
+                ) from e
+        return True
 
     def _open_data(self, file: Any) -> Any:
         """A context manager giving ``index -> stream`` of a data file: one open stream for every
@@ -361,8 +535,8 @@ class SafeFileSystemReader(FileSystemReader):
                 f"file or re-save the checkpoint"
             ) from e
 
-    def _check_sum(self, index: MetadataIndex, payload: Any, where: str) -> None:
-        check(payload, (self._checksums or {}).get(checksum_key(index)), where)
+    def _check_sum(self, index: MetadataIndex, payload: Any, where: str, got: int | None = None) -> None:
+        check(payload, (self._checksums or {}).get(checksum_key(index)), where, got=got)
 
     def check_records(
         self, progress: Any | None = None
@@ -481,6 +655,19 @@ class _WeightsOnlyBytes:
                 ) from e
         value.seek(0)
         self._planner.load_bytes(read_item, value)
+
+
+def _takes_whole_chunk(req: Any, target: torch.Tensor, dtype: torch.dtype, sizes: tuple) -> bool:
+    """Whether read item ``req`` wants the whole stored chunk, as is, in ``target`` (contiguous,
+    of the stored dtype and size): its bytes are then copied straight in."""
+    return (
+        all(int(o) == 0 for o in req.storage_offsets)
+        and tuple(int(n) for n in req.lengths) == tuple(sizes)
+        and tuple(target.shape) == tuple(sizes)
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and type(target) is torch.Tensor
+    )
 
 
 def dcp_failure(exc: BaseException, where: str) -> Exception:

@@ -479,37 +479,168 @@ class _HashingPlanner:
 
 
 class ChecksumFileSystemWriter(FileSystemWriter):
-    """A DCP ``FileSystemWriter`` that records a checksum of every chunk it writes.
+    """A DCP ``FileSystemWriter`` that records a checksum of every chunk it writes, and writes at
+    the disk's speed.
 
     ``dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=...)`` (or
     ``dcp.async_save``) writes DCP's usual files; each rank hashes the payload of every tensor
-    chunk and bytes entry it writes (:mod:`ckptq.checksums`: crc32c of the elements' bytes, on a
-    background thread while DCP writes), and the coordinator stores the table in the ckptq record
-    of ``.metadata`` (:func:`ckptq.contract.with_checksums`), with any planner. Readers that do not
-    know checksums (stock ``dcp.load``) read the checkpoint as usual; ckptq's loads verify them
+    chunk and bytes entry it writes (:mod:`ckptq.checksums`: crc32c of the elements' bytes), and
+    the coordinator stores the table in the ckptq record of ``.metadata``
+    (:func:`ckptq.contract.with_checksums`), with any planner. Readers that do not know checksums
+    (stock ``dcp.load``) read the checkpoint as usual; ckptq's loads verify them
     (:class:`ckptq.io.SafeFileSystemReader`, :class:`ckptq.QuantizedLoadPlanner`, ``ckptq verify``).
+
+    How it writes (``torch.save`` records, the files and ``.metadata`` of DCP's own format): the
+    chunks of a rank are spread over ``thread_count`` files (DCP's ``FileSystemWriter`` bins: the
+    largest chunks first, each to the least-filled file), each written by its own thread with
+    large ``pwritev`` calls: the record framing of :func:`ckptq.io.records.tensor_record` around
+    the chunk's bytes (no ``torch.save`` per chunk), the chunk's checksum and zip CRC-32 computed
+    piece by piece on the same thread (both release the GIL), CUDA chunks copied out of the GPU
+    through two pinned buffers of ``buffer_bytes`` per thread (:class:`ckptq.io.fileio.Staging`),
+    and each file's write-back started every ``sync_every`` bytes (:class:`ckptq.io.fileio.Flusher`).
+    ``dcp.async_save`` stages the state dict into pinned host memory kept for the next save of
+    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). With DCP's
+    stream transforms (``_extensions``), another ``serialization_format``,
+    ``single_file_per_rank=False`` or a URL path (:class:`AtomicFileSystemWriter`) it writes
+    through ``FileSystemWriter`` itself (with checksums).
 
     Args:
         path: the checkpoint directory.
-        **kwargs: passed to ``FileSystemWriter``.
+        thread_count: files (and writer threads) per rank (default
+            :data:`ckptq.io.fileio.DEFAULT_THREADS`; DCP's default is 1).
+        buffer_bytes: bytes of each pinned staging buffer (default
+            :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        sync_every: bytes written to a file between two starts of its write-back (default
+            :data:`ckptq.io.fileio.DEFAULT_SYNC_EVERY`; 0: only the final fsync). Only with
+            ``sync_files=True`` (the default).
+        cache_staging: ``dcp.async_save`` keeps the staged (pinned) copy of the state dict for
+            the next save of tensors of the same shapes, dtypes and devices (host memory the size
+            of the rank's state dict; ``False`` frees it after each save).
+        **kwargs: passed to ``FileSystemWriter`` (``sync_files``, ``single_file_per_rank``, ...).
     """
+
+    def __init__(
+        self,
+        path: PathLike,
+        *args: Any,
+        thread_count: int | None = None,
+        buffer_bytes: int | None = None,
+        sync_every: int | None = None,
+        cache_staging: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_SYNC_EVERY, DEFAULT_THREADS
+
+        if len(args) < 3:  # FileSystemWriter's positional (single_file_per_rank, sync_files, thread_count)
+            kwargs["thread_count"] = DEFAULT_THREADS if thread_count is None else int(thread_count)
+        super().__init__(path, *args, **kwargs)
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+        self.sync_every = DEFAULT_SYNC_EVERY if sync_every is None else int(sync_every)
+        self.cache_staging = cache_staging
+        self._staged_key: Any = None
+
+    def _streams_records(self) -> bool:
+        """Whether this writer writes the records itself (else through ``FileSystemWriter``):
+        local directories only (a URL is written through DCP's fsspec file system)."""
+        fmt = getattr(self, "serialization_format", None)
+        return (
+            not storage.is_url(str(self.path))
+            and self.single_file_per_rank
+            and not getattr(getattr(self, "transforms", None), "extensions", ())
+            and (fmt is None or getattr(fmt, "value", None) == "torch_save")
+        )
+
+    def stage(self, state_dict: Any) -> Any:
+        """``dcp.async_save``'s staging: a CPU copy of ``state_dict`` (pinned when it holds CUDA
+        tensors; one non-blocking copy per tensor, then one wait), kept for the next save of the
+        same tensors when ``cache_staging`` (see :func:`_stage_cached`)."""
+        self.per_thread_copy_ahead = 0
+        staged, self._staged_key = _stage_cached(state_dict)
+        return staged
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         if hasattr(planner, "checksums_by_writer"):  # ckptq's planner: no checksum files of its own
             planner.checksums_by_writer()
+        try:
+            if self._streams_records():
+                results = self._write_records(plan, planner)
+            else:
+                results = self._write_through_dcp(plan, planner)
+        finally:
+            if self._staged_key is not None:
+                _release_staged(self._staged_key, keep=self.cache_staging)
+                self._staged_key = None
+        out: Future = Future()
+        out.set_result(results)
+        return out
+
+    def _write_through_dcp(self, plan: Any, planner: Any) -> list:
         hasher = Hasher()
         try:
             results = super().write_data(plan, _HashingPlanner(planner, hasher)).wait()
             sums = hasher.results()
         finally:
             hasher.close()
-        out: Future = Future()
-        out.set_result(
-            [
-                dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
-                for r in results
-            ]
-        )
+        return [
+            dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
+            for r in results
+        ]
+
+    def _write_records(self, plan: Any, planner: Any) -> list:
+        import concurrent.futures as cf
+
+        prefix = plan.storage_data.prefix
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(max(1, self.thread_count), plan.items))]
+        if len(jobs) == 1:
+            return self._write_file(*jobs[0], planner, None)
+        with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptq-write") as pool:
+            futures = [pool.submit(self._write_file, name, items, planner, device) for name, items in jobs]
+            return [r for f in futures for r in f.result()]
+
+    def _write_file(self, name: str, items: list, planner: Any, device: int | None) -> list:
+        """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``
+        (on a thread of its own: ``device`` is the calling thread's current CUDA device)."""
+        if device is not None:
+            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
+        import zlib
+
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from .fileio import Flusher, Staging, pwrite_all
+        from .records import tensor_record
+
+        storage_info, _ = check_dcp_version()
+        fd = os.open(self.fs.concat_path(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flusher = Flusher(fd, self.sync_every if self.sync_files else 0)
+        staging, pos, out, ok = Staging(self.buffer_bytes), 0, [], False
+        ordered = [it for it in items if it.type == WriteItemType.BYTE_IO]
+        ordered += [it for it in items if it.type != WriteItemType.BYTE_IO]
+        try:
+            for item in ordered:
+                data, start = planner.resolve_data(item), pos
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = data.getbuffer()
+                    pos += pwrite_all(fd, [buf], pos)
+                    sum_ = checksum(buf)
+                else:
+                    t = data.detach()
+                    record = tensor_record(t.dtype, tuple(t.shape))
+                    pending, sum_, crc = [record.header], 0, 0
+                    for piece in staging.pieces(t):
+                        sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
+                        n = pwrite_all(fd, pending + [piece], pos)
+                        pos, pending = pos + n, []
+                        flusher.wrote(n)
+                    pos += pwrite_all(fd, pending + [record.trailer_for(crc)], pos)
+                info = storage_info(name, start, pos - start)
+                out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
+            ok = True
+        finally:
+            try:
+                flusher.close(fsync=ok and self.sync_files)
+            finally:
+                os.close(fd)
         return out
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -527,6 +658,132 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         if sums or sidecar_ranks(metadata.planner_data) is not None:  # the table replaces the planner's files
             metadata.planner_data = with_checksums(metadata.planner_data, sums)
         super().finish(metadata, plain)
+
+
+def _bins(count: int, items: list) -> list[list]:
+    """The items of a rank's plan in ``count`` files, as DCP's ``FileSystemWriter`` splits them
+    (torch 2.13 ``filesystem._split_by_size_and_type``): bytes entries round-robin, tensor chunks
+    largest first, each into the file with the fewest tensor bytes so far."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if count == 1:
+        return [list(items)]
+    out: list[list] = [[] for _ in range(count)]
+    sizes = [0] * count
+    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    for i, it in enumerate(byte_items):
+        out[i % count].append(it)
+
+    def nbytes(it: Any) -> int:
+        td = it.tensor_data
+        return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
+
+    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=nbytes, reverse=True):
+        i = sizes.index(min(sizes))
+        out[i].append(it)
+        sizes[i] += nbytes(it)
+    return out
+
+
+#: ``dcp.async_save`` staging copies kept for the next save: signature -> staged state dict.
+_STAGED: dict[Any, Any] = {}
+_STAGED_BUSY: set = set()
+
+
+def _signature(state_dict: Any) -> tuple[Any, bool]:
+    """What a staged copy of ``state_dict`` depends on (every leaf's path, type, shape, dtype,
+    device, strides and DTensor placements; non-tensor leaves by type), and whether it holds
+    CUDA tensors."""
+    from torch.distributed.tensor import DTensor
+
+    cuda = []
+
+    def walk(obj: Any, path: tuple) -> Any:
+        if isinstance(obj, dict):
+            return tuple(walk(v, path + (k,)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return tuple(walk(v, path + (i,)) for i, v in enumerate(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cuda":
+                cuda.append(path)
+            extra = (tuple(obj.placements), tuple(obj._local_tensor.shape)) if isinstance(obj, DTensor) else ()
+            return (path, type(obj), tuple(obj.shape), obj.dtype, str(obj.device), tuple(obj.stride()), extra)
+        return (path, type(obj))  # staged as is: the value of each save
+
+    return walk(state_dict, ()), bool(cuda)
+
+
+def _staging_copy(state_dict: Any, pin: bool) -> Any:
+    """Empty CPU tensors (page-locked when ``pin``) of ``state_dict``'s structure: a DTensor's
+    local tensor (a DTensor of the same mesh and placements around it), a quantized tensor's
+    components (its ``empty_like``), plain tensors; other values as they are."""
+    from torch.distributed.tensor import DTensor
+
+    def alloc(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: alloc(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(alloc(v) for v in obj)
+        if isinstance(obj, DTensor):
+            return DTensor.from_local(
+                empty(obj._local_tensor),
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
+            )
+        if isinstance(obj, torch.Tensor):
+            return empty(obj)
+        return obj
+
+    def empty(t: torch.Tensor) -> torch.Tensor:  # nothing to page-lock in an empty tensor
+        return torch.empty_like(t.detach(), device="cpu", pin_memory=pin and t.numel() > 0)
+
+    return alloc(state_dict)
+
+
+def _copy_into(src: Any, dst: Any, non_blocking: bool) -> Any:
+    """Copy every tensor of ``src`` into the same place of ``dst`` (from :func:`_staging_copy`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, dict):
+        return {k: _copy_into(v, dst[k], non_blocking) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        return type(src)(_copy_into(v, d, non_blocking) for v, d in zip(src, dst, strict=True))
+    if isinstance(src, DTensor):
+        dst._local_tensor.copy_(src._local_tensor, non_blocking=non_blocking)
+    elif isinstance(src, torch.Tensor):
+        dst.copy_(src.detach(), non_blocking=non_blocking)
+    else:
+        return src
+    return dst
+
+
+def _stage_cached(state_dict: Any) -> tuple[Any, Any]:
+    """A CPU copy of ``state_dict`` for ``dcp.async_save`` and the key to release it with
+    (:func:`_release_staged`; None: not kept): the kept copy of the same signature is reused
+    (copied into, nothing allocated) unless a save still writes from it, else a new one is made
+    (page-locked when the state dict holds CUDA tensors). The copies are non-blocking, followed by
+    one ``torch.cuda.synchronize``."""
+    key, cuda = _signature(state_dict)
+    busy = key in _STAGED_BUSY
+    staged = None if busy else _STAGED.get(key)
+    if staged is None:
+        staged = _staging_copy(state_dict, pin=cuda and torch.cuda.is_available())
+    if not busy:
+        _STAGED[key] = staged
+        _STAGED_BUSY.add(key)
+    staged = _copy_into(state_dict, staged, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    return staged, None if busy else key
+
+
+def _release_staged(key: Any, *, keep: bool) -> None:
+    _STAGED_BUSY.discard(key)
+    if not keep:
+        _STAGED.pop(key, None)
 
 
 class AtomicFileSystemWriter(ChecksumFileSystemWriter):
@@ -555,9 +812,10 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
 
     Args:
         path: the checkpoint directory, or an fsspec URL.
-        **kwargs: passed to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...; for URLs
-            ``overwrite`` defaults to False and ``sync_files`` to False: an upload is durable once
-            it completes).
+        **kwargs: passed to :class:`ChecksumFileSystemWriter` (``thread_count``, ``sync_files``,
+            ...; for URLs ``overwrite`` defaults to False, ``sync_files`` to False (an upload is
+            durable once it completes) and ``thread_count`` to 1 (one object per rank, as DCP's
+            ``FsspecWriter``)).
 
     Raises:
         CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported.
@@ -569,6 +827,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             self.target: Any = storage.location(path)
             kwargs.setdefault("overwrite", False)
             kwargs.setdefault("sync_files", False)
+            kwargs.setdefault("thread_count", 1)  # one object per rank, as DCP's FsspecWriter
             super().__init__(self.target, **kwargs)
             self.fs, self.path = storage.dcp_filesystem(self.target)
             return
