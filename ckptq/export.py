@@ -43,7 +43,7 @@ from .checksums import SAFETENSORS_KEY, Hasher, safetensors_table
 from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
-from .io.writer import check_destination, commit_dir, staging_dir
+from .io.writer import check_destination, commit_dir, staging_dir, write_error
 from .metrics import sqnr_db
 
 __all__ = ["export_checkpoint", "parse_size", "LAYOUT_NAMES"]
@@ -545,10 +545,12 @@ def _run(view, lay, dst: Path, shards, n, base, items, skipped, consumer: _Consu
         for name, content in {**cfg_files, "config.json": out_cfg}.items():
             with open(tmp / name, "w") as f:
                 json.dump(content, f, indent=2, sort_keys=True)
-    except BaseException:
+        commit_dir(tmp, dst)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(dst, e) from e
         raise
-    commit_dir(tmp, dst)
     return {
         "path": str(dst),
         "layout": lay.name,
@@ -646,10 +648,12 @@ def export_flattened(
         if len(files) > 1:
             with open(tmp / "model.safetensors.index.json", "w") as f:
                 _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
-    except BaseException:
+        commit_dir(tmp, dst)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(dst, e) from e
         raise
-    commit_dir(tmp, dst)
     return {
         "path": str(dst),
         "layout": adapter.producer,

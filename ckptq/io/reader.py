@@ -124,10 +124,12 @@ class SafeFileSystemReader(FileSystemReader):
         #: The logical entries of the metadata last read from the file (checkpoint order), as
         #: :func:`ckptq.contract.fold_entries` validated them (None before the first read).
         self.entries: dict[str, Entry] | None = None
+        self._pinned = _PinnedFiles()
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id and Path(checkpoint_id) != Path(self.path):
             self._cached_metadata = None
+        self._unpin()
         super().reset(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -144,11 +146,69 @@ class SafeFileSystemReader(FileSystemReader):
         elif previous is not None and not os.path.exists(str(path)):
             raise previous  # dcp.load's fallback to per-rank metadata after a failed global read
         try:
+            if rank is None:
+                return self._read_pinned(path)
             return self._read_checked(path, rank)
         except CkptqError as e:
             if rank is None:
                 _LAST_METADATA_ERROR.error = e  # dcp.load hides it in an AssertionError: see dcp_failure
             raise
+
+    def _read_pinned(self, path: Any) -> Metadata:
+        """Read ``.metadata`` and open every data file it names, all of one checkpoint: the
+        directory at ``self.path`` must be the same one (device and inode) before and after,
+        else (a writer swapped a new checkpoint in meanwhile: :func:`ckptq.io.writer.replace_dir`)
+        it is tried again. The open files are what :meth:`read_data` reads, so a checkpoint
+        replaced (and its old files removed) while it is read is still read whole: a load gives
+        the old checkpoint or the new one, never records of both. Checkpoints of more than
+        :data:`PIN_MAX_FILES` data files are read by path (not pinned)."""
+        self._unpin()
+        for _ in range(PIN_TRIES):
+            before = _identity(self.path)
+            try:
+                metadata = self._read_checked(path, None)
+                files = self._open_files(metadata)
+            except CkptqError:
+                if before is not None and _identity(self.path) != before:
+                    continue  # replaced while reading: the metadata or files were of two checkpoints
+                raise
+            if before is not None and _identity(self.path) == before:
+                self._pinned = files
+                return metadata
+            files.close()
+        raise CheckpointFormatError(
+            f"{self.path}: the checkpoint was replaced {PIN_TRIES} times while being opened; load it "
+            f"again once the saves into this directory pause"
+        )
+
+    def _open_files(self, metadata: Metadata) -> _PinnedFiles:
+        rels = {str(i.relative_path) for i in metadata.storage_data.values() if hasattr(i, "relative_path")}
+        files = _PinnedFiles()
+        if len(rels) > PIN_MAX_FILES:
+            return files
+        try:
+            for rel in sorted(rels):
+                files[rel] = os.open(self.fs.concat_path(self.path, rel), os.O_RDONLY)
+        except OSError as e:
+            files.close()
+            raise CheckpointFormatError(
+                f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
+            ) from e
+        return files
+
+    def _open_data(self, rel: str) -> tuple[int, Any]:
+        """``(size, stream context)`` of data file ``rel``: the file opened with the metadata
+        (:meth:`_read_pinned`), else opened by path now."""
+        fd = self._pinned.get(rel)
+        if fd is not None:
+            return os.fstat(fd).st_size, os.fdopen(os.dup(fd), "rb")
+        file = self.fs.concat_path(self.path, rel)
+        return os.path.getsize(file), self.fs.create_stream(file, "rb")
+
+    def _unpin(self) -> None:
+        if getattr(self, "_pinned", None):
+            self._pinned.close()
+        self._pinned = _PinnedFiles()
 
     def _read_checked(self, path: Any, rank: int | None) -> Metadata:
         try:
@@ -210,7 +270,10 @@ class SafeFileSystemReader(FileSystemReader):
         self._verifying = bool(self.verify_checksums and getattr(planner, "verify_checksums", True))
         if hasattr(planner, "checksums_verified_by_reader"):
             planner.checksums_verified_by_reader = self._verifying
-        self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        try:
+            self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        finally:
+            self._unpin()
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -228,10 +291,8 @@ class SafeFileSystemReader(FileSystemReader):
                 )
             per_file.setdefault(str(info.relative_path), []).append(it)
         for rel, reqs in per_file.items():
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
-                stream_cm = self.fs.create_stream(file, "rb")
+                size, stream_cm = self._open_data(rel)
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
@@ -352,6 +413,12 @@ class SafeFileSystemReader(FileSystemReader):
             intact that have no checksum (older or foreign checkpoints, or records another library
             wrote, which are checked by :func:`ckptq.io.foreign.load_record` when read).
         """
+        try:
+            return self._check_records(progress)
+        finally:
+            self._unpin()
+
+    def _check_records(self, progress: Any | None) -> tuple[list, int, int]:
         problems, checked, unchecked = [], 0, 0
         per_file: dict[str, list] = {}
         for index, info in self.storage_data.items():
@@ -361,10 +428,8 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(str(info.relative_path), []).append(index)
         for rel in sorted(per_file):
             indices = sorted(per_file[rel], key=lambda i: int(self.storage_data[i].offset))
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = os.path.getsize(file)
-                stream_cm = self.fs.create_stream(file, "rb")
+                size, stream_cm = self._open_data(rel)
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
@@ -403,6 +468,32 @@ class SafeFileSystemReader(FileSystemReader):
                     else:
                         unchecked += 1
         return problems, checked, unchecked
+
+
+#: How often :meth:`SafeFileSystemReader.read_metadata` tries again when the checkpoint is replaced meanwhile.
+PIN_TRIES = 5
+#: Checkpoints of more data files than this are read by path (each pinned file is an open descriptor).
+PIN_MAX_FILES = 256
+
+
+def _identity(path: Any) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class _PinnedFiles(dict):
+    """``{relative path: open file descriptor}`` of one checkpoint's data files; closed with it."""
+
+    def close(self) -> None:
+        for fd in self.values():
+            os.close(fd)
+        self.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @dataclasses.dataclass(frozen=True)
