@@ -349,7 +349,8 @@ class Matrix:
             for i, ln in enumerate(lines)
             if "Error" in ln and (str(dst) in ln or f".{dst.name}." in ln)
         ]
-        info["message"] = next((m[:600] for m in errors if any(c in m for c in causes)), None)
+        found = next((m[:600] for m in errors if any(c in m for c in causes)), None)
+        info["message"] = found and found.replace(str(self.work), "$WORK")
         problems = []
         if rc == 0:
             problems.append("the job succeeded")
