@@ -623,7 +623,8 @@ def replace_dir(new: Path, dst: Path, *, aside: Path) -> Path | None:
     so a process opening ``dst`` at any instant finds the old or the new directory, and a crash
     leaves both whole (the old one under ``new``'s name). Where the exchange is unavailable
     ``dst`` is renamed to ``aside`` first (a crash between the two renames leaves ``dst`` missing
-    and the old directory whole at ``aside``). Both are made durable (``fsync`` of the folder).
+    and the old directory whole at ``aside``; a failed second rename puts it back). Both are made
+    durable (``fsync`` of the folder).
     """
     previous = None
     if dst.exists():
@@ -638,7 +639,12 @@ def replace_dir(new: Path, dst: Path, *, aside: Path) -> Path | None:
             os.replace(dst, aside)
             previous = aside
     if previous is not new:
-        os.replace(new, dst)
+        try:
+            os.replace(new, dst)
+        except BaseException:
+            if previous is not None:  # put the old directory back
+                os.replace(previous, dst)
+            raise
     _fsync_dir(dst.parent)
     return previous
 
