@@ -233,6 +233,7 @@ class RangeReader:
     when done (or on error: it stops the thread).
 
     Args:
+        path: the file, or an open descriptor of it (read through a duplicate: the caller's stays open).
         fadvise: tell the kernel the file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
     """
 
@@ -242,7 +243,7 @@ class RangeReader:
         self.device = torch.cuda.current_device() if pin else None  # the caller's, for the pinned buffers
         import queue
 
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = os.dup(path) if isinstance(path, int) else os.open(path, os.O_RDONLY)
         if fadvise and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.ranges, self.size = ranges, max(1 << 16, int(buffer_bytes))

@@ -152,10 +152,12 @@ class SafeFileSystemReader(FileSystemReader):
         #: The logical entries of the metadata last read from the file (checkpoint order), as
         #: :func:`ckptq.contract.fold_entries` validated them (None before the first read).
         self.entries: dict[str, Entry] | None = None
+        self._pinned = _PinnedFiles()
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id and location(checkpoint_id) != location(self.path):
             self._cached_metadata = None
+        self._unpin()
         super().reset(checkpoint_id)
         if checkpoint_id and is_url(checkpoint_id):
             self.fs, self.path = dcp_filesystem(str(checkpoint_id))
@@ -174,11 +176,77 @@ class SafeFileSystemReader(FileSystemReader):
         elif previous is not None and file_size(path) is None:
             raise previous  # dcp.load's fallback to per-rank metadata after a failed global read
         try:
+            if rank is None:
+                return self._read_pinned(path)
             return self._read_checked(path, rank)
         except CkptqError as e:
             if rank is None:
                 _LAST_METADATA_ERROR.error = e  # dcp.load hides it in an AssertionError: see dcp_failure
             raise
+
+    def _read_pinned(self, path: Any) -> Metadata:
+        """Read ``.metadata`` and open every data file it names, all of one checkpoint: the
+        directory at ``self.path`` must be the same one (device and inode) before and after,
+        else (a writer swapped a new checkpoint in meanwhile: :func:`ckptq.io.writer.replace_dir`)
+        it is tried again. The open files are what :meth:`read_data` reads, so a checkpoint
+        replaced (and its old files removed) while it is read is still read whole: a load gives
+        the old checkpoint or the new one, never records of both. Checkpoints of more than
+        :data:`PIN_MAX_FILES` data files are read by path (not pinned)."""
+        self._unpin()
+        if is_url(str(self.path)):  # objects are not opened ahead (nor renamed: see AtomicFileSystemWriter)
+            return self._read_checked(path, None)
+        for _ in range(PIN_TRIES):
+            before = _identity(self.path)
+            try:
+                metadata = self._read_checked(path, None)
+                files = self._open_files(metadata)
+            except CkptqError:
+                if before is not None and _identity(self.path) != before:
+                    continue  # replaced while reading: the metadata or files were of two checkpoints
+                raise
+            if before is not None and _identity(self.path) == before:
+                self._pinned = files
+                return metadata
+            files.close()
+        raise CheckpointFormatError(
+            f"{self.path}: the checkpoint was replaced {PIN_TRIES} times while being opened; load it "
+            f"again once the saves into this directory pause"
+        )
+
+    def _open_files(self, metadata: Metadata) -> _PinnedFiles:
+        rels = {str(i.relative_path) for i in metadata.storage_data.values() if hasattr(i, "relative_path")}
+        files = _PinnedFiles()
+        if len(rels) > PIN_MAX_FILES or is_url(str(self.path)):
+            return files
+        try:
+            for rel in sorted(rels):
+                files[rel] = os.open(self.fs.concat_path(self.path, rel), os.O_RDONLY)
+        except OSError as e:
+            files.close()
+            raise CheckpointFormatError(
+                f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
+            ) from e
+        return files
+
+    def _data_size(self, rel: str) -> int:
+        """The size of data file ``rel``: of the file opened with the metadata (:meth:`_read_pinned`),
+        else of the file or object by its path now.
+
+        Raises:
+            OSError: it cannot be found or opened.
+        """
+        fd = self._pinned.get(rel)
+        if fd is not None:
+            return os.fstat(fd).st_size
+        size = file_size(self.fs.concat_path(self.path, rel))
+        if size is None:
+            raise FileNotFoundError(f"no file {rel}")
+        return size
+
+    def _unpin(self) -> None:
+        if getattr(self, "_pinned", None):
+            self._pinned.close()
+        self._pinned = _PinnedFiles()
 
     def _read_checked(self, path: Any, rank: int | None) -> Metadata:
         try:
@@ -245,7 +313,10 @@ class SafeFileSystemReader(FileSystemReader):
         self._verifying = bool(self.verify_checksums and getattr(planner, "verify_checksums", True))
         if hasattr(planner, "checksums_verified_by_reader"):
             planner.checksums_verified_by_reader = self._verifying
-        self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        try:
+            self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        finally:
+            self._unpin()
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -264,12 +335,8 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(str(info.relative_path), []).append(it)
         opened = []
         for rel, reqs in per_file.items():
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = file_size(file)
-                if size is None:
-                    raise FileNotFoundError(f"no file {rel}")
-                opened.append((rel, file, size, reqs))
+                opened.append((rel, self.fs.concat_path(self.path, rel), self._data_size(rel), reqs))
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
@@ -322,8 +389,14 @@ class SafeFileSystemReader(FileSystemReader):
         def start() -> tuple:
             if not ranges:
                 return fast, None
+            pinned = self._pinned.get(rel)  # the file opened with the metadata (read through a duplicate)
             reader = RangeReader(
-                file, ranges, buffer_bytes=self.buffer_bytes, depth=READ_AHEAD_BUFFERS, pin=pin, fadvise=self.fadvise
+                file if pinned is None else pinned,
+                ranges,
+                buffer_bytes=self.buffer_bytes,
+                depth=READ_AHEAD_BUFFERS,
+                pin=pin,
+                fadvise=self.fadvise,
             )
             return fast, reader.start()
 
@@ -336,7 +409,7 @@ class SafeFileSystemReader(FileSystemReader):
             by_index.setdefault(req.storage_index, []).append(req)
         slow = [req for req in reqs if req.storage_index not in fast]
         try:
-            with self._open_data(file) as stream:
+            with self._open_data(rel) as stream:
                 for index, record in fast.items():
                     if not self._read_fast(reader, rel, index, record, by_index[index], planner):
                         slow += by_index[index]  # another framing: read through torch.load
@@ -426,12 +499,17 @@ class SafeFileSystemReader(FileSystemReader):
                 ) from e
         return True
 
-    def _open_data(self, file: Any) -> Any:
-        """A context manager giving ``index -> stream`` of a data file: one open stream for every
-        record of a local file; for a URL, each record's byte range fetched by itself (one ranged
+    def _open_data(self, rel: str) -> Any:
+        """A context manager giving ``index -> stream`` of data file ``rel``: one open stream for
+        every record of a local file (the file opened with the metadata, :meth:`_read_pinned`, else
+        opened by path now); for a URL, each record's byte range fetched by itself (one ranged
         GET: fsspec's read-ahead cache would fetch again on each backward seek)."""
         import contextlib
 
+        fd = self._pinned.get(rel)
+        if fd is not None:
+            return contextlib.closing(_SameStream(os.fdopen(os.dup(fd), "rb")))
+        file = self.fs.concat_path(self.path, rel)
         if not is_url(str(file)):
             return contextlib.closing(_SameStream(self.fs.create_stream(file, "rb")))
 
@@ -553,6 +631,12 @@ class SafeFileSystemReader(FileSystemReader):
             intact that have no checksum (older or foreign checkpoints, or records another library
             wrote, which are checked by :func:`ckptq.io.foreign.load_record` when read).
         """
+        try:
+            return self._check_records(progress)
+        finally:
+            self._unpin()
+
+    def _check_records(self, progress: Any | None) -> tuple[list, int, int]:
         problems, checked, unchecked = [], 0, 0
         per_file: dict[str, list] = {}
         for index, info in self.storage_data.items():
@@ -562,12 +646,9 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(str(info.relative_path), []).append(index)
         for rel in sorted(per_file):
             indices = sorted(per_file[rel], key=lambda i: int(self.storage_data[i].offset))
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = file_size(file)
-                if size is None:
-                    raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self._open_data(file)
+                size = self._data_size(rel)
+                stream_cm = self._open_data(rel)
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
@@ -620,6 +701,32 @@ class _SameStream:
 
     def close(self) -> None:
         self._cm.__exit__(None, None, None)
+
+
+#: How often :meth:`SafeFileSystemReader.read_metadata` tries again when the checkpoint is replaced meanwhile.
+PIN_TRIES = 5
+#: Checkpoints of more data files than this are read by path (each pinned file is an open descriptor).
+PIN_MAX_FILES = 256
+
+
+def _identity(path: Any) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class _PinnedFiles(dict):
+    """``{relative path: open file descriptor}`` of one checkpoint's data files; closed with it."""
+
+    def close(self) -> None:
+        for fd in self.values():
+            os.close(fd)
+        self.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 @dataclasses.dataclass(frozen=True)

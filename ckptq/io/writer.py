@@ -58,6 +58,9 @@ __all__ = [
     "check_destination",
     "staging_dir",
     "commit_dir",
+    "replace_dir",
+    "check_writable",
+    "write_error",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -793,12 +796,16 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     ``dcp.save(sd, storage_writer=AtomicFileSystemWriter(path), planner=...)`` writes every rank's
     files into the sibling staging directory ``.{name}.ckptq-saving`` (emptied by the coordinator
     before any rank writes), and the coordinator, after every rank reported success and
-    ``.metadata`` is written, swaps it into place: an existing ``path`` is renamed to
-    ``.{name}.ckptq-old``, the staging directory to ``path``, and the old one removed. So a save
-    that fails or is killed midway leaves an existing checkpoint at ``path`` untouched (plain DCP
-    would leave its old ``.metadata`` pointing into new, partial data files); a crash between the
-    two renames leaves ``path`` missing and the previous checkpoint whole in ``.{name}.ckptq-old``.
-    The directory must be on a file system every rank shares (as for ``FileSystemWriter``).
+    ``.metadata`` is written, swaps it into place (:func:`replace_dir`: one atomic exchange of the
+    two directories where the file system supports it, so ``path`` names the old or the new
+    checkpoint at every instant) and removes the old one. So a save that fails or is killed midway
+    leaves an existing checkpoint at ``path`` untouched (plain DCP would leave its old
+    ``.metadata`` pointing into new, partial data files). A save that fails (a rank's write raised,
+    e.g. the disk is full, or ``.metadata`` or the swap failed) removes the staging directory and
+    raises a :class:`~ckptq.errors.CkptqError` naming ``path``, the ranks and their errors (DCP
+    wraps it in its ``CheckpointException``); a killed save leaves the staging directory, which
+    the next save into ``path`` empties. The directory must be on a file system every rank shares
+    (as for ``FileSystemWriter``).
 
     ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
     system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
@@ -818,7 +825,10 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             ``FsspecWriter``)).
 
     Raises:
-        CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported.
+        CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported;
+            the staging directory cannot be made, or an existing ``path`` is not writable (nothing
+            is written); a rank's write or the commit failed (the staging directory is removed,
+            ``path`` unchanged).
     """
 
     def __init__(self, path: PathLike, **kwargs: Any) -> None:
@@ -858,12 +868,35 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             )
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if self.remote and not self.overwrite and self._metadata_exists():
+        if self.remote:
+            if not self.overwrite and self._metadata_exists():
+                raise CkptqError(
+                    f"{self.target}: holds a checkpoint, and an object store cannot replace one atomically; "
+                    f"save under a new prefix, or pass overwrite=True (deletes the old checkpoint before writing "
+                    f"the new one)"
+                )
+            return super().prepare_local_plan(plan)
+        check_writable(self.target)
+        try:
+            return super().prepare_local_plan(plan)  # makes the staging directory
+        except OSError as e:
             raise CkptqError(
-                f"{self.target}: holds a checkpoint, and an object store cannot replace one atomically; save "
-                f"under a new prefix, or pass overwrite=True (deletes the old checkpoint before writing the new one)"
-            )
-        return super().prepare_local_plan(plan)
+                f"{self.target}: cannot make the staging directory {self.path} ({e}); the folder "
+                f"{self.target.parent} must be writable by every rank; nothing was written"
+            ) from e
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        if self.remote:  # a failed upload raises (DCP's finish does not run: no .metadata, no checkpoint)
+            return super().write_data(plan, planner)
+        # A failed write (ChecksumFileSystemWriter's write threads, or DCP's loop) is returned as a
+        # result, not raised, so that the coordinator's finish runs and removes the staging
+        # directory (DCP calls finish only when every rank succeeded).
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:  # noqa: BLE001 - reported by the coordinator's finish
+            out: Future = Future()
+            out.set_result([_WriteFailed(getattr(self, "rank", None), describe_failure(e))])
+            return out
 
     def prepare_global_plan(self, plans: list) -> list:
         # Coordinator only, after every rank made its local plan and before any rank writes: files
@@ -880,22 +913,116 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def finish(self, metadata: Metadata, results: list) -> None:
-        super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
         if self.remote:  # .metadata (DCP: a PUT of .metadata.tmp, then a server-side copy) was the commit
+            super().finish(metadata, results)
             return
         staging, target = Path(self.path), self.target
-        old = target.parent / f".{target.name}.ckptq-old"
-        if old.exists():
-            shutil.rmtree(old)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        failed = [f for rank_results in results for f in rank_results if isinstance(f, _WriteFailed)]
+        try:
+            if failed:
+                raise CkptqError(
+                    f"{target}: the save failed on {len(failed)} rank(s), nothing was committed (the "
+                    f"checkpoint there, if any, is unchanged; the staging directory is removed):\n  "
+                    + "\n  ".join(f"rank {f.rank}: {f.error}" for f in failed)
+                )
+            super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
+            previous = replace_dir(staging, target, aside=target.parent / f".{target.name}.ckptq-old")
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(e, CkptqError):
+                raise
+            raise CkptqError(
+                f"{target}: committing the save failed ({type(e).__name__}: {e}); the checkpoint there, "
+                f"if any, is unchanged and the staging directory is removed"
+            ) from e
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteFailed:
+    """A rank's failed ``write_data``, on its way to the coordinator's ``finish``."""
+
+    rank: int | None
+    error: str
 
 
 def _staging(target: Path) -> Path:
     return target.parent / f".{target.name}.ckptq-saving"
+
+
+def check_writable(dst: Path) -> None:
+    """Refuse a destination this process cannot replace: its folder, or an existing ``dst``
+    itself (its files could not be removed after the swap), is not writable.
+
+    Raises:
+        CkptqError: naming the read-only directory (nothing is written).
+    """
+    dst = Path(dst)
+    for d in (dst.parent, dst) if dst.is_dir() else (dst.parent,):
+        if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+            raise CkptqError(f"destination {dst}: {d} is not writable (read-only); nothing was written")
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap directories ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``,
+    kernel 3.15+, glibc 2.28+); False where that is unavailable (another OS, an old libc, a file
+    system without it).
+
+    Raises:
+        OSError: the exchange failed otherwise (e.g. ``b`` does not exist).
+    """
+    import ctypes
+    import errno
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def replace_dir(new: Path, dst: Path, *, aside: Path) -> Path | None:
+    """Put the complete directory ``new`` in place as ``dst``; returns where the previous ``dst``
+    now is (for the caller to remove), or None when there was none.
+
+    An existing ``dst`` is swapped with ``new`` in one atomic exchange (:func:`_rename_exchange`),
+    so a process opening ``dst`` at any instant finds the old or the new directory, and a crash
+    leaves both whole (the old one under ``new``'s name). Where the exchange is unavailable
+    ``dst`` is renamed to ``aside`` first (a crash between the two renames leaves ``dst`` missing
+    and the old directory whole at ``aside``; a failed second rename puts it back). Both are made
+    durable (``fsync`` of the folder).
+    """
+    previous = None
+    if dst.exists():
+        try:
+            if _rename_exchange(new, dst):
+                previous = new
+        except FileNotFoundError:
+            pass  # dst went away meanwhile: a plain rename below
+        if previous is None and dst.exists():
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(dst, aside)
+            previous = aside
+    if previous is not new:
+        try:
+            os.replace(new, dst)
+        except BaseException:
+            if previous is not None:  # put the old directory back
+                os.replace(previous, dst)
+            raise
+    _fsync_dir(dst.parent)
+    return previous
 
 
 def _fsync_dir(path: Path) -> None:
@@ -921,17 +1048,19 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     an export, or what an interrupted run left): ``overwrite`` lets :func:`staging_dir` delete them.
 
     Raises:
-        CkptqError: it overlaps the source, or exists without ``overwrite`` (nothing is written).
+        CkptqError: it overlaps the source, exists without ``overwrite``, or is read-only
+            (:func:`check_writable`); nothing is written.
     """
     if storage.is_url(src) or storage.is_url(dst):
         s, d = str(storage.location(src)) + "/", str(storage.location(dst)) + "/"
         if s.startswith(d) or d.startswith(s):
             raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate prefix")
-        if overwrite:
-            return
         if not storage.is_url(dst):
-            if Path(dst).exists():
+            if Path(dst).exists() and not overwrite:
                 raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+            check_writable(dst)
+            return
+        if overwrite:
             return
         names = storage.list_names(dst)
         if names:
@@ -943,12 +1072,40 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
     if dst.exists() and not overwrite:
         raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+    check_writable(dst)
+
+
+def describe_failure(e: BaseException) -> str:
+    """``Type: message`` of a failed write, with the ``OSError`` it arose from where a library's
+    error hides it (``torch.save`` into a full file reports ``unexpected pos``), and what to do
+    when that is a full disk or a file-size limit (ENOSPC, EFBIG, EDQUOT)."""
+    import errno
+
+    text, cause = f"{type(e).__name__}: {e}", e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and cause is not e:
+        text += f" (from {type(cause).__name__}: {cause})"
+    if cause is not None and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        text += " -- the disk is full or a file-size limit was reached: free space or raise the limit (ulimit -f)"
+    return text
+
+
+def write_error(dst: Path, e: OSError) -> CkptqError:
+    """The error of an offline tool whose writing of output ``dst`` failed with ``e`` (whose own
+    message may not name a file: a full disk, a file-size limit). The caller has removed, or
+    removes, its staging folder; ``dst`` is unchanged."""
+    return CkptqError(
+        f"writing {dst} failed: {describe_failure(e)}; nothing was committed, {dst} is unchanged and the "
+        f"staging folder is removed"
+    )
 
 
 def staging_dir(dst: Path) -> Path:
     """A fresh, empty temporary sibling of output directory ``dst`` (``.DST.ckptq-tmp-PID``) for
-    the offline tools (reshard, convert, export) to write into, after removing such folders of
-    ``dst`` left by killed runs (their PID is gone; logged on the ``ckptq`` logger). Folders of live
+    the offline tools (reshard, convert, export) to write into, after removing such folders (and
+    ``.DST.ckptq-old-PID`` ones, :func:`commit_dir`'s) of ``dst`` left by killed runs (their PID
+    is gone; logged on the ``ckptq`` logger). Folders of live
     processes (another run into the same destination) are left alone.
 
     For a URL ``dst`` (an object store cannot rename a folder) it is ``dst`` itself, after deleting
@@ -962,9 +1119,9 @@ def staging_dir(dst: Path) -> Path:
     import glob
     import logging
 
-    prefix = f".{dst.name}.ckptq-tmp-"
-    for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix) :]
+    prefixes = (f".{dst.name}.ckptq-tmp-", f".{dst.name}.ckptq-old-")
+    for p in [p for pre in prefixes for p in dst.parent.glob(glob.escape(pre) + "*")]:
+        pid = p.name.rsplit("-", 1)[1]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -976,7 +1133,7 @@ def staging_dir(dst: Path) -> Path:
             continue  # alive under another user, or not a PID: not ours to judge
         shutil.rmtree(p, ignore_errors=True)
         logging.getLogger("ckptq").warning("removed %s, left by a killed ckptq run (process %s is gone)", p, pid)
-    tmp = dst.parent / f"{prefix}{os.getpid()}"
+    tmp = dst.parent / f"{prefixes[0]}{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -984,16 +1141,11 @@ def staging_dir(dst: Path) -> Path:
 
 
 def commit_dir(tmp: Path, dst: Path) -> None:
-    """Move the completed ``tmp`` into place as ``dst`` (an existing ``dst`` is replaced: renamed
-    aside first, removed after), so ``dst`` is never a partial output. Nothing to do for a URL
-    (``tmp`` is ``dst``; writing ``.metadata`` committed it)."""
+    """Move the completed ``tmp`` into place as ``dst`` (:func:`replace_dir`: an existing ``dst``
+    is swapped out atomically and removed after), so ``dst`` is never a partial output. Nothing to
+    do for a URL (``tmp`` is ``dst``; writing ``.metadata`` committed it)."""
     if storage.is_url(dst):
         return
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    previous = replace_dir(tmp, dst, aside=dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}")
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)
