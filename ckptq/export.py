@@ -46,7 +46,7 @@ from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 from .io import storage
 from .io.device import device_scope, prefetch, resolve_device, to_host
-from .io.writer import check_destination, commit_dir, staging_dir
+from .io.writer import check_destination, commit_dir, staging_dir, write_error
 from .metrics import sqnr_db
 
 __all__ = ["export_checkpoint", "parse_size", "LAYOUT_NAMES"]
@@ -602,11 +602,20 @@ def _run(view, lay, dst: Any, shards, n, base, items, skipped, consumer: _Consum
             "consumer": consumer.report(),
         }
 
+    def or_write_error(step):  # a full disk, a file-size limit...: the error names dst and the cause
+        def run(*args):
+            try:
+                return step(*args)
+            except OSError as e:
+                raise write_error(dst, e) from e
+
+        return run
+
     return prepare_write_commit(
         group,
-        prepare=lambda: staging_dir(dst),
-        write=write,
-        commit=commit,
+        prepare=or_write_error(lambda: staging_dir(dst)),
+        write=or_write_error(write),
+        commit=or_write_error(commit),
         abort=lambda: None,  # each shard file is closed as it is written
         discard=storage.remove_tree,
     )
@@ -800,10 +809,12 @@ def export_flattened(
         if len(files) > 1:
             with storage.open_file(storage.join(tmp, "model.safetensors.index.json"), "w") as f:
                 _json.dump({"metadata": {"total_size": written}, "weight_map": dict(sorted(weight_map.items()))}, f)
-    except BaseException:
+        commit_dir(tmp, dst)
+    except BaseException as e:
         storage.remove_tree(tmp)
+        if isinstance(e, OSError):
+            raise write_error(dst, e) from e
         raise
-    commit_dir(tmp, dst)
     return {
         "path": str(dst),
         "layout": adapter.producer,

@@ -7,26 +7,35 @@ seconds: a check of the script, not a measurement (``tests/test_bench_scripts.py
 
 A Llama-style model (hidden 4096, GQA 32/8 heads, intermediate 14336; random weights), FSDP2-style
 ``Shard(0)`` DTensors over the GPUs (``--layers 38``: 8.3 GB of bf16 per GPU on 2 GPUs). Measured in
-one run, each save into a fresh directory (``FileSystemWriter``, files fsynced), per rank:
+one run, each save into a fresh directory (files fsynced), per rank:
 
-(a) ``dcp.save`` of the bf16 weights with DCP's default planner;
-(b) ``dcp.save`` of ckptq native tensors (attention MXFP8, MLP NVFP4, quantized beforehand);
+(a) ``dcp.save`` of the bf16 weights with DCP's default planner and ``FileSystemWriter``, and the same
+    with ``ckptq.io.ChecksumFileSystemWriter`` (the storage writer's share, same bytes);
+(b) ``dcp.save`` of ckptq native tensors (attention MXFP8, MLP NVFP4, quantized beforehand) with
+    ``QuantizedSavePlanner`` and ``ChecksumFileSystemWriter`` (``--dcp-writer-native``: also with
+    DCP's ``FileSystemWriter``, the comparison of the 2026-11-23 runs);
+(d) high precision: ``QuantizedSavePlanner(mode="high_precision")`` of (b)'s tensors (bf16 values);
 (c) quantize on save: ``QuantizedSavePlanner(quantize=...)`` on the bf16 weights (quantizing included);
-and the same three with ``dcp.async_save``: the time the caller is blocked (staging) and the total
-(for (c), ``ckptq.quantize_state_dict`` before ``async_save``, so staging copies the compact bytes);
-loads of (a) and (b) into targets of the same layout, of (b) on 2 GPUs into ``Shard(1)`` targets
-(another placement), and of (b) on 1 GPU (rank 0 alone, ``no_dist``); and a load with the default
-planner of the first bf16 tensors that add up to (b)'s stored bytes, so that (b)'s load GB/s is
-compared at the same size (each load has fixed costs: the metadata, planning, per-file opens). Both
-of these loads also run with ``ckptq.io.SafeFileSystemReader`` (the saves have no checksums, so
-it checks the records but hashes nothing).
+and (a) (DCP's defaults), (b), (c), (d) with ``dcp.async_save``: the time the caller is blocked
+(staging) and the total (for (c), ``ckptq.quantize_state_dict`` before ``async_save``, so staging
+copies the compact bytes), next to the copy of the same bytes out of the GPU into pinned host
+memory allocated beforehand (``d2h_s``: one non-blocking copy per tensor, one wait). Loads, page
+cache dropped before each: (a) with DCP's reader; (b) with DCP's ``FileSystemReader`` and with
+``ckptq.io.SafeFileSystemReader`` (checksums verified); (d) with ``SafeFileSystemReader``; and the
+default planner on the first bf16 tensors that add up to (b)'s stored bytes, with both readers, so
+that (b)'s load GB/s is compared at the same size (each load has fixed costs: the metadata,
+planning, per-file opens). ``--placement-loads``: (b) into ``Shard(1)`` targets too;
+``--one-gpu-load``: (b) on 1 GPU (rank 0 alone, ``no_dist``).
 
-Reference bandwidths measured in the same run: device-to-device copy of 2 GiB on each GPU, and the
-disk's write bandwidth (4 GiB written and fsynced by each rank at once). Page cache: loads read what
-the saves just wrote; the script tries ``echo 3 > /proc/sys/vm/drop_caches`` before each load and
-reports whether that worked. GB/s = stored bytes of the rank's checkpoint files / seconds (median of
-``--repeat`` rounds; the saves and the loads each run every case once per round, so that a disk whose
-speed drifts during the run favours no case).
+Reference bandwidths measured in the same run: device-to-device copy of ``--probe-gib`` GiB on each
+GPU, and the disk (``scripts/bench_storage_io.disk_probe``: ``--disk-gib`` GiB written with large
+writes and fsynced, then read back after its cache is dropped, by every rank at once). Page cache:
+each checkpoint's files get ``posix_fadvise(DONTNEED)`` and the script tries
+``echo 1 > /proc/sys/vm/drop_caches`` before each load (``caches_dropped`` says whether that
+worked). GB/s = stored bytes of the rank's checkpoint files / seconds (median of the rounds; the
+saves, the async saves and the loads each run every case once per round, up to ``--repeat``
+rounds, so that a disk whose speed drifts during the run favours no case; ``--budget-s`` caps the
+rounds so that the run ends in time: the JSON's ``rounds`` says how many ran).
 """
 
 from __future__ import annotations
@@ -81,7 +90,11 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     import ckptq
+    import ckptq.io
     from ckptq.io import SafeFileSystemReader
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_storage_io import disk_probe, drop_file_cache
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     if args.device == "cuda":
@@ -94,6 +107,8 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         dist.init_process_group("gloo", rank=rank, world_size=ws)
     mesh = init_device_mesh(dev.type, (ws,))
     res: dict = {"rank": rank}
+    started = time.perf_counter()
+    cpu_group = dist.new_group(backend="gloo")
 
     # reference bandwidths
     x = torch.empty(int(args.probe_gib * 2**29), dtype=torch.bfloat16, device=dev)  # probe_gib GiB
@@ -107,17 +122,10 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         t.append(time.perf_counter() - t0)
     res["copy_GBps"] = 2 * x.nbytes / statistics.median(t) / 1e9  # read + write
     del x, y
-    blob = torch.empty(int(args.probe_gib * 2**29), dtype=torch.uint8).numpy().tobytes()  # 4 x: 2 probe_gib GiB
-    dist.barrier()
-    t0 = time.perf_counter()
-    with open(Path(args.dir) / f"disk_probe_{rank}", "wb") as f:
-        for _ in range(4):
-            f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    dist.barrier()
-    res["disk_write_GBps_per_rank"] = 4 * len(blob) / (time.perf_counter() - t0) / 1e9
-    os.remove(Path(args.dir) / f"disk_probe_{rank}")
+    probe = disk_probe(Path(args.dir) / f"disk_probe_{rank}", int(args.disk_gib * 2**30), barrier=dist.barrier)
+    res["disk_probe"] = probe
+    res["disk_write_GBps_per_rank"] = probe["write_GBps"]
+    res["disk_read_GBps_per_rank"] = probe["read_GBps"]
 
     def dtensor(local, full_shape, placement=None):
         return DTensor.from_local(
@@ -137,14 +145,20 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     res["bf16_GB_per_rank"] = sum(v._local_tensor.nbytes for v in bf16.values()) / 1e9
     native = ckptq.quantize_state_dict(bf16, RULES)
     sync()
+    setup_s = time.perf_counter() - started
+    left = max(30.0, args.budget_s - setup_s)
+    res["setup_s"] = setup_s
 
-    def rounds(cases: dict, prepare, call, wait: bool = False) -> dict:
-        """Every case once per round, ``--repeat`` rounds, so that a disk whose speed drifts during the
-        run favours no case: ``prepare(name, case)`` on rank 0 (untimed), then ``call(name, case)`` on
-        every rank (``wait``: it returns a future, e.g. ``dcp.async_save``'s, then waited for).
-        Returns name -> [(seconds until ``call`` returned, seconds until all ranks finished)]."""
+    def rounds(cases: dict, prepare, call, wait: bool = False, budget: float = float("inf")) -> dict:
+        """Every case once per round, up to ``--repeat`` rounds (fewer when the next round would
+        end after ``budget`` seconds from now; at least one), so that a disk whose speed drifts
+        during the run favours no case: ``prepare(name, case)`` on rank 0 (untimed), then
+        ``call(name, case)`` on every rank (``wait``: it returns a future, e.g.
+        ``dcp.async_save``'s, then waited for). Returns name -> [(seconds until ``call``
+        returned, seconds until all ranks finished)]."""
         out = {name: [] for name in cases}
-        for _ in range(args.repeat):
+        begin = time.perf_counter()
+        for r in range(args.repeat):
             for name, case in cases.items():
                 if rank == 0:
                     prepare(name, case)
@@ -158,40 +172,77 @@ def _worker(rank: int, ws: int, args, queue) -> None:
                     result.result()
                 dist.barrier()
                 out[name].append((t1 - t0, time.perf_counter() - t0))
+            used = time.perf_counter() - begin
+            stop = torch.tensor([float(used * (r + 2) / (r + 1) > budget)])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=cpu_group)  # every rank stops together
+            if stop.item():
+                break
         return out
 
     root = Path(args.dir)
-    saves = {  # name: save function
+    writer = ckptq.io.ChecksumFileSystemWriter
+    saves = {  # name: save function; "ckptq" cases: ckptq's storage writer (checksums on)
         "a_default_bf16": lambda p: dcp.save(bf16, checkpoint_id=p),
-        "b_ckptq_native": lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner()),
+        "a_bf16_ckptq_writer": lambda p: dcp.save(bf16, storage_writer=writer(p)),
+        "b_ckptq_native": lambda p: dcp.save(native, storage_writer=writer(p), planner=ckptq.QuantizedSavePlanner()),
+        "d_high_precision": lambda p: dcp.save(
+            native, storage_writer=writer(p), planner=ckptq.QuantizedSavePlanner(mode="high_precision")
+        ),
         "c_quantize_on_save": lambda p: dcp.save(
-            bf16, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner(quantize=RULES)
+            bf16, storage_writer=writer(p), planner=ckptq.QuantizedSavePlanner(quantize=RULES)
         ),
     }
+    if args.dcp_writer_native:
+        saves["b_native_dcp_writer"] = lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner())
     times = rounds(
-        saves, lambda name, _: shutil.rmtree(root / name, ignore_errors=True), lambda name, save: save(root / name)
+        saves,
+        lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
+        lambda name, save: save(root / name),
+        budget=0.3 * left,
     )
+    res["rounds"] = {"saves": len(next(iter(times.values())))}
     for name in saves:
         all_s = [t for _, t in times[name]]
         t, nbytes = statistics.median(all_s), _dir_bytes(root / name, rank)
         res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9, "all_s": all_s}
 
-    async_saves = {  # name: (state_dict maker, planner maker)
-        "a_default_bf16": (lambda: bf16, lambda: None),
-        "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner),
-        "c_quantize_then_async": (lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner),
+    async_saves = {  # name: (state dict maker, planner maker, storage writer maker or None)
+        "a_default_bf16": (lambda: bf16, lambda: None, None),
+        "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner, writer),
+        "d_high_precision": (lambda: native, lambda: ckptq.QuantizedSavePlanner(mode="high_precision"), writer),
+        "c_quantize_then_async": (lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner, writer),
     }
+    if args.async_bf16_ckptq:
+        async_saves["a_bf16_ckptq_writer"] = (lambda: bf16, lambda: None, writer)
     times = rounds(
         async_saves,
         lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
-        lambda name, c: dcp.async_save(c[0](), checkpoint_id=root / f"async_{name}", planner=c[1]()),
+        lambda name, c: dcp.async_save(
+            c[0](),
+            checkpoint_id=root / f"async_{name}",
+            planner=c[1](),
+            storage_writer=c[2](root / f"async_{name}") if c[2] else None,
+        ),
         wait=True,
+        budget=0.3 * left,
     )
+    res["rounds"]["async"] = len(next(iter(times.values())))
+    # the copy out of the GPU of the same bytes into pinned memory (what staging must at least take)
+    d2h_sources = {"a_default_bf16": bf16, "a_bf16_ckptq_writer": bf16, "b_ckptq_native": native}
+    d2h = {}
+    for sd in (bf16, native):
+        d2h[id(sd)] = _d2h_seconds(sd, sync) if args.device == "cuda" else None
     for name in async_saves:
+        sd = d2h_sources.get(name, native)
+        blocked = [b for b, _ in times[name]]
         res[f"async_{name}"] = {
-            "blocked_s": statistics.median(b for b, _ in times[name]),
+            "blocked_s": statistics.median(blocked),
             "total_s": statistics.median(t for _, t in times[name]),
+            "all_blocked_s": blocked,
+            "d2h_s": d2h[id(sd)],
+            "blocked_vs_d2h": statistics.median(blocked) / d2h[id(sd)] if d2h[id(sd)] else None,
         }
+    res["d2h_bf16_s"], res["d2h_native_s"] = d2h[id(bf16)], d2h[id(native)]
 
     # loads
     # the default planner on as many bf16 bytes as (b) stores: per-load fixed costs weigh the same
@@ -203,40 +254,68 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     dcp.save(same, checkpoint_id=root / "a_same_bytes")
     same_targets = {k: torch.empty_like(v) for k, v in same.items()}
     targets = {k: torch.empty_like(v) for k, v in native.items()}
-    # another placement: Shard(1) (TP row-parallel) targets of the same quantized layouts
-    shard1 = {}
-    for fqn, shape in _shapes(args.layers, args.divide):
-        fmt = "mxfp8" if "self_attn" in fqn else "nvfp4"
-        local = ckptq.quantize(torch.zeros((shape[0], shape[1] // ws), device=dev, dtype=torch.bfloat16), fmt)
-        shard1[fqn] = dtensor(local, shape, Shard(1))
     native_planner = ckptq.QuantizedLoadPlanner()
+    safe = SafeFileSystemReader
     loads = {  # name: (checkpoint, targets, planner, storage reader class)
         "a_default_bf16": ("a_default_bf16", {k: torch.empty_like(v) for k, v in bf16.items()}, None, None),
         "a_default_bf16_same_bytes_as_b": ("a_same_bytes", same_targets, None, None),
-        "a_same_bytes_safe_reader": ("a_same_bytes", same_targets, None, SafeFileSystemReader),
-        "b_ckptq_native": ("b_ckptq_native", targets, native_planner, None),
-        "b_native_safe_reader": ("b_ckptq_native", targets, native_planner, SafeFileSystemReader),
-        "b_native_into_shard1": ("b_ckptq_native", shard1, native_planner, None),
+        "a_same_bytes_safe_reader": ("a_same_bytes", same_targets, None, safe),
+        "b_native_dcp_reader": ("b_ckptq_native", targets, native_planner, None),
+        "b_native_safe_reader": ("b_ckptq_native", targets, native_planner, safe),
+        "d_high_precision_safe_reader": ("d_high_precision", targets, native_planner, safe),
     }
+    if args.placement_loads:
+        # another placement: Shard(1) (TP row-parallel) targets of the same quantized layouts
+        shard1 = {}
+        for fqn, shape in _shapes(args.layers, args.divide):
+            fmt = "mxfp8" if "self_attn" in fqn else "nvfp4"
+            local = ckptq.quantize(torch.zeros((shape[0], shape[1] // ws), device=dev, dtype=torch.bfloat16), fmt)
+            shard1[fqn] = dtensor(local, shape, Shard(1))
+        loads["b_native_into_shard1"] = ("b_ckptq_native", shard1, native_planner, safe)
     dropped = []
     times = rounds(
         loads,
-        lambda *_: dropped.append(not args.keep_caches and _drop_caches()),
+        lambda name, c: dropped.append(not args.keep_caches and drop_file_cache([root / c[0]])),
         lambda _, c: dcp.load(
             c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0]) if c[3] else None
         ),
+        budget=0.4 * left,
     )
     for name, (src, *_) in loads.items():
         all_s = [t for _, t in times[name]]
         t = statistics.median(all_s)
         nbytes = sum(_dir_bytes(root / src, r) for r in range(ws)) / ws
         res[f"load_{name}"] = {"s": t, "GBps": nbytes / t / 1e9, "caches_dropped": all(dropped), "all_s": all_s}
-    del loads, shard1, targets, same_targets
+    res["rounds"]["loads"] = len(next(iter(times.values())))
+    del loads, targets, same_targets
     if rank == 0:
         shutil.rmtree(root / "a_same_bytes", ignore_errors=True)
     queue.put(res)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _d2h_seconds(sd: dict, sync) -> float:
+    """Seconds to copy every tensor of ``sd`` (DTensor locals, quantized components) out of the
+    GPU into pinned host buffers allocated beforehand: one non-blocking copy each, one wait
+    (median of 3, after one warm-up)."""
+    import torch
+
+    srcs = []
+    for v in sd.values():
+        local = getattr(v, "_local_tensor", v)
+        srcs += list(local._components.values()) if hasattr(local, "_components") else [local]
+    dsts = [torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in srcs]
+    times = []
+    for i in range(4):
+        sync()
+        t0 = time.perf_counter()
+        for s, d in zip(srcs, dsts, strict=True):
+            d.copy_(s, non_blocking=True)
+        sync()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _one_gpu_load(args, queue) -> None:
@@ -283,6 +362,58 @@ def _collect(queue, procs, n: int) -> list:
     return out
 
 
+#: the rows of docs/benchmarks.md's table: (row, save case, load case, async case)
+TABLE = [
+    ("default planner, bf16 (DCP's writer/reader)", "a_default_bf16", "a_default_bf16", "a_default_bf16"),
+    ("default planner, bf16, ckptq's writer/reader", "a_bf16_ckptq_writer", "a_same_bytes_safe_reader", None),
+    ("ckptq native (MXFP8 / NVFP4)", "b_ckptq_native", "b_native_safe_reader", "b_ckptq_native"),
+    ("ckptq high precision (bf16 values)", "d_high_precision", "d_high_precision_safe_reader", "d_high_precision"),
+    ("quantize on save (async: quantize_state_dict first)", "c_quantize_on_save", None, "c_quantize_then_async"),
+]
+
+
+def table(report: dict) -> str:
+    """The markdown table of a run's JSON (``--table``): per rank, GB/s of saves and loads, the
+    time ``async_save`` blocked and the D2H copy of the same bytes, with the ratios the goals name."""
+
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = []
+    for r in report["ranks"]:
+        p = r["disk_probe"]
+        lines += [
+            f"rank {r['rank']} ({report['gpu']}, {report['layers']} layers, {r['bf16_GB_per_rank']:.2f} GB of bf16 "
+            f"per rank, rounds {r['rounds']}):",
+            "",
+            "| | save GB/s | load GB/s | async_save blocked s | D2H copy s | blocked / D2H |",
+            "|---|---|---|---|---|---|",
+            f"| disk probe (one file, large writes + fsync; reads after DONTNEED) | {f(p['write_GBps'])} "
+            f"| {f(p['read_GBps'])} | | | |",
+        ]
+        for row, save, load, asy in TABLE:
+            sv = r.get(f"save_{save}", {}).get("GBps")
+            ld = r.get(f"load_{load}", {}).get("GBps") if load else None
+            a = r.get(f"async_{asy}", {}) if asy else {}
+            lines.append(
+                f"| {row} | {f(sv)} | {f(ld)} | {f(a.get('blocked_s'), '{:.3f}')} | {f(a.get('d2h_s'), '{:.3f}')} "
+                f"| {f(a.get('blocked_vs_d2h'))} |"
+            )
+        same = r["load_a_default_bf16_same_bytes_as_b"]["GBps"]
+        nat_save, nat_load = r["save_b_ckptq_native"]["GBps"], r["load_b_native_safe_reader"]["GBps"]
+        lines += [
+            "",
+            f"native save vs default planner {nat_save / r['save_a_default_bf16']['GBps']:.2f}x; "
+            f"native load vs the same bytes of bf16 (DCP's reader) {nat_load / same:.2f}x; "
+            f"native save vs disk write {r['save_b_ckptq_native']['GBps'] / p['write_GBps']:.2f}; native load vs disk "
+            f"read {r['load_b_native_safe_reader']['GBps'] / p['read_GBps']:.2f}; bf16 save, ckptq's writer vs DCP's "
+            f"{r['save_a_bf16_ckptq_writer']['GBps'] / r['save_a_default_bf16']['GBps']:.2f}x; native load, ckptq's "
+            f"reader vs DCP's {r['load_b_native_safe_reader']['GBps'] / r['load_b_native_dcp_reader']['GBps']:.2f}x",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=38)
@@ -298,15 +429,32 @@ def main() -> None:
     )
     ap.add_argument("--divide", type=int, default=1, help="divide the model's dims by this (e.g. 8 for a quick run)")
     ap.add_argument("--keep-caches", action="store_true", help="do not try to drop the page cache before loads")
+    ap.add_argument("--disk-gib", type=float, default=4.0, help="GiB the disk probe writes and reads per rank")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=float("inf"),
+        help="seconds for the whole run: saves, async saves and loads get 30/30/40%% of what setup leaves, "
+        "and stop after the round that would overrun it (at least one round each)",
+    )
+    ap.add_argument("--dcp-writer-native", action="store_true", help="also save native with DCP's own writer")
+    ap.add_argument("--async-bf16-ckptq", action="store_true", help="also async_save bf16 with ckptq's writer")
+    ap.add_argument("--placement-loads", action="store_true", help="also load native into Shard(1) targets")
+    ap.add_argument("--one-gpu-load", action="store_true", help="also load native on 1 GPU (no_dist)")
     ap.add_argument(
         "--probe-gib",
         type=float,
         default=2.0,
-        help="GiB copied by the copy probe; the disk probe writes twice as much per rank",
+        help="GiB copied by the device-to-device copy probe",
     )
+    ap.add_argument("--table", default=None, help="print the markdown table of a run's JSON and exit")
     args = ap.parse_args()
 
     import json
+
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return
 
     import torch
     import torch.multiprocessing as mp
@@ -323,9 +471,11 @@ def main() -> None:
     for p in procs:
         p.start()
     results = _collect(queue, procs, ws)
-    p = ctx.Process(target=_one_gpu_load, args=(args, queue))
-    p.start()
-    (one,) = _collect(queue, [p], 1)
+    one = {}
+    if args.one_gpu_load:
+        p = ctx.Process(target=_one_gpu_load, args=(args, queue))
+        p.start()
+        (one,) = _collect(queue, [p], 1)
     results.sort(key=lambda r: r["rank"])
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     report = {

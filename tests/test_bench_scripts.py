@@ -30,6 +30,9 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
             "1",
             "--probe-gib",
             "0.01",
+            "--disk-gib",
+            "0.0625",
+            "--one-gpu-load",
             "--keep-caches",
             "--dir",
             str(tmp_path / "d"),
@@ -49,13 +52,65 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
         # MXFP8 (1 + 1/32 B/element) and NVFP4 (0.5 + 1/16 B/element) against bf16's 2 B/element, plus
         # each record's ~1 KB of framing: between 0.28 and 0.36 of the bf16 bytes at this size
         assert 0.28 < b / a < 0.36 and c == b, (a, b, c)
+        assert x["save_d_high_precision"]["GB"] == x["save_a_bf16_ckptq_writer"]["GB"] == a  # same records
         assert all(
             x[f"async_{k}"]["total_s"] >= x[f"async_{k}"]["blocked_s"] > 0
-            for k in ("a_default_bf16", "b_ckptq_native", "c_quantize_then_async")
+            for k in ("a_default_bf16", "b_ckptq_native", "c_quantize_then_async", "d_high_precision")
         )
+        assert x["disk_probe"]["write_GBps"] > 0 and x["disk_probe"]["read_GBps"] > 0
+        assert x["rounds"] == {"saves": 1, "async": 1, "loads": 1}
         loads = [k for k in x if k.startswith("load_")]
         assert len(loads) == 6 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
     assert r["load_b_native_on_1_gpu"]["s"] > 0
+    text = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_gpu_checkpoint.py"), "--table", str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert text.count("| ckptq native (MXFP8 / NVFP4) |") == 2 and "native save vs default planner" in text
+
+
+def test_bench_storage_io_runs(tmp_path):
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_storage_io.py"),
+            "--gb",
+            "0.02",
+            "--repeat",
+            "1",
+            "--threads",
+            "1,2",
+            "--dir",
+            str(tmp_path / "d"),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    r = json.loads(out.read_text())
+    saves, loads = r["saves"], r["loads"]
+    assert set(saves) == {
+        "bf16_dcp_writer",
+        "native_dcp_writer",
+        "bf16_ckptq_writer_t1",
+        "native_ckptq_writer_t1",
+        "bf16_ckptq_writer_t2",
+        "native_ckptq_writer_t2",
+        "high_precision_ckptq_writer",
+    }
+    # the same records whichever writer and thread count: the same bytes in all
+    assert (
+        saves["bf16_dcp_writer"]["GB"]
+        == saves["bf16_ckptq_writer_t2"]["GB"]
+        == saves["high_precision_ckptq_writer"]["GB"]
+    )
+    assert saves["native_dcp_writer"]["GB"] == saves["native_ckptq_writer_t1"]["GB"]
+    assert len(loads) == 5 and all(v["s"] > 0 for v in loads.values()) and r["disk_probe"]["read_GBps"] > 0
 
 
 @pytest.mark.slow

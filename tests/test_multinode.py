@@ -175,7 +175,9 @@ def test_two_nodes_write_the_one_process_outputs(src, tmp_path):
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
     ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["node"] for r in ranks] == ["0", "1"]
-    assert "rank 1: OSError: No space left on device (injected)" in ranks[0]["failure"], ranks[0]["failure"]
+    # the failing process's OSError reaches rank 0 as the CkptqError naming the destination (write_error)
+    failed = f"rank 1: CkptqError: writing {two / 'failed'} failed: OSError: No space left on device (injected)"
+    assert failed in ranks[0]["failure"], ranks[0]["failure"]
     assert ranks[1]["failure"] is not None and "injected" in ranks[1]["failure"]
     assert all(r["processes"] == [2, 2] for r in ranks)
     # No process read a file of a staging folder: not its own, not another node's.

@@ -147,7 +147,8 @@ def test_one_failing_process_fails_the_job_and_commits_nothing(src, tmp_path, fa
     results = run_distributed(2, _worker, "reshard", str(src), str(dst), options, fail_rank)
     assert all(r[0] == "error" for r in results), results
     other = results[1 - fail_rank]
-    assert other[1] == "CkptqError" and f"rank {fail_rank}: OSError: No space left on device" in other[2]
+    failed = f"rank {fail_rank}: CkptqError: writing {dst} failed: OSError: No space left on device"
+    assert other[1] == "CkptqError" and failed in other[2]
     assert "injected" in results[fail_rank][2]
     assert not dst.exists() and sorted(os.listdir(tmp_path)) == ["src"]  # staging removed, nothing committed
 

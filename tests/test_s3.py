@@ -131,7 +131,9 @@ def test_dcp_save_load_round_trip(s3, tmp_path):
     sd, url = _state(1), _url("ckptq-src")
     dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
     assert _names(s3, url) == [".metadata", "__0_0.distcp"]  # the temporary .metadata.tmp is gone
-    dcp.save(sd, storage_writer=AtomicFileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
+    # against DCP's own local writer (one file per rank): ckptq's local writer spreads a rank's
+    # records over thread_count files, each record's .data/serialization_id its own (ckptq.io.records)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
     assert s3.cat_file(f"{url[5:]}/__0_0.distcp") == (tmp_path / "ck" / "__0_0.distcp").read_bytes()
 
     out = _zeros(sd)

@@ -93,7 +93,24 @@ class SafeFileSystemReader(FileSystemReader):
             metadata records, where it records one (on by default; a planner with
             ``verify_checksums=False``, e.g. ``QuantizedLoadPlanner(verify_checksums=False)``, turns
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
+        thread_count: data files read at once, each by its own thread (default
+            :data:`ckptq.io.fileio.DEFAULT_THREADS`).
+        buffer_bytes: bytes of each read request and of each of the read-ahead buffers per
+            file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
+            not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         **kwargs: passed to ``FileSystemReader``.
+
+    How it reads: the records of each local data file are read in file order by a background thread,
+    ahead of their use, with large ``preadv`` calls (:class:`ckptq.io.fileio.RangeReader`). A
+    record whose framing is byte for byte the one this torch writes for the chunk's dtype and
+    shape (:func:`ckptq.io.records.tensor_record`: every record DCP's ``FileSystemWriter`` and
+    ckptq's writers write with this torch) is checked by comparing that framing, so its pickle is
+    never run, and its payload is hashed and copied into the destination piece by piece (a
+    record whose checksum then fails has been copied by that time; the load fails as usual). Any
+    other record (another torch's framing, stream transforms, bytes entries) is read and checked
+    through ``torch.load(weights_only=True)`` as described above. The records of a URL's data
+    objects are fetched one ranged GET each and read that second way.
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
@@ -112,11 +129,19 @@ class SafeFileSystemReader(FileSystemReader):
         metadata: Metadata | None = None,
         verify_storage: bool = True,
         verify_checksums: bool = True,
+        thread_count: int | None = None,
+        buffer_bytes: int | None = None,
+        fadvise: bool = True,
         **kwargs: Any,
     ) -> None:
+        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS
+
         super().__init__(path, **kwargs)
         if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
             self.fs, self.path = dcp_filesystem(str(path))
+        self.thread_count = DEFAULT_THREADS if thread_count is None else max(1, int(thread_count))
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+        self.fadvise = fadvise
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
@@ -127,10 +152,12 @@ class SafeFileSystemReader(FileSystemReader):
         #: The logical entries of the metadata last read from the file (checkpoint order), as
         #: :func:`ckptq.contract.fold_entries` validated them (None before the first read).
         self.entries: dict[str, Entry] | None = None
+        self._pinned = _PinnedFiles()
 
     def reset(self, checkpoint_id: PathLike | None = None) -> None:
         if checkpoint_id and location(checkpoint_id) != location(self.path):
             self._cached_metadata = None
+        self._unpin()
         super().reset(checkpoint_id)
         if checkpoint_id and is_url(checkpoint_id):
             self.fs, self.path = dcp_filesystem(str(checkpoint_id))
@@ -149,11 +176,77 @@ class SafeFileSystemReader(FileSystemReader):
         elif previous is not None and file_size(path) is None:
             raise previous  # dcp.load's fallback to per-rank metadata after a failed global read
         try:
+            if rank is None:
+                return self._read_pinned(path)
             return self._read_checked(path, rank)
         except CkptqError as e:
             if rank is None:
                 _LAST_METADATA_ERROR.error = e  # dcp.load hides it in an AssertionError: see dcp_failure
             raise
+
+    def _read_pinned(self, path: Any) -> Metadata:
+        """Read ``.metadata`` and open every data file it names, all of one checkpoint: the
+        directory at ``self.path`` must be the same one (device and inode) before and after,
+        else (a writer swapped a new checkpoint in meanwhile: :func:`ckptq.io.writer.replace_dir`)
+        it is tried again. The open files are what :meth:`read_data` reads, so a checkpoint
+        replaced (and its old files removed) while it is read is still read whole: a load gives
+        the old checkpoint or the new one, never records of both. Checkpoints of more than
+        :data:`PIN_MAX_FILES` data files are read by path (not pinned)."""
+        self._unpin()
+        if is_url(str(self.path)):  # objects are not opened ahead (nor renamed: see AtomicFileSystemWriter)
+            return self._read_checked(path, None)
+        for _ in range(PIN_TRIES):
+            before = _identity(self.path)
+            try:
+                metadata = self._read_checked(path, None)
+                files = self._open_files(metadata)
+            except CkptqError:
+                if before is not None and _identity(self.path) != before:
+                    continue  # replaced while reading: the metadata or files were of two checkpoints
+                raise
+            if before is not None and _identity(self.path) == before:
+                self._pinned = files
+                return metadata
+            files.close()
+        raise CheckpointFormatError(
+            f"{self.path}: the checkpoint was replaced {PIN_TRIES} times while being opened; load it "
+            f"again once the saves into this directory pause"
+        )
+
+    def _open_files(self, metadata: Metadata) -> _PinnedFiles:
+        rels = {str(i.relative_path) for i in metadata.storage_data.values() if hasattr(i, "relative_path")}
+        files = _PinnedFiles()
+        if len(rels) > PIN_MAX_FILES or is_url(str(self.path)):
+            return files
+        try:
+            for rel in sorted(rels):
+                files[rel] = os.open(self.fs.concat_path(self.path, rel), os.O_RDONLY)
+        except OSError as e:
+            files.close()
+            raise CheckpointFormatError(
+                f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
+            ) from e
+        return files
+
+    def _data_size(self, rel: str) -> int:
+        """The size of data file ``rel``: of the file opened with the metadata (:meth:`_read_pinned`),
+        else of the file or object by its path now.
+
+        Raises:
+            OSError: it cannot be found or opened.
+        """
+        fd = self._pinned.get(rel)
+        if fd is not None:
+            return os.fstat(fd).st_size
+        size = file_size(self.fs.concat_path(self.path, rel))
+        if size is None:
+            raise FileNotFoundError(f"no file {rel}")
+        return size
+
+    def _unpin(self) -> None:
+        if getattr(self, "_pinned", None):
+            self._pinned.close()
+        self._pinned = _PinnedFiles()
 
     def _read_checked(self, path: Any, rank: int | None) -> Metadata:
         try:
@@ -220,7 +313,10 @@ class SafeFileSystemReader(FileSystemReader):
         self._verifying = bool(self.verify_checksums and getattr(planner, "verify_checksums", True))
         if hasattr(planner, "checksums_verified_by_reader"):
             planner.checksums_verified_by_reader = self._verifying
-        self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        try:
+            self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
+        finally:
+            self._unpin()
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -237,27 +333,183 @@ class SafeFileSystemReader(FileSystemReader):
                     f"the checkpoint is incomplete"
                 )
             per_file.setdefault(str(info.relative_path), []).append(it)
+        opened = []
         for rel, reqs in per_file.items():
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = file_size(file)
-                if size is None:
-                    raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self._open_data(file)
+                opened.append((rel, self.fs.concat_path(self.path, rel), self._data_size(rel), reqs))
             except OSError as e:
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
-            with stream_cm as stream:
-                for req in reqs:
-                    self._read_item(stream(req.storage_index), rel, size, req, planner)
+        # the read-ahead of the next thread_count - 1 files runs while the records of one are used
+        starts = [self._plan_file(rel, file, size, reqs) for rel, file, size, reqs in opened]
+        started: dict[int, tuple] = {}
+        try:
+            for i, (rel, file, size, reqs) in enumerate(opened):
+                for j in range(i, min(len(starts), i + self.thread_count)):
+                    if j not in started:
+                        started[j] = starts[j]()
+                self._read_file(rel, file, size, reqs, planner, started.pop(i))
+        finally:
+            for _, reader in started.values():
+                if reader is not None:
+                    reader.close()
 
-    def _open_data(self, file: Any) -> Any:
-        """A context manager giving ``index -> stream`` of a data file: one open stream for every
-        record of a local file; for a URL, each record's byte range fetched by itself (one ranged
+    def _plan_file(self, rel: str, file: Any, size: int, reqs: list) -> Any:
+        """A function that starts the read-ahead of the records of ``reqs`` that are read fast
+        (see the class docstring) and returns ``(fast records, RangeReader or None)``. Local
+        files only: a URL's records are fetched by ranged GETs (:meth:`_open_data`)."""
+        from .fileio import READ_AHEAD_BUFFERS, RangeReader
+        from .records import tensor_record
+
+        fast: dict[MetadataIndex, Any] = {}
+        for req in () if is_url(str(file)) else reqs:
+            index = req.storage_index
+            info = self.storage_data[index]
+            want = (self._chunk_sizes or {}).get((index.fqn, tuple(index.offset or ())))
+            if (
+                index in fast
+                or req.type == LoadItemType.BYTE_IO
+                or want is None
+                or getattr(info, "transform_descriptors", None)
+                or int(info.offset) + int(info.length) > size
+            ):
+                continue
+            try:
+                record = tensor_record(want[0], tuple(want[1]))
+            except CkptqError:
+                continue
+            if record.length == int(info.length):
+                fast[index] = record
+        order = sorted(fast, key=lambda i: int(self.storage_data[i].offset))
+        fast = {i: fast[i] for i in order}
+        ranges = [(int(self.storage_data[i].offset), int(self.storage_data[i].length)) for i in order]
+        pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+
+        def start() -> tuple:
+            if not ranges:
+                return fast, None
+            pinned = self._pinned.get(rel)  # the file opened with the metadata (read through a duplicate)
+            reader = RangeReader(
+                file if pinned is None else pinned,
+                ranges,
+                buffer_bytes=self.buffer_bytes,
+                depth=READ_AHEAD_BUFFERS,
+                pin=pin,
+                fadvise=self.fadvise,
+            )
+            return fast, reader.start()
+
+        return start
+
+    def _read_file(self, rel: str, file: Any, size: int, reqs: list, planner: Any, started: tuple) -> None:
+        fast, reader = started
+        by_index: dict[MetadataIndex, list] = {}
+        for req in reqs:
+            by_index.setdefault(req.storage_index, []).append(req)
+        slow = [req for req in reqs if req.storage_index not in fast]
+        try:
+            with self._open_data(rel) as stream:
+                for index, record in fast.items():
+                    if not self._read_fast(reader, rel, index, record, by_index[index], planner):
+                        slow += by_index[index]  # another framing: read through torch.load
+                for req in sorted(slow, key=lambda r: int(self.storage_data[r.storage_index].offset)):
+                    self._read_item(stream(req.storage_index), rel, size, req, planner)
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _read_fast(self, reader: Any, rel: str, index: MetadataIndex, record: Any, reqs: list, planner: Any) -> bool:
+        """Read one record whose framing should be ``record``'s from ``reader`` into the
+        destinations of ``reqs``; False (nothing written) if its framing differs."""
+        from ..checksums import checksum
+
+        info = self.storage_data[index]
+        where = self._where(index, rel)
+        length, head, nbytes = int(info.length), len(record.header), record.nbytes
+        dtype, sizes = (self._chunk_sizes or {})[(index.fqn, tuple(index.offset or ()))]
+        whole, direct, targets = None, [], []
+        value, got, first, framed = 0, 0, True, True
+        try:
+            for off, buf, n in reader.pieces(length):
+                event = None
+                try:
+                    if first:
+                        first = False
+                        framed = n >= head and bytes(buf[:head].numpy()) == record.header
+                        if framed:
+                            targets = [(req, planner.resolve_tensor(req).detach()) for req in reqs]
+                        for req, target in targets:
+                            if _takes_whole_chunk(req, target, dtype, sizes):
+                                direct.append(target.reshape(-1).view(torch.uint8))
+                            elif whole is None:
+                                whole = torch.empty(nbytes, dtype=torch.uint8)
+                    lo, hi = max(off, head), min(off + n, head + nbytes)  # the payload in this piece
+                    if framed and lo < hi:
+                        part = buf[lo - off : hi - off]
+                        if self._verifying:
+                            value = checksum(part.numpy(), value)
+                        for dst in direct:
+                            dst[lo - head : hi - head].copy_(part, non_blocking=True)
+                            if dst.device.type == "cuda":  # the buffer is reused once this copy ran
+                                event = torch.cuda.Event()
+                                event.record(torch.cuda.current_stream(dst.device))
+                        if whole is not None:
+                            whole[lo - head : hi - head].copy_(part)
+                        got += hi - lo
+                finally:
+                    reader.pool.give(buf, event)
+        except CkptqError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{where}: the record cannot be read ({type(e).__name__}: {e}); restore the file or re-save"
+            ) from e
+        if not framed:
+            return False
+        if got != nbytes:
+            raise CheckpointFormatError(
+                f"{where}: the file ends inside the record; it is truncated: restore it or re-save"
+            )
+        if self._verifying:
+            self._check_sum(index, None, where, got=value)
+        for req, target in targets:
+            if whole is not None and not _takes_whole_chunk(req, target, dtype, sizes):
+                chunk = whole.view(dtype).reshape(sizes) if nbytes else torch.empty(sizes, dtype=dtype)
+                try:
+                    tensor = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
+                except Exception as e:
+                    raise CheckpointFormatError(
+                        f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
+                    ) from e
+                if target.size() != tensor.size():
+                    raise CheckpointFormatError(
+                        f"{where}: read {list(tensor.size())} elements for a destination of "
+                        f"{list(target.size())}; the metadata is inconsistent"
+                    )
+                target.copy_(tensor)
+            try:
+                planner.commit_tensor(req, target)
+            except CkptqError:
+                raise
+            except Exception as e:
+                raise CheckpointFormatError(
+                    f"{where}: the load planner failed on this record ({type(e).__name__}: {e}); the record "
+                    f"read intact, so the checkpoint and the target state_dict disagree"
+                ) from e
+        return True
+
+    def _open_data(self, rel: str) -> Any:
+        """A context manager giving ``index -> stream`` of data file ``rel``: one open stream for
+        every record of a local file (the file opened with the metadata, :meth:`_read_pinned`, else
+        opened by path now); for a URL, each record's byte range fetched by itself (one ranged
         GET: fsspec's read-ahead cache would fetch again on each backward seek)."""
         import contextlib
 
+        fd = self._pinned.get(rel)
+        if fd is not None:
+            return contextlib.closing(_SameStream(os.fdopen(os.dup(fd), "rb")))
+        file = self.fs.concat_path(self.path, rel)
         if not is_url(str(file)):
             return contextlib.closing(_SameStream(self.fs.create_stream(file, "rb")))
 
@@ -361,8 +613,8 @@ class SafeFileSystemReader(FileSystemReader):
                 f"file or re-save the checkpoint"
             ) from e
 
-    def _check_sum(self, index: MetadataIndex, payload: Any, where: str) -> None:
-        check(payload, (self._checksums or {}).get(checksum_key(index)), where)
+    def _check_sum(self, index: MetadataIndex, payload: Any, where: str, got: int | None = None) -> None:
+        check(payload, (self._checksums or {}).get(checksum_key(index)), where, got=got)
 
     def check_records(
         self, progress: Any | None = None
@@ -379,6 +631,12 @@ class SafeFileSystemReader(FileSystemReader):
             intact that have no checksum (older or foreign checkpoints, or records another library
             wrote, which are checked by :func:`ckptq.io.foreign.load_record` when read).
         """
+        try:
+            return self._check_records(progress)
+        finally:
+            self._unpin()
+
+    def _check_records(self, progress: Any | None) -> tuple[list, int, int]:
         problems, checked, unchecked = [], 0, 0
         per_file: dict[str, list] = {}
         for index, info in self.storage_data.items():
@@ -388,12 +646,9 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(str(info.relative_path), []).append(index)
         for rel in sorted(per_file):
             indices = sorted(per_file[rel], key=lambda i: int(self.storage_data[i].offset))
-            file = self.fs.concat_path(self.path, rel)
             try:
-                size = file_size(file)
-                if size is None:
-                    raise FileNotFoundError(f"no file {rel}")
-                stream_cm = self._open_data(file)
+                size = self._data_size(rel)
+                stream_cm = self._open_data(rel)
             except OSError as e:
                 for index in indices:
                     info = self.storage_data[index]
@@ -448,6 +703,32 @@ class _SameStream:
         self._cm.__exit__(None, None, None)
 
 
+#: How often :meth:`SafeFileSystemReader.read_metadata` tries again when the checkpoint is replaced meanwhile.
+PIN_TRIES = 5
+#: Checkpoints of more data files than this are read by path (each pinned file is an open descriptor).
+PIN_MAX_FILES = 256
+
+
+def _identity(path: Any) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class _PinnedFiles(dict):
+    """``{relative path: open file descriptor}`` of one checkpoint's data files; closed with it."""
+
+    def close(self) -> None:
+        for fd in self.values():
+            os.close(fd)
+        self.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
 @dataclasses.dataclass(frozen=True)
 class _ReadIndex:
     """What DCP's stream transforms read from a read item: its storage index."""
@@ -481,6 +762,19 @@ class _WeightsOnlyBytes:
                 ) from e
         value.seek(0)
         self._planner.load_bytes(read_item, value)
+
+
+def _takes_whole_chunk(req: Any, target: torch.Tensor, dtype: torch.dtype, sizes: tuple) -> bool:
+    """Whether read item ``req`` wants the whole stored chunk, as is, in ``target`` (contiguous,
+    of the stored dtype and size): its bytes are then copied straight in."""
+    return (
+        all(int(o) == 0 for o in req.storage_offsets)
+        and tuple(int(n) for n in req.lengths) == tuple(sizes)
+        and tuple(target.shape) == tuple(sizes)
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and type(target) is torch.Tensor
+    )
 
 
 def dcp_failure(exc: BaseException, where: str) -> Exception:

@@ -58,6 +58,9 @@ __all__ = [
     "check_destination",
     "staging_dir",
     "commit_dir",
+    "replace_dir",
+    "check_writable",
+    "write_error",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -479,37 +482,168 @@ class _HashingPlanner:
 
 
 class ChecksumFileSystemWriter(FileSystemWriter):
-    """A DCP ``FileSystemWriter`` that records a checksum of every chunk it writes.
+    """A DCP ``FileSystemWriter`` that records a checksum of every chunk it writes, and writes at
+    the disk's speed.
 
     ``dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=...)`` (or
     ``dcp.async_save``) writes DCP's usual files; each rank hashes the payload of every tensor
-    chunk and bytes entry it writes (:mod:`ckptq.checksums`: crc32c of the elements' bytes, on a
-    background thread while DCP writes), and the coordinator stores the table in the ckptq record
-    of ``.metadata`` (:func:`ckptq.contract.with_checksums`), with any planner. Readers that do not
-    know checksums (stock ``dcp.load``) read the checkpoint as usual; ckptq's loads verify them
+    chunk and bytes entry it writes (:mod:`ckptq.checksums`: crc32c of the elements' bytes), and
+    the coordinator stores the table in the ckptq record of ``.metadata``
+    (:func:`ckptq.contract.with_checksums`), with any planner. Readers that do not know checksums
+    (stock ``dcp.load``) read the checkpoint as usual; ckptq's loads verify them
     (:class:`ckptq.io.SafeFileSystemReader`, :class:`ckptq.QuantizedLoadPlanner`, ``ckptq verify``).
+
+    How it writes (``torch.save`` records, the files and ``.metadata`` of DCP's own format): the
+    chunks of a rank are spread over ``thread_count`` files (DCP's ``FileSystemWriter`` bins: the
+    largest chunks first, each to the least-filled file), each written by its own thread with
+    large ``pwritev`` calls: the record framing of :func:`ckptq.io.records.tensor_record` around
+    the chunk's bytes (no ``torch.save`` per chunk), the chunk's checksum and zip CRC-32 computed
+    piece by piece on the same thread (both release the GIL), CUDA chunks copied out of the GPU
+    through two pinned buffers of ``buffer_bytes`` per thread (:class:`ckptq.io.fileio.Staging`),
+    and each file's write-back started every ``sync_every`` bytes (:class:`ckptq.io.fileio.Flusher`).
+    ``dcp.async_save`` stages the state dict into pinned host memory kept for the next save of
+    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). With DCP's
+    stream transforms (``_extensions``), another ``serialization_format``,
+    ``single_file_per_rank=False`` or a URL path (:class:`AtomicFileSystemWriter`) it writes
+    through ``FileSystemWriter`` itself (with checksums).
 
     Args:
         path: the checkpoint directory.
-        **kwargs: passed to ``FileSystemWriter``.
+        thread_count: files (and writer threads) per rank (default
+            :data:`ckptq.io.fileio.DEFAULT_THREADS`; DCP's default is 1).
+        buffer_bytes: bytes of each pinned staging buffer (default
+            :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        sync_every: bytes written to a file between two starts of its write-back (default
+            :data:`ckptq.io.fileio.DEFAULT_SYNC_EVERY`; 0: only the final fsync). Only with
+            ``sync_files=True`` (the default).
+        cache_staging: ``dcp.async_save`` keeps the staged (pinned) copy of the state dict for
+            the next save of tensors of the same shapes, dtypes and devices (host memory the size
+            of the rank's state dict; ``False`` frees it after each save).
+        **kwargs: passed to ``FileSystemWriter`` (``sync_files``, ``single_file_per_rank``, ...).
     """
+
+    def __init__(
+        self,
+        path: PathLike,
+        *args: Any,
+        thread_count: int | None = None,
+        buffer_bytes: int | None = None,
+        sync_every: int | None = None,
+        cache_staging: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_SYNC_EVERY, DEFAULT_THREADS
+
+        if len(args) < 3:  # FileSystemWriter's positional (single_file_per_rank, sync_files, thread_count)
+            kwargs["thread_count"] = DEFAULT_THREADS if thread_count is None else int(thread_count)
+        super().__init__(path, *args, **kwargs)
+        self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+        self.sync_every = DEFAULT_SYNC_EVERY if sync_every is None else int(sync_every)
+        self.cache_staging = cache_staging
+        self._staged_key: Any = None
+
+    def _streams_records(self) -> bool:
+        """Whether this writer writes the records itself (else through ``FileSystemWriter``):
+        local directories only (a URL is written through DCP's fsspec file system)."""
+        fmt = getattr(self, "serialization_format", None)
+        return (
+            not storage.is_url(str(self.path))
+            and self.single_file_per_rank
+            and not getattr(getattr(self, "transforms", None), "extensions", ())
+            and (fmt is None or getattr(fmt, "value", None) == "torch_save")
+        )
+
+    def stage(self, state_dict: Any) -> Any:
+        """``dcp.async_save``'s staging: a CPU copy of ``state_dict`` (pinned when it holds CUDA
+        tensors; one non-blocking copy per tensor, then one wait), kept for the next save of the
+        same tensors when ``cache_staging`` (see :func:`_stage_cached`)."""
+        self.per_thread_copy_ahead = 0
+        staged, self._staged_key = _stage_cached(state_dict)
+        return staged
 
     def write_data(self, plan: Any, planner: Any) -> Future:
         if hasattr(planner, "checksums_by_writer"):  # ckptq's planner: no checksum files of its own
             planner.checksums_by_writer()
+        try:
+            if self._streams_records():
+                results = self._write_records(plan, planner)
+            else:
+                results = self._write_through_dcp(plan, planner)
+        finally:
+            if self._staged_key is not None:
+                _release_staged(self._staged_key, keep=self.cache_staging)
+                self._staged_key = None
+        out: Future = Future()
+        out.set_result(results)
+        return out
+
+    def _write_through_dcp(self, plan: Any, planner: Any) -> list:
         hasher = Hasher()
         try:
             results = super().write_data(plan, _HashingPlanner(planner, hasher)).wait()
             sums = hasher.results()
         finally:
             hasher.close()
-        out: Future = Future()
-        out.set_result(
-            [
-                dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
-                for r in results
-            ]
-        )
+        return [
+            dataclasses.replace(r, storage_data=_Checked(r.storage_data, sums.get(checksum_key(r.index))))
+            for r in results
+        ]
+
+    def _write_records(self, plan: Any, planner: Any) -> list:
+        import concurrent.futures as cf
+
+        prefix = plan.storage_data.prefix
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(max(1, self.thread_count), plan.items))]
+        if len(jobs) == 1:
+            return self._write_file(*jobs[0], planner, None)
+        with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptq-write") as pool:
+            futures = [pool.submit(self._write_file, name, items, planner, device) for name, items in jobs]
+            return [r for f in futures for r in f.result()]
+
+    def _write_file(self, name: str, items: list, planner: Any, device: int | None) -> list:
+        """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``
+        (on a thread of its own: ``device`` is the calling thread's current CUDA device)."""
+        if device is not None:
+            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
+        import zlib
+
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from .fileio import Flusher, Staging, pwrite_all
+        from .records import tensor_record
+
+        storage_info, _ = check_dcp_version()
+        fd = os.open(self.fs.concat_path(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flusher = Flusher(fd, self.sync_every if self.sync_files else 0)
+        staging, pos, out, ok = Staging(self.buffer_bytes), 0, [], False
+        ordered = [it for it in items if it.type == WriteItemType.BYTE_IO]
+        ordered += [it for it in items if it.type != WriteItemType.BYTE_IO]
+        try:
+            for item in ordered:
+                data, start = planner.resolve_data(item), pos
+                if item.type == WriteItemType.BYTE_IO:
+                    buf = data.getbuffer()
+                    pos += pwrite_all(fd, [buf], pos)
+                    sum_ = checksum(buf)
+                else:
+                    t = data.detach()
+                    record = tensor_record(t.dtype, tuple(t.shape))
+                    pending, sum_, crc = [record.header], 0, 0
+                    for piece in staging.pieces(t):
+                        sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
+                        n = pwrite_all(fd, pending + [piece], pos)
+                        pos, pending = pos + n, []
+                        flusher.wrote(n)
+                    pos += pwrite_all(fd, pending + [record.trailer_for(crc)], pos)
+                info = storage_info(name, start, pos - start)
+                out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
+            ok = True
+        finally:
+            try:
+                flusher.close(fsync=ok and self.sync_files)
+            finally:
+                os.close(fd)
         return out
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -530,6 +664,132 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         super().finish(metadata, plain)
 
 
+def _bins(count: int, items: list) -> list[list]:
+    """The items of a rank's plan in ``count`` files, as DCP's ``FileSystemWriter`` splits them
+    (torch 2.13 ``filesystem._split_by_size_and_type``): bytes entries round-robin, tensor chunks
+    largest first, each into the file with the fewest tensor bytes so far."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    if count == 1:
+        return [list(items)]
+    out: list[list] = [[] for _ in range(count)]
+    sizes = [0] * count
+    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    for i, it in enumerate(byte_items):
+        out[i % count].append(it)
+
+    def nbytes(it: Any) -> int:
+        td = it.tensor_data
+        return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
+
+    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=nbytes, reverse=True):
+        i = sizes.index(min(sizes))
+        out[i].append(it)
+        sizes[i] += nbytes(it)
+    return out
+
+
+#: ``dcp.async_save`` staging copies kept for the next save: signature -> staged state dict.
+_STAGED: dict[Any, Any] = {}
+_STAGED_BUSY: set = set()
+
+
+def _signature(state_dict: Any) -> tuple[Any, bool]:
+    """What a staged copy of ``state_dict`` depends on (every leaf's path, type, shape, dtype,
+    device, strides and DTensor placements; non-tensor leaves by type), and whether it holds
+    CUDA tensors."""
+    from torch.distributed.tensor import DTensor
+
+    cuda = []
+
+    def walk(obj: Any, path: tuple) -> Any:
+        if isinstance(obj, dict):
+            return tuple(walk(v, path + (k,)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return tuple(walk(v, path + (i,)) for i, v in enumerate(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cuda":
+                cuda.append(path)
+            extra = (tuple(obj.placements), tuple(obj._local_tensor.shape)) if isinstance(obj, DTensor) else ()
+            return (path, type(obj), tuple(obj.shape), obj.dtype, str(obj.device), tuple(obj.stride()), extra)
+        return (path, type(obj))  # staged as is: the value of each save
+
+    return walk(state_dict, ()), bool(cuda)
+
+
+def _staging_copy(state_dict: Any, pin: bool) -> Any:
+    """Empty CPU tensors (page-locked when ``pin``) of ``state_dict``'s structure: a DTensor's
+    local tensor (a DTensor of the same mesh and placements around it), a quantized tensor's
+    components (its ``empty_like``), plain tensors; other values as they are."""
+    from torch.distributed.tensor import DTensor
+
+    def alloc(obj: Any) -> Any:
+        if isinstance(obj, dict):
+            return {k: alloc(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(alloc(v) for v in obj)
+        if isinstance(obj, DTensor):
+            return DTensor.from_local(
+                empty(obj._local_tensor),
+                obj.device_mesh,
+                obj.placements,
+                run_check=False,
+                shape=obj.shape,
+                stride=obj.stride(),
+            )
+        if isinstance(obj, torch.Tensor):
+            return empty(obj)
+        return obj
+
+    def empty(t: torch.Tensor) -> torch.Tensor:  # nothing to page-lock in an empty tensor
+        return torch.empty_like(t.detach(), device="cpu", pin_memory=pin and t.numel() > 0)
+
+    return alloc(state_dict)
+
+
+def _copy_into(src: Any, dst: Any, non_blocking: bool) -> Any:
+    """Copy every tensor of ``src`` into the same place of ``dst`` (from :func:`_staging_copy`)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(src, dict):
+        return {k: _copy_into(v, dst[k], non_blocking) for k, v in src.items()}
+    if isinstance(src, (list, tuple)):
+        return type(src)(_copy_into(v, d, non_blocking) for v, d in zip(src, dst, strict=True))
+    if isinstance(src, DTensor):
+        dst._local_tensor.copy_(src._local_tensor, non_blocking=non_blocking)
+    elif isinstance(src, torch.Tensor):
+        dst.copy_(src.detach(), non_blocking=non_blocking)
+    else:
+        return src
+    return dst
+
+
+def _stage_cached(state_dict: Any) -> tuple[Any, Any]:
+    """A CPU copy of ``state_dict`` for ``dcp.async_save`` and the key to release it with
+    (:func:`_release_staged`; None: not kept): the kept copy of the same signature is reused
+    (copied into, nothing allocated) unless a save still writes from it, else a new one is made
+    (page-locked when the state dict holds CUDA tensors). The copies are non-blocking, followed by
+    one ``torch.cuda.synchronize``."""
+    key, cuda = _signature(state_dict)
+    busy = key in _STAGED_BUSY
+    staged = None if busy else _STAGED.get(key)
+    if staged is None:
+        staged = _staging_copy(state_dict, pin=cuda and torch.cuda.is_available())
+    if not busy:
+        _STAGED[key] = staged
+        _STAGED_BUSY.add(key)
+    staged = _copy_into(state_dict, staged, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
+    return staged, None if busy else key
+
+
+def _release_staged(key: Any, *, keep: bool) -> None:
+    _STAGED_BUSY.discard(key)
+    if not keep:
+        _STAGED.pop(key, None)
+
+
 class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     """A DCP ``FileSystemWriter`` whose checkpoint appears complete or not at all (and carries
     checksums, as :class:`ChecksumFileSystemWriter`).
@@ -537,12 +797,16 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     ``dcp.save(sd, storage_writer=AtomicFileSystemWriter(path), planner=...)`` writes every rank's
     files into the sibling staging directory ``.{name}.ckptq-saving`` (emptied by the coordinator
     before any rank writes), and the coordinator, after every rank reported success and
-    ``.metadata`` is written, swaps it into place: an existing ``path`` is renamed to
-    ``.{name}.ckptq-old``, the staging directory to ``path``, and the old one removed. So a save
-    that fails or is killed midway leaves an existing checkpoint at ``path`` untouched (plain DCP
-    would leave its old ``.metadata`` pointing into new, partial data files); a crash between the
-    two renames leaves ``path`` missing and the previous checkpoint whole in ``.{name}.ckptq-old``.
-    The directory must be on a file system every rank shares (as for ``FileSystemWriter``).
+    ``.metadata`` is written, swaps it into place (:func:`replace_dir`: one atomic exchange of the
+    two directories where the file system supports it, so ``path`` names the old or the new
+    checkpoint at every instant) and removes the old one. So a save that fails or is killed midway
+    leaves an existing checkpoint at ``path`` untouched (plain DCP would leave its old
+    ``.metadata`` pointing into new, partial data files). A save that fails (a rank's write raised,
+    e.g. the disk is full, or ``.metadata`` or the swap failed) removes the staging directory and
+    raises a :class:`~ckptq.errors.CkptqError` naming ``path``, the ranks and their errors (DCP
+    wraps it in its ``CheckpointException``); a killed save leaves the staging directory, which
+    the next save into ``path`` empties. The directory must be on a file system every rank shares
+    (as for ``FileSystemWriter``).
 
     ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
     system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
@@ -556,12 +820,16 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
 
     Args:
         path: the checkpoint directory, or an fsspec URL.
-        **kwargs: passed to ``FileSystemWriter`` (``thread_count``, ``sync_files``, ...; for URLs
-            ``overwrite`` defaults to False and ``sync_files`` to False: an upload is durable once
-            it completes).
+        **kwargs: passed to :class:`ChecksumFileSystemWriter` (``thread_count``, ``sync_files``,
+            ...; for URLs ``overwrite`` defaults to False, ``sync_files`` to False (an upload is
+            durable once it completes) and ``thread_count`` to 1 (one object per rank, as DCP's
+            ``FsspecWriter``)).
 
     Raises:
-        CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported.
+        CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported;
+            the staging directory cannot be made, or an existing ``path`` is not writable (nothing
+            is written); a rank's write or the commit failed (the staging directory is removed,
+            ``path`` unchanged).
     """
 
     def __init__(self, path: PathLike, **kwargs: Any) -> None:
@@ -570,6 +838,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             self.target: Any = storage.location(path)
             kwargs.setdefault("overwrite", False)
             kwargs.setdefault("sync_files", False)
+            kwargs.setdefault("thread_count", 1)  # one object per rank, as DCP's FsspecWriter
             super().__init__(self.target, **kwargs)
             self.fs, self.path = storage.dcp_filesystem(self.target)
             return
@@ -600,12 +869,35 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             )
 
     def prepare_local_plan(self, plan: Any) -> Any:
-        if self.remote and not self.overwrite and self._metadata_exists():
+        if self.remote:
+            if not self.overwrite and self._metadata_exists():
+                raise CkptqError(
+                    f"{self.target}: holds a checkpoint, and an object store cannot replace one atomically; "
+                    f"save under a new prefix, or pass overwrite=True (deletes the old checkpoint before writing "
+                    f"the new one)"
+                )
+            return super().prepare_local_plan(plan)
+        check_writable(self.target)
+        try:
+            return super().prepare_local_plan(plan)  # makes the staging directory
+        except OSError as e:
             raise CkptqError(
-                f"{self.target}: holds a checkpoint, and an object store cannot replace one atomically; save "
-                f"under a new prefix, or pass overwrite=True (deletes the old checkpoint before writing the new one)"
-            )
-        return super().prepare_local_plan(plan)
+                f"{self.target}: cannot make the staging directory {self.path} ({e}); the folder "
+                f"{self.target.parent} must be writable by every rank; nothing was written"
+            ) from e
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        if self.remote:  # a failed upload raises (DCP's finish does not run: no .metadata, no checkpoint)
+            return super().write_data(plan, planner)
+        # A failed write (ChecksumFileSystemWriter's write threads, or DCP's loop) is returned as a
+        # result, not raised, so that the coordinator's finish runs and removes the staging
+        # directory (DCP calls finish only when every rank succeeded).
+        try:
+            return super().write_data(plan, planner)
+        except Exception as e:  # noqa: BLE001 - reported by the coordinator's finish
+            out: Future = Future()
+            out.set_result([_WriteFailed(getattr(self, "rank", None), describe_failure(e))])
+            return out
 
     def prepare_global_plan(self, plans: list) -> list:
         # Coordinator only, after every rank made its local plan and before any rank writes: files
@@ -622,22 +914,116 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def finish(self, metadata: Metadata, results: list) -> None:
-        super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
         if self.remote:  # .metadata (DCP: a PUT of .metadata.tmp, then a server-side copy) was the commit
+            super().finish(metadata, results)
             return
         staging, target = Path(self.path), self.target
-        old = target.parent / f".{target.name}.ckptq-old"
-        if old.exists():
-            shutil.rmtree(old)
-        if target.exists():
-            os.replace(target, old)
-        os.replace(staging, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        failed = [f for rank_results in results for f in rank_results if isinstance(f, _WriteFailed)]
+        try:
+            if failed:
+                raise CkptqError(
+                    f"{target}: the save failed on {len(failed)} rank(s), nothing was committed (the "
+                    f"checkpoint there, if any, is unchanged; the staging directory is removed):\n  "
+                    + "\n  ".join(f"rank {f.rank}: {f.error}" for f in failed)
+                )
+            super().finish(metadata, results)  # .metadata written (and fsynced) in the staging directory
+            previous = replace_dir(staging, target, aside=target.parent / f".{target.name}.ckptq-old")
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if isinstance(e, CkptqError):
+                raise
+            raise CkptqError(
+                f"{target}: committing the save failed ({type(e).__name__}: {e}); the checkpoint there, "
+                f"if any, is unchanged and the staging directory is removed"
+            ) from e
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteFailed:
+    """A rank's failed ``write_data``, on its way to the coordinator's ``finish``."""
+
+    rank: int | None
+    error: str
 
 
 def _staging(target: Path) -> Path:
     return target.parent / f".{target.name}.ckptq-saving"
+
+
+def check_writable(dst: Path) -> None:
+    """Refuse a destination this process cannot replace: its folder, or an existing ``dst``
+    itself (its files could not be removed after the swap), is not writable.
+
+    Raises:
+        CkptqError: naming the read-only directory (nothing is written).
+    """
+    dst = Path(dst)
+    for d in (dst.parent, dst) if dst.is_dir() else (dst.parent,):
+        if d.is_dir() and not os.access(d, os.W_OK | os.X_OK):
+            raise CkptqError(f"destination {dst}: {d} is not writable (read-only); nothing was written")
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Swap directories ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``,
+    kernel 3.15+, glibc 2.28+); False where that is unavailable (another OS, an old libc, a file
+    system without it).
+
+    Raises:
+        OSError: the exchange failed otherwise (e.g. ``b`` does not exist).
+    """
+    import ctypes
+    import errno
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def replace_dir(new: Path, dst: Path, *, aside: Path) -> Path | None:
+    """Put the complete directory ``new`` in place as ``dst``; returns where the previous ``dst``
+    now is (for the caller to remove), or None when there was none.
+
+    An existing ``dst`` is swapped with ``new`` in one atomic exchange (:func:`_rename_exchange`),
+    so a process opening ``dst`` at any instant finds the old or the new directory, and a crash
+    leaves both whole (the old one under ``new``'s name). Where the exchange is unavailable
+    ``dst`` is renamed to ``aside`` first (a crash between the two renames leaves ``dst`` missing
+    and the old directory whole at ``aside``; a failed second rename puts it back). Both are made
+    durable (``fsync`` of the folder).
+    """
+    previous = None
+    if dst.exists():
+        try:
+            if _rename_exchange(new, dst):
+                previous = new
+        except FileNotFoundError:
+            pass  # dst went away meanwhile: a plain rename below
+        if previous is None and dst.exists():
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(dst, aside)
+            previous = aside
+    if previous is not new:
+        try:
+            os.replace(new, dst)
+        except BaseException:
+            if previous is not None:  # put the old directory back
+                os.replace(previous, dst)
+            raise
+    _fsync_dir(dst.parent)
+    return previous
 
 
 def _fsync_dir(path: Path) -> None:
@@ -663,17 +1049,19 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     an export, or what an interrupted run left): ``overwrite`` lets :func:`staging_dir` delete them.
 
     Raises:
-        CkptqError: it overlaps the source, or exists without ``overwrite`` (nothing is written).
+        CkptqError: it overlaps the source, exists without ``overwrite``, or is read-only
+            (:func:`check_writable`); nothing is written.
     """
     if storage.is_url(src) or storage.is_url(dst):
         s, d = str(storage.location(src)) + "/", str(storage.location(dst)) + "/"
         if s.startswith(d) or d.startswith(s):
             raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate prefix")
-        if overwrite:
-            return
         if not storage.is_url(dst):
-            if Path(dst).exists():
+            if Path(dst).exists() and not overwrite:
                 raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+            check_writable(dst)
+            return
+        if overwrite:
             return
         names = storage.list_names(dst)
         if names:
@@ -685,12 +1073,40 @@ def check_destination(src: Path, dst: Path, overwrite: bool) -> None:
         raise CkptqError(f"destination {dst} overlaps the source {src}; choose a separate directory")
     if dst.exists() and not overwrite:
         raise CkptqError(f"destination {dst} exists; pass --overwrite to replace it")
+    check_writable(dst)
+
+
+def describe_failure(e: BaseException) -> str:
+    """``Type: message`` of a failed write, with the ``OSError`` it arose from where a library's
+    error hides it (``torch.save`` into a full file reports ``unexpected pos``), and what to do
+    when that is a full disk or a file-size limit (ENOSPC, EFBIG, EDQUOT)."""
+    import errno
+
+    text, cause = f"{type(e).__name__}: {e}", e
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is not None and cause is not e:
+        text += f" (from {type(cause).__name__}: {cause})"
+    if cause is not None and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        text += " -- the disk is full or a file-size limit was reached: free space or raise the limit (ulimit -f)"
+    return text
+
+
+def write_error(dst: Path, e: OSError) -> CkptqError:
+    """The error of an offline tool whose writing of output ``dst`` failed with ``e`` (whose own
+    message may not name a file: a full disk, a file-size limit). The caller has removed, or
+    removes, its staging folder; ``dst`` is unchanged."""
+    return CkptqError(
+        f"writing {dst} failed: {describe_failure(e)}; nothing was committed, {dst} is unchanged and the "
+        f"staging folder is removed"
+    )
 
 
 def staging_dir(dst: Path) -> Path:
     """A fresh, empty temporary sibling of output directory ``dst`` (``.DST.ckptq-tmp-PID``) for
-    the offline tools (reshard, convert, export) to write into, after removing such folders of
-    ``dst`` left by killed runs (their PID is gone; logged on the ``ckptq`` logger). Folders of live
+    the offline tools (reshard, convert, export) to write into, after removing such folders (and
+    ``.DST.ckptq-old-PID`` ones, :func:`commit_dir`'s) of ``dst`` left by killed runs (their PID
+    is gone; logged on the ``ckptq`` logger). Folders of live
     processes (another run into the same destination) are left alone.
 
     For a URL ``dst`` (an object store cannot rename a folder) it is ``dst`` itself, after deleting
@@ -704,9 +1120,9 @@ def staging_dir(dst: Path) -> Path:
     import glob
     import logging
 
-    prefix = f".{dst.name}.ckptq-tmp-"
-    for p in dst.parent.glob(glob.escape(prefix) + "*"):
-        pid = p.name[len(prefix) :]
+    prefixes = (f".{dst.name}.ckptq-tmp-", f".{dst.name}.ckptq-old-")
+    for p in [p for pre in prefixes for p in dst.parent.glob(glob.escape(pre) + "*")]:
+        pid = p.name.rsplit("-", 1)[1]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -718,7 +1134,7 @@ def staging_dir(dst: Path) -> Path:
             continue  # alive under another user, or not a PID: not ours to judge
         shutil.rmtree(p, ignore_errors=True)
         logging.getLogger("ckptq").warning("removed %s, left by a killed ckptq run (process %s is gone)", p, pid)
-    tmp = dst.parent / f"{prefix}{os.getpid()}"
+    tmp = dst.parent / f"{prefixes[0]}{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -726,16 +1142,11 @@ def staging_dir(dst: Path) -> Path:
 
 
 def commit_dir(tmp: Path, dst: Path) -> None:
-    """Move the completed ``tmp`` into place as ``dst`` (an existing ``dst`` is replaced: renamed
-    aside first, removed after), so ``dst`` is never a partial output. Nothing to do for a URL
-    (``tmp`` is ``dst``; writing ``.metadata`` committed it)."""
+    """Move the completed ``tmp`` into place as ``dst`` (:func:`replace_dir`: an existing ``dst``
+    is swapped out atomically and removed after), so ``dst`` is never a partial output. Nothing to
+    do for a URL (``tmp`` is ``dst``; writing ``.metadata`` committed it)."""
     if storage.is_url(dst):
         return
-    old = None
-    if dst.exists():
-        old = dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}"
-        os.replace(dst, old)
-    os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    previous = replace_dir(tmp, dst, aside=dst.parent / f".{dst.name}.ckptq-old-{os.getpid()}")
+    if previous is not None:
+        shutil.rmtree(previous, ignore_errors=True)

@@ -42,7 +42,7 @@ from ..formats.base import QuantizedTensor, slice_box
 from ..io import storage
 from ..io.device import PrefetchStats, device_scope, prefetch, resolve_device, to_host
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
-from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir
+from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir, write_error
 from . import transform
 from .plan import ReshardPlan, TensorJob
 
@@ -184,7 +184,10 @@ class _Run:
                 + "\n  ".join(plan.problems)
                 + "\nNothing was written. Use --misaligned high-precision to export them dequantized."
             )
-        return staging_dir(self.dst)
+        try:
+            return staging_dir(self.dst)
+        except OSError as e:
+            raise write_error(self.dst, e) from e
 
     def write(self, tmp: Path) -> tuple:
         """Lay every record out, write this process's jobs' records into ``tmp``; returns what
@@ -200,6 +203,8 @@ class _Run:
             with _progress(self.progress, total, show=group is None or group.rank == 0) as update:
                 _execute(view, plan, file_map, copies, mine, self.writer, self.state, update, self.device)
             return self.writer.close_local(), self.state
+        except OSError as e:
+            raise write_error(self.dst, e) from e
         finally:
             if hasattr(view, "close"):
                 view.close()
@@ -213,10 +218,13 @@ class _Run:
             state.merge(st)
         descriptors = {k: state.descriptors[k] for k in sorted(state.descriptors)}
         plan = self.plan
-        writer.finish(
-            {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
-        )
-        commit_dir(tmp, self.dst)
+        try:
+            writer.finish(
+                {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
+            )
+            commit_dir(tmp, self.dst)
+        except OSError as e:
+            raise write_error(self.dst, e) from e
         return writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s
 
     def abort(self) -> None:

@@ -1,0 +1,234 @@
+"""ckptq's storage writer and reader knobs (``thread_count``, ``buffer_bytes``, ``sync_every``,
+``fadvise``, async staging): every setting writes the records ``torch.save`` writes and reads back
+the saved bytes exactly; records of another framing still load through ``torch.load``."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import warnings
+import zipfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptq
+from ckptq.io import ChecksumFileSystemWriter, SafeFileSystemReader, read_metadata
+from ckptq.io.records import tensor_record
+from tests._helpers import assert_same_bytes, requires_cuda
+
+warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+
+
+def _state_dict(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a": ckptq.quantize(torch.randn(256, 512, generator=g).to(device), "nvfp4"),
+        "b": ckptq.quantize(torch.randn(128, 256, generator=g).to(device), "mxfp8"),
+        "c": torch.randn(300, 70, generator=g).bfloat16().to(device),
+        "d": torch.tensor(3.0, device=device),
+        "e": torch.zeros(0, 4, device=device),
+        "step": {"epoch": 3},
+    }
+
+
+def _targets(device="cpu"):
+    return {
+        "a": ckptq.quantize(torch.zeros(256, 512, device=device), "nvfp4"),
+        "b": ckptq.quantize(torch.zeros(128, 256, device=device), "mxfp8"),
+        "c": torch.zeros(300, 70, dtype=torch.bfloat16, device=device),
+        "d": torch.tensor(0.0, device=device),
+        "e": torch.ones(0, 4, device=device),
+        "step": {"epoch": 0},
+    }
+
+
+def _check_loaded(got, want):
+    for k in "ab":
+        for name, v in want[k]._components.items():
+            assert_same_bytes(got[k]._components[name].cpu(), v.cpu(), f"{k}.{name}")
+    for k in "cde":
+        assert_same_bytes(got[k].cpu(), want[k].cpu(), k)
+    assert got["step"] == want["step"]
+
+
+def _without_id(blob: bytes) -> bytes:
+    """A record with its ``.data/serialization_id`` member blanked (torch.save makes it differ per call)."""
+    z = zipfile.ZipFile(io.BytesIO(blob))
+    info = next(i for i in z.infolist() if i.filename.endswith("serialization_id"))
+    out = bytearray(blob)
+    n_name = int.from_bytes(blob[info.header_offset + 26 : info.header_offset + 28], "little")
+    n_extra = int.from_bytes(blob[info.header_offset + 28 : info.header_offset + 30], "little")
+    start = info.header_offset + 30 + n_name + n_extra
+    out[start : start + info.file_size] = bytes(info.file_size)
+    crc = info.CRC.to_bytes(4, "little")
+    while (at := out.find(crc)) >= 0:
+        out[at : at + 4] = bytes(4)
+    return bytes(out)
+
+
+def _records(path) -> dict:
+    md = read_metadata(path)
+    out = {}
+    for index, info in md.storage_data.items():
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            out[(index.fqn, None if index.offset is None else tuple(index.offset))] = f.read(info.length)
+    return out
+
+
+@pytest.mark.parametrize("threads,buffer_bytes", [(1, 1 << 16), (3, 1 << 16), (4, None)])
+def test_writer_knobs_write_torch_saves_records_and_load_back_exactly(tmp_path, threads, buffer_bytes):
+    sd = _state_dict()
+    ours, ref = tmp_path / "ours", tmp_path / "ref"
+    planner = ckptq.QuantizedSavePlanner
+    w = ChecksumFileSystemWriter(ours, thread_count=threads, buffer_bytes=buffer_bytes, sync_every=1 << 16)
+    dcp.save(sd, storage_writer=w, planner=planner(), no_dist=True)
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ref), planner=planner(), no_dist=True)
+    files = sorted(p.name for p in ours.glob("*.distcp"))
+    assert files == [f"__0_{i}.distcp" for i in range(threads)]
+    a, b = _records(ours), _records(ref)
+    assert set(a) == set(b)
+    for key in a:  # each record byte for byte what DCP's writer (torch.save) wrote, but the per-save id
+        if key[1] is None:
+            assert a[key] == b[key], key
+        else:
+            assert _without_id(a[key]) == _without_id(b[key]), key
+            assert zipfile.ZipFile(io.BytesIO(a[key])).testzip() is None  # the payload's zip CRC-32 holds
+    for reader in (SafeFileSystemReader(ours, buffer_bytes=buffer_bytes, thread_count=threads), None):
+        got = _targets()
+        dcp.load(
+            got, storage_reader=reader, checkpoint_id=None if reader else ours, planner=ckptq.QuantizedLoadPlanner()
+        )
+        _check_loaded(got, sd)
+    assert "9 verified, 0 without checksum, 0 failed" in _verify(ours)
+
+
+def _verify(path) -> str:
+    from typer.testing import CliRunner
+
+    from ckptq.cli import app
+
+    return CliRunner().invoke(app, ["verify", str(path)]).output
+
+
+@pytest.mark.parametrize("buffer_bytes", [1 << 16, None])
+def test_reader_reads_parts_other_dtypes_and_foreign_framing(tmp_path, buffer_bytes, monkeypatch):
+    sd = _state_dict()
+    path = tmp_path / "ck"
+    dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    # another dtype (cast) and a column slice (narrowed from the whole record)
+    got = {"c": torch.zeros(300, 70)}
+    dcp.load(got, storage_reader=SafeFileSystemReader(path, buffer_bytes=buffer_bytes, fadvise=False), no_dist=True)
+    assert torch.equal(got["c"], sd["c"].float())
+    # records whose framing is not this torch's (here: a changed pickle) load through torch.load
+    slow, fast = [], []
+    read_item, read_fast = SafeFileSystemReader._read_item, SafeFileSystemReader._read_fast
+    monkeypatch.setattr(SafeFileSystemReader, "_read_item", lambda self, *a: slow.append(a[3]) or read_item(self, *a))
+    monkeypatch.setattr(
+        SafeFileSystemReader, "_read_fast", lambda self, *a: fast.append(read_fast(self, *a)) or fast[-1]
+    )
+
+    def load():
+        slow.clear(), fast.clear()
+        got = _targets()
+        reader = SafeFileSystemReader(path, buffer_bytes=buffer_bytes)
+        dcp.load(got, storage_reader=reader, planner=ckptq.QuantizedLoadPlanner())
+        _check_loaded(got, sd)
+        return len(slow), list(fast)
+
+    n_slow, n_fast = load()
+    assert n_slow == 1 and n_fast == [True] * 7  # the bytes entry; every tensor record but the empty one
+    real = tensor_record
+
+    def other_framing(dtype, shape):
+        rec = real(dtype, shape)
+        return dataclasses.replace(rec, header=b"X" + rec.header[1:])
+
+    monkeypatch.setattr("ckptq.io.records.tensor_record", other_framing)
+    assert load() == (8, [False] * 7)  # every record read the slow way
+
+
+def test_a_flipped_payload_byte_is_named_by_the_fast_reader(tmp_path):
+    sd = _state_dict()
+    path = tmp_path / "ck"
+    dcp.save(sd, storage_writer=ChecksumFileSystemWriter(path), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    md = read_metadata(path)
+    index = next(i for i in md.storage_data if i.fqn == "c")
+    info = md.storage_data[index]
+    at = info.offset + len(tensor_record(torch.bfloat16, (300, 70)).header) + 1000
+    with open(path / info.relative_path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptq.errors import ChecksumMismatchError
+    from ckptq.io import dcp_failure
+
+    with pytest.raises(CheckpointException) as e:
+        reader = SafeFileSystemReader(path, buffer_bytes=1 << 16)
+        dcp.load(_targets(), storage_reader=reader, planner=ckptq.QuantizedLoadPlanner(), no_dist=True)
+    err = dcp_failure(e.value, str(path))
+    assert isinstance(err, ChecksumMismatchError)
+    assert "'c'" in str(err) and f"bytes {info.offset}..{info.offset + info.length}" in str(err)
+
+
+def test_async_save_reuses_its_staging_and_stages_each_saves_values(tmp_path):
+    from ckptq.io import writer as w
+
+    sd = _state_dict()
+    fut = dcp.async_save(
+        sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "one"), planner=ckptq.QuantizedSavePlanner()
+    )
+    fut.result()
+    kept = dict(w._STAGED)
+    sd2 = _state_dict()
+    sd2["c"] = sd2["c"] + 1  # new values, same shapes: the kept staging is copied into
+    sd2["step"] = {"epoch": 4}
+    fut = dcp.async_save(
+        sd2, storage_writer=ChecksumFileSystemWriter(tmp_path / "two"), planner=ckptq.QuantizedSavePlanner()
+    )
+    fut.result()
+    assert set(w._STAGED) == set(kept) and all(w._STAGED[k] is kept[k] for k in kept) and not w._STAGED_BUSY
+    for path, want in ((tmp_path / "one", sd), (tmp_path / "two", sd2)):
+        got = _targets()
+        dcp.load(got, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
+        _check_loaded(got, want)
+    w._STAGED.clear()
+
+
+@requires_cuda
+def test_cuda_tensors_save_through_pinned_pieces_and_load_back_exactly(tmp_path):
+    sd = _state_dict("cuda")
+    for name, save in (
+        (
+            "sync",
+            lambda p: dcp.save(
+                sd,
+                storage_writer=ChecksumFileSystemWriter(p, buffer_bytes=1 << 16),
+                planner=ckptq.QuantizedSavePlanner(),
+                no_dist=True,
+            ),
+        ),
+        (
+            "async",
+            lambda p: dcp.async_save(
+                sd,
+                storage_writer=ChecksumFileSystemWriter(p, buffer_bytes=1 << 16),
+                planner=ckptq.QuantizedSavePlanner(),
+            ).result(),
+        ),
+    ):
+        save(tmp_path / name)
+        for buffer_bytes in (1 << 16, None):
+            got = _targets("cuda")
+            dcp.load(
+                got,
+                storage_reader=SafeFileSystemReader(tmp_path / name, buffer_bytes=buffer_bytes),
+                planner=ckptq.QuantizedLoadPlanner(),
+            )
+            _check_loaded(got, sd)
