@@ -62,6 +62,7 @@ __all__ = [
     "with_sidecar_checksums",
     "sidecar_ranks",
     "merge_sidecar_checksums",
+    "check_checksum_coverage",
     "DIGEST_KEY",
     "mark_verified",
     "is_verified",
@@ -257,6 +258,29 @@ def merge_sidecar_checksums(planner_data: Any, root: Any, records: Any = None) -
             "or re-save the checkpoint"
         )
     return with_checksums(planner_data, table)
+
+
+def check_checksum_coverage(planner_data: Any, records: Any, *, where: Any = "checkpoint") -> None:
+    """With a checksum table in the record (ckptq's storage writers and offline tools hash every
+    record they write), every record the metadata locates (``records``: their checksum keys) must
+    have its checksum; one missing (a damaged key in the table) would be read unverified.
+
+    Raises:
+        CheckpointFormatError: a record has no checksum (names the FQN and chunk offsets).
+    """
+    table = read_checksums(planner_data, where=str(where))
+    if table is None:
+        return
+    missing = [k for k in records if k not in table]
+    if missing:
+        fqn, offsets = missing[0]
+        raise CheckpointFormatError(
+            f"{where}: the checksum table of the '{CKPTQ_KEY}' record holds no checksum for '{fqn}'"
+            + (f" (chunk at offsets {list(offsets)})" if offsets is not None else "")
+            + (f" nor for {len(missing) - 1} more records" if len(missing) > 1 else "")
+            + "; the writer recorded one for every record, so the metadata is damaged: restore it from a copy, "
+            "or re-save the checkpoint"
+        )
 
 
 # ------------------------------------------------------------------------------ metadata digest

@@ -560,7 +560,7 @@ def _record_variant(rng: random.Random, t: Any) -> tuple[Any, str, bool]:
     if how == "transposed_bytes" and t.dim() == 2:
         return t.t().contiguous().reshape(t.shape), how, False
     if how == "bitflip" and t.numel():
-        u = t.clone().contiguous().reshape(-1).view(torch.uint8)
+        u = torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t).reshape(-1).view(torch.uint8)
         u[rng.randrange(u.numel())] ^= 1 << rng.randrange(8)
         return u.view(t.dtype).reshape(t.shape), how, False
     if how == "repickle_legacy":
@@ -594,7 +594,11 @@ def _replace_record(ck: Path, md: Any, rng: random.Random) -> tuple[str, str] | 
     else:
         torch.save(v, buf)
     _append_at(ck, md, key, buf.getvalue())
-    flat = [x.contiguous().reshape(-1).view(torch.uint8) for x in (v, t)]
+    # a fresh contiguous copy: a 1-element view may keep a stride != 1 that .view(uint8) refuses
+    flat = [
+        torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x).reshape(-1).view(torch.uint8)
+        for x in (v, t)
+    ]
     same = same and torch.equal(*flat)
     return ("bytes" if same else "data"), f"record {how} for {key.fqn} {list(key.offset)}"
 
@@ -837,7 +841,14 @@ def _digest(x: Any) -> str:
             h.update(_digest(v).encode())
     elif isinstance(x, torch.Tensor):
         h.update(f"{x.dtype} {tuple(x.shape)}".encode())
-        h.update(x.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(
+            torch.empty_like(x, memory_format=torch.contiguous_format)
+            .copy_(x)
+            .reshape(-1)
+            .view(torch.uint8)
+            .numpy()
+            .tobytes()
+        )
     else:
         h.update(repr(x).encode())
     return h.hexdigest()[:16]

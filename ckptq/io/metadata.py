@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from ..checksums import checksum_key
 from ..contract import (
     Entry,
+    check_checksum_coverage,
     check_digest,
     fold_entries,
     mark_verified,
@@ -114,10 +115,12 @@ def validate_metadata(
     entries = fold_entries(metadata, where=str(root))
     # Last, the edits that passed every check above: the digest, over the metadata as read.
     check_digest(raw, where=source)
+    records = [checksum_key(k) for k, v in metadata.storage_data.items() if not isinstance(v, ForeignLocation)]
     if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
-        records = [checksum_key(k) for k, v in metadata.storage_data.items() if not isinstance(v, ForeignLocation)]
         planner_data = merge_sidecar_checksums(metadata.planner_data, root, records)
         metadata = dataclasses.replace(metadata, planner_data=planner_data)
+    else:
+        check_checksum_coverage(metadata.planner_data, records, where=root)
     mark_verified(metadata)
     return metadata, entries
 
