@@ -246,17 +246,13 @@ def merge_sidecar_checksums(planner_data: Any, root: Any, records: Any = None) -
     table: dict[tuple, int] = {}
     for r in ranks:
         table.update(read_sidecar(root, r))
-    missing = [k for k in records or () if k not in table]
-    if missing:
-        fqn, offsets = missing[0]
-        files = ", ".join(SIDECAR.format(rank=r) for r in ranks) or "(none)"
-        raise CheckpointFormatError(
-            f"{root}: the checksum files ({files}) hold no checksum for '{fqn}'"
-            + (f" (chunk at offsets {list(offsets)})" if offsets is not None else "")
-            + (f" nor for {len(missing) - 1} more records" if len(missing) > 1 else "")
-            + "; the planner wrote one for every record, so a checksum file is damaged: restore it from a copy, "
-            "or re-save the checkpoint"
-        )
+    files = ", ".join(SIDECAR.format(rank=r) for r in ranks) or "(none)"
+    _require_checksums(
+        table,
+        records or (),
+        f"{root}: the checksum files ({files}) hold",
+        "the planner wrote one for every record, so a checksum file is damaged",
+    )
     return with_checksums(planner_data, table)
 
 
@@ -269,17 +265,25 @@ def check_checksum_coverage(planner_data: Any, records: Any, *, where: Any = "ch
         CheckpointFormatError: a record has no checksum (names the FQN and chunk offsets).
     """
     table = read_checksums(planner_data, where=str(where))
-    if table is None:
-        return
+    if table is not None:
+        _require_checksums(
+            table,
+            records,
+            f"{where}: the checksum table of the '{CKPTQ_KEY}' record holds",
+            "the writer recorded one for every record, so the metadata is damaged",
+        )
+
+
+def _require_checksums(table: Mapping, records: Any, holder: str, why: str) -> None:
+    """Raise CheckpointFormatError naming the first of ``records`` (checksum keys) ``table`` lacks."""
     missing = [k for k in records if k not in table]
     if missing:
         fqn, offsets = missing[0]
         raise CheckpointFormatError(
-            f"{where}: the checksum table of the '{CKPTQ_KEY}' record holds no checksum for '{fqn}'"
+            f"{holder} no checksum for '{fqn}'"
             + (f" (chunk at offsets {list(offsets)})" if offsets is not None else "")
             + (f" nor for {len(missing) - 1} more records" if len(missing) > 1 else "")
-            + "; the writer recorded one for every record, so the metadata is damaged: restore it from a copy, "
-            "or re-save the checkpoint"
+            + f"; {why}: restore it from a copy, or re-save the checkpoint"
         )
 
 

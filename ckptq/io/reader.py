@@ -476,12 +476,7 @@ class SafeFileSystemReader(FileSystemReader):
         for req, target in targets:
             if whole is not None and not _takes_whole_chunk(req, target, dtype, sizes):
                 chunk = whole.view(dtype).reshape(sizes) if nbytes else torch.empty(sizes, dtype=dtype)
-                try:
-                    tensor = narrow_tensor_by_index(chunk, req.storage_offsets, req.lengths)
-                except Exception as e:
-                    raise CheckpointFormatError(
-                        f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
-                    ) from e
+                tensor = _narrow(chunk, req, where)
                 if target.size() != tensor.size():
                     raise CheckpointFormatError(
                         f"{where}: read {list(tensor.size())} elements for a destination of "
@@ -527,12 +522,7 @@ class SafeFileSystemReader(FileSystemReader):
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, value)
             return
-        try:
-            tensor = narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
-        except Exception as e:
-            raise CheckpointFormatError(
-                f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
-            ) from e
+        tensor = _narrow(value, req, where)
         try:
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
@@ -930,3 +920,16 @@ def load_entries(reader: SafeFileSystemReader, metadata: Metadata, keys: list[st
         except CheckpointException as e:
             raise dcp_failure(e, f"{reader.path}: entries {keys}") from None
     return sd
+
+
+def _narrow(value: torch.Tensor, req: Any, where: str) -> torch.Tensor:
+    """The part of a record's tensor ``value`` that read request ``req`` asks for.
+
+    Raises:
+        CheckpointFormatError: the request does not fit the record (inconsistent metadata)."""
+    try:
+        return narrow_tensor_by_index(value, req.storage_offsets, req.lengths)
+    except Exception as e:
+        raise CheckpointFormatError(
+            f"{where}: the read request does not fit the record ({e}); the metadata is inconsistent"
+        ) from e

@@ -215,17 +215,9 @@ class CheckpointDirWriter:
             return self._append_remote(rank, parts)
         fd = self._fd(rank)
         start = self._pos[rank] if at is None else at
-        views = [memoryview(p).cast("B") for p in parts if len(p)]
-        total = sum(len(v) for v in views)
-        done = 0
-        while views:
-            n = os.pwritev(fd, views, start + done)
-            done += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if views and n:
-                views[0] = views[0][n:]
+        from .fileio import pwrite_all
+
+        total = pwrite_all(fd, parts, start)
         self._pos[rank] = start + total
         self._unsynced[rank] += total
         if self._unsynced[rank] >= self._sync_every:
