@@ -101,8 +101,7 @@ def test_the_tests_bounds_are_the_librarys():
 
 # ----------------------------------------------------------------------------- one .distcp file
 def _data_file(path: Path) -> Path:
-    (f,) = sorted(path.glob("*.distcp"))
-    return f
+    return sorted(path.glob("*.distcp"))[0]  # ckptq's writer spreads a rank's records over thread_count files
 
 
 def test_a_single_distcp_file_is_refused_with_the_folder_to_pass(tmp_path, ckpt):
