@@ -364,13 +364,7 @@ def main() -> None:
         worker(args.worker, args.src, args.dst, args.result, args.side)
         return
     if args.combine:
-        result = combine(args.combine)
-        md = markdown(result)
-        print(md)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
-        if args.markdown:
-            args.markdown.write_text(md)
+        _emit(combine(args.combine), args)
         return
     t_start = time.perf_counter()
     if args.runs:
@@ -419,6 +413,11 @@ def main() -> None:
     result["total_s"] = time.perf_counter() - t_start
     if not args.keep_source:
         shutil.rmtree(src, ignore_errors=True)
+    _emit(result, args)
+
+
+def _emit(result: dict, args) -> None:
+    """Print the markdown table of ``result``; write it and the JSON where ``--markdown`` / ``--json`` say."""
     md = markdown(result)
     print(md)
     if args.json:

@@ -249,24 +249,22 @@ def build_corpus(root: Path, names: list | None = None) -> dict[str, Path]:
     want = set(names or BASES)
     need = want | {src for src, name in (("native1", "native2"), ("hp1", "hp2")) if name in want}  # reshard sources
     bases = {}
-    for mode, name in (("native", "native1"), ("high_precision", "hp1")):
+    # ckptq's writer (checksums in the record) and DCP's own writer (the planner writes the checksum
+    # file __0_0.ckptq-crc32c)
+    for mode, name, ckptq_writer in (
+        ("native", "native1", True),
+        ("high_precision", "hp1", True),
+        ("native", "dcp_native1", False),
+        ("high_precision", "dcp_hp1", False),
+    ):
         if name in need:
             bases[name] = root / name
-            dcp.save(
-                _quantized_state(),
-                storage_writer=ChecksumFileSystemWriter(bases[name]),
-                planner=ckptq.QuantizedSavePlanner(mode=mode),
-                no_dist=True,
+            where = (
+                {"storage_writer": ChecksumFileSystemWriter(bases[name])}
+                if ckptq_writer
+                else {"checkpoint_id": str(bases[name])}
             )
-    for mode, name in (("native", "dcp_native1"), ("high_precision", "dcp_hp1")):
-        if name in need:  # DCP's own writer: the planner writes the checksum file __0_0.ckptq-crc32c
-            bases[name] = root / name
-            dcp.save(
-                _quantized_state(),
-                checkpoint_id=str(bases[name]),
-                planner=ckptq.QuantizedSavePlanner(mode=mode),
-                no_dist=True,
-            )
+            dcp.save(_quantized_state(), planner=ckptq.QuantizedSavePlanner(mode=mode), no_dist=True, **where)
     two = [(mode, name) for mode, name in (("native", "dcp_native2"), ("high_precision", "dcp_hp2")) if name in need]
     if two:
         for _, name in two:
