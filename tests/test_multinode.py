@@ -39,7 +39,10 @@ opened = []
 
 def _watch(fn, reading):
     def wrapped(file, *args, **kwargs):
-        if isinstance(file, (str, bytes, os.PathLike)) and ".ckptq-tmp-" in os.fsdecode(file) and reading(args, kwargs):
+        # a file of a staging folder opened for reading (not the folder itself: Python 3.12's rmtree
+        # opens the folder it removes)
+        if (isinstance(file, (str, bytes, os.PathLike)) and ".ckptq-tmp-" in os.fsdecode(file)
+                and reading(args, kwargs) and not os.path.isdir(file)):
             opened.append(os.fsdecode(file))
         return fn(file, *args, **kwargs)
     return wrapped

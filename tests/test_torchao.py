@@ -330,7 +330,7 @@ def _run_without_torchao(code: str) -> str:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": ROOT},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
