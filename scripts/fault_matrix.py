@@ -1,10 +1,13 @@
 """Faults during ckptq's writes, at random moments, under torchrun with gloo: the fault table.
 
-One command: ``python scripts/fault_matrix.py [--trials 2] [--seed 0] [--ranks 2 4] [--json F] [--md F]``.
+One command: ``python scripts/fault_matrix.py [--trials 2] [--seed 0] [--ranks 2 4] [--ops ...]
+[--faults ...] [--json F] [--md F]``.
 
 Every trial overwrites a destination that holds a whole *old* output with a *new* one, by one
 operation -- ``save`` (``dcp.save`` with :class:`ckptq.io.AtomicFileSystemWriter` and
-:class:`ckptq.QuantizedSavePlanner`), ``ckptq reshard``, ``ckptq convert --to nvfp4`` (each
+:class:`ckptq.QuantizedSavePlanner`), ``async_save`` (``dcp.async_save`` with the same writer and
+planner: each rank polls the future while DCP's background thread writes, then takes its
+``result()``), ``ckptq reshard``, ``ckptq convert --to nvfp4`` (each
 ``python -m torch.distributed.run --standalone --nproc-per-node N``, gloo) or ``ckptq export``
 (compressed-tensors safetensors; one process: export does not split its work over processes) --
 while one fault strikes:
@@ -16,9 +19,14 @@ while one fault strikes:
 - ``full``: the disk fills (``RLIMIT_FSIZE`` of every rank, a random fraction of the largest output
   file; Python ignores SIGXFSZ, so the write fails with EFBIG). Expected: the job fails with an
   error naming the destination and the cause, the old output is unchanged, no staging folder left.
+- ``enospc``: the file system is really full: the destination's folder is a tmpfs holding the old
+  output and room for a random 5-90 % of the new one, mounted in a private mount namespace
+  (``unshare -m`` as root, an unprivileged user namespace ``unshare -rm`` otherwise; the rows are
+  skipped, with the reason, where neither may mount). Expected: as ``full``, the cause ENOSPC.
 - ``readonly``: the destination's folder is read-only (when this script runs as root, the job runs
   under ``setpriv`` without the capabilities that bypass file permissions). Expected: a clear error, nothing
   changed, nothing left.
+  For ``async_save`` the error must come out of the future's ``result()`` as a ``CkptqError``.
 - ``reader``: a second process loads the destination over and over while it is overwritten (DCP
   outputs: ``dcp.load`` with :class:`ckptq.io.SafeFileSystemReader`; exports: ``safetensors``'
   ``load_file`` of every shard listed in the index). Expected: every load gives exactly the old or

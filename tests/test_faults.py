@@ -264,14 +264,13 @@ def test_failed_async_save_frees_its_staged_copy(tmp_path):
     with pytest.raises(CheckpointException) as e:
         _save(_state(1), dst, "async_save")
     assert "cannot make the staging directory" in str(dcp_failure(e.value, str(dst)))
-    (kept,) = w._STAGED.values()
+    ((key, kept),) = w._STAGED.items()
     deadline = time.time() + 30  # DCP's save thread ends just after setting the future's exception
     while any(t.name.startswith("AsyncCheckpointExecutor") for t in threading.enumerate()) and time.time() < deadline:
         time.sleep(0.01)
     blocker.unlink()
     _save(_state(2), dst, "async_save")
-    (again,) = w._STAGED.values()
-    assert again is kept and not w._STAGED_BUSY
+    assert list(w._STAGED) == [key] and w._STAGED[key] is kept and key not in w._STAGED_BUSY
     _assert_same(_load(dst), _load_state(_state(2), tmp_path / "ref"))
     w._STAGED.clear()
 
