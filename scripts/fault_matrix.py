@@ -136,16 +136,19 @@ def _launch(cmd: list[str], *, fsize: int | None = None, unprivileged: bool = Fa
 def mount_namespace() -> tuple[list[str] | None, str]:
     """The command prefix that runs a command in a private mount namespace in which it may mount a
     small tmpfs (:func:`mount_tmpfs`; the mounts vanish with the namespace): ``unshare -m`` as
-    root, else ``unshare -rm`` (an unprivileged user namespace). ``(None, why)`` where that is
-    impossible (no ``unshare``, user namespaces disabled, a container without the capability)."""
+    root, else (or where root lacks the capability, as in a container) ``unshare -rm``, an
+    unprivileged user namespace. ``(None, why)`` where neither works (no ``unshare``, user
+    namespaces disabled, a container that forbids both)."""
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return None, "no unshare(1) or mount(8) on this system"
-    prefix = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
-    probe = [*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", tempfile.gettempdir()]
-    out = subprocess.run(probe, capture_output=True, text=True)
-    if out.returncode:
-        return None, f"`{' '.join(prefix)}` cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()[:300]}"
-    return prefix, ""
+    why = []
+    for prefix in (["unshare", "-m"], ["unshare", "-rm"]) if os.geteuid() == 0 else (["unshare", "-rm"],):
+        probe = [*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", tempfile.gettempdir()]
+        out = subprocess.run(probe, capture_output=True, text=True)
+        if out.returncode == 0:
+            return prefix, ""
+        why.append(f"`{' '.join(prefix)}` cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()[:200]}")
+    return None, "; ".join(why)
 
 
 def mount_tmpfs(path: Path, size: int, *, remount: bool = False) -> None:
