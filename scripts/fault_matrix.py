@@ -1,10 +1,13 @@
 """Faults during ckptq's writes, at random moments, under torchrun with gloo: the fault table.
 
-One command: ``python scripts/fault_matrix.py [--trials 2] [--seed 0] [--ranks 2 4] [--json F] [--md F]``.
+One command: ``python scripts/fault_matrix.py [--trials 2] [--seed 0] [--ranks 2 4] [--ops ...]
+[--faults ...] [--json F] [--md F]``.
 
 Every trial overwrites a destination that holds a whole *old* output with a *new* one, by one
 operation -- ``save`` (``dcp.save`` with :class:`ckptq.io.AtomicFileSystemWriter` and
-:class:`ckptq.QuantizedSavePlanner`), ``ckptq reshard``, ``ckptq convert --to nvfp4`` (each
+:class:`ckptq.QuantizedSavePlanner`), ``async_save`` (``dcp.async_save`` with the same writer and
+planner: each rank polls the future while DCP's background thread writes, then takes its
+``result()``), ``ckptq reshard``, ``ckptq convert --to nvfp4`` (each
 ``python -m torch.distributed.run --standalone --nproc-per-node N``, gloo) or ``ckptq export``
 (compressed-tensors safetensors; one process: export does not split its work over processes) --
 while one fault strikes:
@@ -16,9 +19,14 @@ while one fault strikes:
 - ``full``: the disk fills (``RLIMIT_FSIZE`` of every rank, a random fraction of the largest output
   file; Python ignores SIGXFSZ, so the write fails with EFBIG). Expected: the job fails with an
   error naming the destination and the cause, the old output is unchanged, no staging folder left.
+- ``enospc``: the file system is really full: the destination's folder is a tmpfs holding the old
+  output and room for a random 5-90 % of the new one, mounted in a private mount namespace
+  (``unshare -m`` as root, an unprivileged user namespace ``unshare -rm`` otherwise; the rows are
+  skipped, with the reason, where neither may mount). Expected: as ``full``, the cause ENOSPC.
 - ``readonly``: the destination's folder is read-only (when this script runs as root, the job runs
   under ``setpriv`` without the capabilities that bypass file permissions). Expected: a clear error, nothing
   changed, nothing left.
+  For ``async_save`` the error must come out of the future's ``result()`` as a ``CkptqError``.
 - ``reader``: a second process loads the destination over and over while it is overwritten (DCP
   outputs: ``dcp.load`` with :class:`ckptq.io.SafeFileSystemReader`; exports: ``safetensors``'
   ``load_file`` of every shard listed in the index). Expected: every load gives exactly the old or
@@ -48,36 +56,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-OPS = ("save", "reshard", "convert", "export")
-FAULTS = ("kill", "full", "readonly", "reader")
+OPS = ("save", "async_save", "reshard", "convert", "export")
+FAULTS = ("kill", "full", "enospc", "readonly", "reader")
 _BYPASS = ("dac_override", "dac_read_search", "fowner", "linux_immutable")
 SHARD = "300KB"  # exports in several shards, so that a reader could mix shards of two exports
 RESHARD_ARGS = ["--mesh", "dp_shard=2,tp=2", "--plan", "fsdp2-tp"]
 
 
 # ---------------------------------------------------------------------------- what the jobs run
-def _save_child(sd_path: str, dst: str) -> None:
-    """One rank of the ``save`` operation (run by torchrun through ``--child-save``)."""
+def _save_child(sd_path: str, dst: str, mode: str) -> None:
+    """One rank of the ``save`` / ``async_save`` operation (run by torchrun through ``--child-save``).
+    ``async_save``: the rank polls the future (as a training loop would) while DCP's background
+    thread writes, then takes its result; a failure there is re-raised as the ckptq error inside
+    DCP's ``CheckpointException`` (:func:`ckptq.io.dcp_failure`)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     import ckptq
-    from ckptq.io import AtomicFileSystemWriter
+    from ckptq.io import AtomicFileSystemWriter, dcp_failure
 
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
     try:
         sd = torch.load(sd_path, weights_only=False)
-        dcp.save(sd, storage_writer=AtomicFileSystemWriter(dst), planner=ckptq.QuantizedSavePlanner())
+        writer, planner = AtomicFileSystemWriter(dst), ckptq.QuantizedSavePlanner()
+        if mode == "save":
+            dcp.save(sd, storage_writer=writer, planner=planner)
+            return
+        future = dcp.async_save(sd, storage_writer=writer, planner=planner)
+        while not future.done():
+            time.sleep(0.005)
+        try:
+            future.result()
+        except CheckpointException as e:
+            err = dcp_failure(e, dst)
+            print(f"[rank{dist.get_rank()}]: async_save's future.result() raised {type(err).__name__}: {err}")
+            raise err from None
     finally:
         dist.destroy_process_group()
 
 
 def _command(op: str, ranks: int, src: Path, dst: Path, sd: Path) -> list[str]:
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    if op == "save":
-        return run + [str(Path(__file__).resolve()), "--child-save", str(sd), str(dst)]
+    if op in ("save", "async_save"):
+        return run + [str(Path(__file__).resolve()), "--child-save", str(sd), str(dst), op]
     if op == "export":  # one process
         return [sys.executable, "-m", "ckptq", "export", str(src), str(dst), "--layout", "compressed-tensors",
                 "--no-model-config", "--max-shard-size", SHARD, "--overwrite"]  # fmt: skip
@@ -107,6 +131,49 @@ def _launch(cmd: list[str], *, fsize: int | None = None, unprivileged: bool = Fa
     return subprocess.Popen(
         cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pre, cwd="/"
     )
+
+
+def mount_namespace() -> tuple[list[str] | None, str]:
+    """The command prefix that runs a command in a private mount namespace in which it may mount a
+    small tmpfs (:func:`mount_tmpfs`; the mounts vanish with the namespace): ``unshare -m`` as
+    root, else (or where root lacks the capability, as in a container) ``unshare -rm``, an
+    unprivileged user namespace. ``(None, why)`` where neither works (no ``unshare``, user
+    namespaces disabled, a container that forbids both)."""
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        return None, "no unshare(1) or mount(8) on this system"
+    why = []
+    for prefix in (["unshare", "-m"], ["unshare", "-rm"]) if os.geteuid() == 0 else (["unshare", "-rm"],):
+        probe = [*prefix, "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", tempfile.gettempdir()]
+        out = subprocess.run(probe, capture_output=True, text=True)
+        if out.returncode == 0:
+            return prefix, ""
+        why.append(f"`{' '.join(prefix)}` cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()[:200]}")
+    return None, "; ".join(why)
+
+
+def mount_tmpfs(path: Path, size: int, *, remount: bool = False) -> None:
+    """Mount a tmpfs of ``size`` bytes (rounded up to pages) at ``path``, or resize the one there
+    (inside :func:`mount_namespace`'s namespace). A write past its size fails with ENOSPC."""
+    opts = f"remount,size={size}" if remount else f"size={size}"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], check=True, capture_output=True)
+
+
+def _enospc_child(spec_path: str) -> None:
+    """One ``enospc`` trial, inside a private mount namespace (``--child-enospc``): a tmpfs at
+    ``mount`` holding the old output at ``dst`` and free space for ``frac`` of another output of
+    its size; the operation overwrites it; prints the outcome (JSON) as its last line."""
+    spec = json.loads(Path(spec_path).read_text())
+    m = Path(spec["mount"])
+    mount_tmpfs(m, 256 << 20)
+    dst = m / "dst"
+    shutil.copytree(spec["old"], dst)
+    used = shutil.disk_usage(m).used
+    size = used + int(spec["frac"] * used)  # the new output is about as large as the old one
+    mount_tmpfs(m, size, remount=True)
+    cmd = _command(spec["op"], spec["ranks"], Path(spec["src"]), dst, Path(spec["sd"]))
+    rc, out = _finish(_launch(cmd))
+    info = {"fs_bytes": size, "old_bytes": used, "rc": rc, "dst": _whole(dst, spec["refs"]), "left": _leftovers(dst)}
+    print(json.dumps({"rc": rc, "out": out[-20000:], "info": info}))
 
 
 # ---------------------------------------------------------------------------- checking outputs
@@ -242,6 +309,7 @@ class Matrix:
 
         warnings.filterwarnings("ignore")
         self.work, self.rng = work, random.Random(seed)
+        self.namespace, self.no_namespace = mount_namespace()
         self.src, self.refs, self.sd, self.duration = {}, {}, {}, {}
         for age, s in (("old", 1), ("new", 2)):
             sd = _state(s)
@@ -249,7 +317,7 @@ class Matrix:
             torch.save(sd, self.sd[age])
             src = self.src[age] = work / f"src-{age}"
             dcp.save(sd, storage_writer=AtomicFileSystemWriter(src), planner=ckptq.QuantizedSavePlanner(), no_dist=True)
-            outs = {"save": src}
+            outs = {"save": src, "async_save": src}
             outs["reshard"] = work / f"ref-reshard-{age}"
             ckptq.reshard_checkpoint(src, outs["reshard"], mesh="dp_shard=2,tp=2", plan="fsdp2-tp")
             outs["convert"] = work / f"ref-convert-{age}"
@@ -325,12 +393,33 @@ class Matrix:
         dst = self._fresh(op, ranks, "full")
         ref = self.refs[op]["new-path"]
         biggest = max(p.stat().st_size for p in ref.rglob("*") if p.is_file())
-        if op == "save":  # the reference is one process's save: each of N ranks writes about 1/N of it
+        if op in ("save", "async_save"):  # the reference is one process's save: each of N ranks writes ~1/N
             biggest //= ranks
         limit = int(biggest * self.rng.uniform(0.05, 0.9))
         rc, out = _finish(_launch(self._cmd(op, ranks, dst), fsize=limit))
         info = {"fsize": limit, "rc": rc, "dst": _whole(dst, self._refs(op)), "left": _leftovers(dst)}
-        return self._refused(rc, out, info, dst, ("File too large",))
+        return self._refused(op, rc, out, info, dst, ("File too large",))
+
+    def enospc(self, op: str, ranks: int) -> tuple[bool, str, dict]:
+        """A real full file system: ``dst``'s folder is a tmpfs (in a private mount namespace)
+        holding the old output and free space for a random 5-90 % of the new one."""
+        mount = Path(tempfile.mkdtemp(prefix=f"enospc-{op}-{ranks}-", dir=self.work))
+        spec = mount.parent / f"{mount.name}.json"
+        spec.write_text(
+            json.dumps({
+                "mount": str(mount), "old": str(self.refs[op]["old-path"]), "frac": self.rng.uniform(0.05, 0.9),
+                "op": op, "ranks": ranks, "src": str(self.src["new"]), "sd": str(self.sd["new"]),
+                "refs": self._refs(op),
+            })
+        )  # fmt: skip
+        child = [*self.namespace, sys.executable, str(Path(__file__).resolve()), "--child-enospc", str(spec)]
+        done = subprocess.run(child, env=_env(), capture_output=True, text=True, timeout=300)
+        try:
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return False, f"the trial failed to run: {done.stdout[-1500:]} {done.stderr[-1500:]}", {}
+        spec.unlink()
+        return self._refused(op, got["rc"], got["out"], got["info"], mount / "dst", ("No space left on device",))
 
     def readonly(self, op: str, ranks: int) -> tuple[bool, str, dict]:
         dst = self._fresh(op, ranks, "readonly")
@@ -340,15 +429,17 @@ class Matrix:
         finally:
             os.chmod(dst.parent, 0o755)
         info = {"rc": rc, "dst": _whole(dst, self._refs(op)), "left": _leftovers(dst)}
-        return self._refused(rc, out, info, dst, ("not writable", "Permission denied"))
+        return self._refused(op, rc, out, info, dst, ("not writable", "Permission denied"))
 
-    def _refused(self, rc, out, info, dst, causes) -> tuple[bool, str, dict]:
+    def _refused(self, op, rc, out, info, dst, causes) -> tuple[bool, str, dict]:
         lines = [ln.strip() for ln in out.splitlines()]
         errors = [  # an error line naming the destination, with the lines that continue it
             " ".join(lines[i : i + 3])
             for i, ln in enumerate(lines)
             if "Error" in ln and (str(dst) in ln or f".{dst.name}." in ln)
         ]
+        if op == "async_save":  # the error must come out of the future, as a CkptqError
+            errors = [m for m in errors if "future.result() raised CkptqError" in m]
         found = next((m[:600] for m in errors if any(c in m for c in causes)), None)
         info["message"] = found and found.replace(str(self.work), "$WORK")
         problems = []
@@ -411,6 +502,11 @@ def run(work: Path, trials: int, seed: int, ranks=(2, 4), ops=OPS, faults=FAULTS
         for op in ops:
             for n in (1,) if op == "export" else ranks:
                 row = {"fault": fault, "op": op, "ranks": n, "trials": 0, "passed": 0, "failures": [], "trial": []}
+                if fault == "enospc" and m.namespace is None:
+                    row["skipped"] = m.no_namespace
+                    log(f"{fault:8s} {op:10s} x{n}: skipped ({m.no_namespace})")
+                    rows.append(row)
+                    continue
                 for _ in range(trials):
                     t0 = time.time()
                     ok, why, info = getattr(m, fault)(op, n)
@@ -420,7 +516,7 @@ def run(work: Path, trials: int, seed: int, ranks=(2, 4), ops=OPS, faults=FAULTS
                     row["trial"].append(info)
                     if not ok:
                         row["failures"].append(why)
-                    log(f"{fault:8s} {op:8s} x{n}: {'ok  ' if ok else 'FAIL'} {json.dumps(info)[:300]}")
+                    log(f"{fault:8s} {op:10s} x{n}: {'ok  ' if ok else 'FAIL'} {json.dumps(info)[:300]}")
                     if not ok:
                         log("    " + why[:2000])
                 rows.append(row)
@@ -430,6 +526,7 @@ def run(work: Path, trials: int, seed: int, ranks=(2, 4), ops=OPS, faults=FAULTS
 EXPECT = {
     "kill": "the old or the new output, whole; the next run removes the staging folder",
     "full": "error names dst + EFBIG; old output unchanged; no staging left",
+    "enospc": "error names dst + ENOSPC; old output unchanged; no staging left",
     "readonly": "error names dst (read-only); old output unchanged; nothing left",
     "reader": "every load: exactly the old or the new tensors (bytes); no error",
 }
@@ -455,14 +552,20 @@ def markdown(result: dict) -> str:
         else:
             msg = next((x["message"] for x in t if x.get("message")), "") or ""
             det = "e.g. `" + msg.replace("|", "/")[:160] + "`"
-        outcome = EXPECT[r["fault"]] if r["passed"] == r["trials"] else "**FAILED**: " + r["failures"][0][:200]
+        if r.get("skipped"):
+            outcome, det = f"skipped: {r['skipped']}", ""
+        else:
+            outcome = EXPECT[r["fault"]] if r["passed"] == r["trials"] else "**FAILED**: " + r["failures"][0][:200]
         lines.append(f"| {r['fault']} | {r['op']} | {r['ranks']} | {r['trials']} | {r['passed']} | {outcome} | {det} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child-save":
-        _save_child(sys.argv[2], sys.argv[3])
+        _save_child(sys.argv[2], sys.argv[3], sys.argv[4])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == "--child-enospc":
+        _enospc_child(sys.argv[2])
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trials", type=int, default=2, help="trials per fault x operation x ranks")

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import pickle
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Union
 
@@ -553,6 +554,11 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         staged, self._staged_key = _stage_cached(state_dict)
         return staged
 
+    def storage_meta(self) -> Any:
+        if self._staged_key is not None:  # dcp.save's first call on the saving thread (see _STAGED_BUSY)
+            _STAGED_BUSY[self._staged_key] = threading.current_thread()
+        return super().storage_meta()
+
     def write_data(self, plan: Any, planner: Any) -> Future:
         if hasattr(planner, "checksums_by_writer"):  # ckptq's planner: no checksum files of its own
             planner.checksums_by_writer()
@@ -683,7 +689,12 @@ def _bins(count: int, items: list) -> list[list]:
 
 #: ``dcp.async_save`` staging copies kept for the next save: signature -> staged state dict.
 _STAGED: dict[Any, Any] = {}
-_STAGED_BUSY: set = set()
+#: keys of kept copies a save still writes from -> the thread running that save (None until the
+#: save thread's first call, :meth:`ChecksumFileSystemWriter.storage_meta`). ``dcp.async_save``
+#: runs each save on a thread of its own, which ends with the save, so the copy of a thread that
+#: ended is free again even when the save failed before ``write_data`` released it (a read-only
+#: destination, another rank's failed plan).
+_STAGED_BUSY: dict[Any, Any] = {}
 
 
 def _signature(state_dict: Any) -> tuple[Any, bool]:
@@ -763,13 +774,14 @@ def _stage_cached(state_dict: Any) -> tuple[Any, Any]:
     (page-locked when the state dict holds CUDA tensors). The copies are non-blocking, followed by
     one ``torch.cuda.synchronize``."""
     key, cuda = _signature(state_dict)
-    busy = key in _STAGED_BUSY
+    owner = _STAGED_BUSY.get(key)
+    busy = key in _STAGED_BUSY and (owner is None or owner.is_alive())
     staged = None if busy else _STAGED.get(key)
     if staged is None:
         staged = _staging_copy(state_dict, pin=cuda and torch.cuda.is_available())
     if not busy:
         _STAGED[key] = staged
-        _STAGED_BUSY.add(key)
+        _STAGED_BUSY[key] = None
     staged = _copy_into(state_dict, staged, non_blocking=cuda)
     if cuda:
         torch.cuda.synchronize()
@@ -777,7 +789,7 @@ def _stage_cached(state_dict: Any) -> tuple[Any, Any]:
 
 
 def _release_staged(key: Any, *, keep: bool) -> None:
-    _STAGED_BUSY.discard(key)
+    _STAGED_BUSY.pop(key, None)
     if not keep:
         _STAGED.pop(key, None)
 
