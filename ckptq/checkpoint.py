@@ -33,11 +33,21 @@ from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io import safetensors, storage, torchsave
 from .io.foreign import ForeignLocation
-from .io.metadata import METADATA_FILE
+from .io.index import INDEX_FILE, ChunkIndex
+from .io.metadata import METADATA_FILE, check_file_name, check_storage
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
 from .io.source import CheckpointSource, SourceKind
 
-__all__ = ["Entry", "CheckpointView", "CheckpointSource", "SavedChunk", "open_checkpoint", "register_source"]
+__all__ = [
+    "Entry",
+    "CheckpointView",
+    "IndexedCheckpointView",
+    "CheckpointSource",
+    "SavedChunk",
+    "open_checkpoint",
+    "open_indexed",
+    "register_source",
+]
 
 #: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
 STAGING_BYTES = 1 << 20
@@ -108,6 +118,10 @@ class CheckpointView(EntryTable):
             self.metadata, self._entries = read_metadata_and_entries(self.path)
         else:
             self.metadata, self._entries = metadata, fold_entries(metadata, where=str(self.path))
+        self._init_reads()
+
+    def _init_reads(self) -> None:
+        """The state of reads (``self.path``, ``self.metadata`` and ``self._entries`` set)."""
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
@@ -115,6 +129,12 @@ class CheckpointView(EntryTable):
         self._advised: dict[str, int] = {}  # local data file -> end of the range asked for (READ_AHEAD)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
+
+    def _checksum_table(self) -> dict:
+        """``{(key, offsets or None): crc32c}`` of the records the checkpoint records checksums for."""
+        if self._checksums is False:
+            self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
+        return self._checksums
 
     @property
     def world_size(self) -> int | None:
@@ -174,9 +194,7 @@ class CheckpointView(EntryTable):
                 f"{self.path}: '{fqn}', record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
             )
             _check_archive(blob, where)
-            check_checksum(
-                blob, (read_checksums(self.metadata.planner_data, where=str(self.path)) or {}).get((fqn, None)), where
-            )
+            check_checksum(blob, self._checksum_table().get((fqn, None)), where)
         return blob, descriptors
 
     # ------------------------------------------------------------------ byte ranges
@@ -205,8 +223,7 @@ class CheckpointView(EntryTable):
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointFormatError(f"{self.path}: '{key}' is not a tensor entry of the checkpoint")
-        if self._checksums is False:
-            self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
+        sums = self._checksum_table()
         out: list[SavedChunk] | None = []
         for c in md.chunks:
             index = MetadataIndex(key, c.offsets)
@@ -238,7 +255,7 @@ class CheckpointView(EntryTable):
                     start,
                     length,
                     start + at[0],
-                    self._checksums.get((key, tuple(int(o) for o in c.offsets))),
+                    sums.get((key, tuple(int(o) for o in c.offsets))),
                     where,
                     at[1],
                 )
@@ -504,6 +521,106 @@ class CheckpointView(EntryTable):
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
             return pd[key]
         return None
+
+
+class IndexedCheckpointView(CheckpointView):
+    """A :class:`CheckpointView` opened from the checkpoint's chunk index (:mod:`ckptq.io.index`)
+    instead of unpickling ``.metadata`` whole: the entry table (every entry's dtype, size,
+    descriptors: what :func:`~ckptq.reshard.plan.plan_reshard` needs) is read at once, an entry's
+    chunks and storage locations only when it is first read (:meth:`fill`, from
+    :meth:`saved_chunks`, :meth:`read` and :meth:`read_raw_bytes`), each block of index rows
+    verified by its crc32c and each entry then checked as the full reader checks it
+    (:func:`ckptq.io.check_storage` on that entry: bounds, coverage, disjointness, storage
+    locations, byte ranges, record sizes, data file lengths). Same interface and the same results
+    as :class:`CheckpointView` on the same checkpoint; open it with :func:`open_indexed`.
+
+    Memory: the entry table, plus the chunks of the entries read.
+
+    Raises:
+        CheckpointFormatError: from :class:`ckptq.io.index.ChunkIndex` (a damaged index, or one
+            that ``.metadata`` does not name), or an entry fails a check when it is filled.
+    """
+
+    def __init__(self, path: PathLike, index: ChunkIndex) -> None:
+        self.path = Path(path)
+        self.index = index
+        for rel in index.files:
+            check_file_name(rel, self.path, str(self.path / INDEX_FILE), "?")
+        self.metadata = index.skeleton()
+        self._entries = fold_entries(self.metadata, where=str(self.path))
+        self._init_reads()
+        self._checksums = {}
+        self._filled: set[str] = set()
+
+    @property
+    def files(self) -> list[Any]:
+        return [self.path / rel for rel in sorted(self.index.files)]
+
+    def fill(self, keys: Any) -> None:
+        """Read and check the chunks and storage locations of DCP entries ``keys`` (once each)."""
+        sdm = self.metadata.state_dict_metadata
+        for key in keys:
+            if key in self._filled or key not in self.index.names:
+                continue
+            chunk_list, located, sums = self.index.read_entry(key)
+            md = sdm[key]
+            if isinstance(md, TensorStorageMetadata):
+                md.chunks = chunk_list
+            check_storage(Metadata({key: md}, storage_data=located), self.path)
+            self.metadata.storage_data.update(located)
+            self._checksums.update(sums)
+            self._filled.add(key)
+
+    def has_foreign_records(self) -> bool:
+        """Whether a plain tensor entry's first record is another library's tensor (the full
+        reader presents those through the contract, :func:`ckptq.io.foreign.virtualize`: read such
+        a checkpoint with :class:`CheckpointView`). Reads the first index row and the first bytes of
+        the first record of each plain tensor entry (one the ckptq record does not describe)."""
+        from .io.foreign import virtualize
+
+        sdm, located = {}, {}
+        for e in self._entries.values():
+            if e.kind != "tensor" or e.descriptor is not None:
+                continue
+            md = self.metadata.state_dict_metadata[e.fqn]
+            first, where, _ = self.index.read_entry(e.fqn, limit=1)
+            if first:
+                sdm[e.fqn] = TensorStorageMetadata(md.properties, md.size, first)
+                located.update(where)
+        probe = Metadata(sdm, planner_data=self.metadata.planner_data, storage_data=located)
+        return bool(sdm) and virtualize(probe, self.path) is not probe
+
+    def saved_chunks(self, key: str) -> list[SavedChunk] | None:
+        self.fill((key,))
+        return super().saved_chunks(key)
+
+    def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
+        self.fill(self.entry(fqn).keys.values())
+        return super().read(fqn)
+
+    def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
+        self.fill((fqn,))
+        return super().read_raw_bytes(fqn)
+
+
+def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
+    """The checkpoint at local directory ``path`` opened from its chunk index
+    (:class:`IndexedCheckpointView`), or None when it has none to use (no index file: saved by
+    another writer or an older ckptq; an object store; another library's tensors among its entries):
+    open it with :func:`open_checkpoint` then.
+
+    Raises:
+        CheckpointFormatError: the index is damaged or ``.metadata`` does not name it (remove the
+            index to read the checkpoint through ``.metadata``).
+    """
+    if storage.is_url(path):
+        return None
+    p = Path(path)
+    p = p.parent if p.name == METADATA_FILE else p
+    if not (p / INDEX_FILE).is_file() or not (p / METADATA_FILE).is_file():
+        return None
+    view = IndexedCheckpointView(p, ChunkIndex(p))
+    return None if view.has_foreign_records() else view
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -44,6 +44,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
+from .index import check_index
 from .storage import file_size, is_url, join
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "check_pickle_memo",
     "validate_metadata",
     "check_storage",
+    "check_file_name",
     "describe_non_dcp",
 ]
 
@@ -69,7 +71,8 @@ def validate_metadata(
     ``root``), then :func:`ckptq.io.foreign.virtualize` (entries of tensors another library
     pickled become the native component entries of their canonical format), then check 4 on the
     result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries),
-    then :func:`ckptq.contract.check_digest` (edits that passed all of these), and reads the
+    then :func:`ckptq.contract.check_digest` (edits that passed all of these), then
+    :func:`ckptq.io.index.check_index` (a chunk index present is the one the record names), and reads the
     per-rank checksum files the record lists into its checksum table
     (:func:`ckptq.contract.merge_sidecar_checksums`).
 
@@ -115,6 +118,7 @@ def validate_metadata(
     entries = fold_entries(metadata, where=str(root))
     # Last, the edits that passed every check above: the digest, over the metadata as read.
     check_digest(raw, where=source)
+    check_index(root, raw.planner_data, where=source)  # a chunk index next to it is the one it names
     records = [checksum_key(k) for k, v in metadata.storage_data.items() if not isinstance(v, ForeignLocation)]
     if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
         planner_data = merge_sidecar_checksums(metadata.planner_data, root, records)
@@ -200,15 +204,22 @@ def _check_locations_inside(metadata: Metadata, root: Any, source: str) -> None:
         rel = getattr(info, "relative_path", None)
         if rel is None or (type(rel) is str and rel in safe):
             continue
-        rel = str(rel)
-        parts = Path(rel).parts
-        if os.path.isabs(rel) or ".." in parts or "\\" in rel:
-            raise UnsafeCheckpointError(
-                f"{source}: the metadata points '{getattr(index, 'fqn', '?')}' at '{rel}', outside "
-                f"the checkpoint directory '{root}'; refusing to read it"
-            )
+        check_file_name(str(rel), root, source, getattr(index, "fqn", "?"))
         if type(info.relative_path) is str:
             safe.add(rel)
+
+
+def check_file_name(rel: str, root: Any, source: str, fqn: str) -> None:
+    """Refuse a storage location's file name that is absolute or leaves the checkpoint directory.
+
+    Raises:
+        UnsafeCheckpointError: it does (names ``fqn``, the entry placed there).
+    """
+    if os.path.isabs(rel) or ".." in Path(rel).parts or "\\" in rel:
+        raise UnsafeCheckpointError(
+            f"{source}: the metadata points '{fqn}' at '{rel}', outside "
+            f"the checkpoint directory '{root}'; refusing to read it"
+        )
 
 
 def describe_non_dcp(p: Path) -> str:
