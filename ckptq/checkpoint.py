@@ -606,8 +606,9 @@ class IndexedCheckpointView(CheckpointView):
 def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
     """The checkpoint at local directory ``path`` opened from its chunk index
     (:class:`IndexedCheckpointView`), or None when it has none to use (no index file: saved by
-    another writer or an older ckptq; an object store; another library's tensors among its entries):
-    open it with :func:`open_checkpoint` then.
+    another writer or an older ckptq; an object store; an index ``.metadata`` does not name; another
+    library's tensors among its entries): open it with :func:`open_checkpoint` then (which refuses
+    an index that is not the one its ``.metadata`` names, :func:`ckptq.io.index.check_index`).
 
     Raises:
         CheckpointFormatError: the index is damaged or ``.metadata`` does not name it (remove the
@@ -619,7 +620,10 @@ def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
     p = p.parent if p.name == METADATA_FILE else p
     if not (p / INDEX_FILE).is_file() or not (p / METADATA_FILE).is_file():
         return None
-    view = IndexedCheckpointView(p, ChunkIndex(p))
+    index = ChunkIndex(p)
+    if not index.named_by_metadata():  # a stale index (.metadata of a later save), or another checkpoint's
+        return None
+    view = IndexedCheckpointView(p, index)
     return None if view.has_foreign_records() else view
 
 

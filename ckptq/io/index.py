@@ -23,10 +23,11 @@ next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe
   ``chunks`` included), the index's digest.
 
 ``.metadata``'s ckptq record names the index and its digest (:func:`ckptq.contract.with_index`):
-the full reader checks that an index present belongs to its ``.metadata``
-(:func:`check_index`); a reader of the index alone (:class:`ChunkIndex`) checks that ``.metadata``
-names this index's digest by scanning its bytes for it (no unpickling: a stale index left by a
-later save of another writer is refused). Checkpoints without an index read as before.
+the full reader checks that an index present is the one its ``.metadata`` names
+(:func:`check_index`); a reader of the index alone checks that ``.metadata`` names the index's
+digest by scanning its bytes for it (:meth:`ChunkIndex.named_by_metadata`, no unpickling; a stale
+index, left by a later save of another writer, is then not used). Checkpoints without an index
+read as before.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ from torch.distributed.checkpoint.metadata import (
 from ..checksums import checksum
 from ..contract import CKPTQ_KEY, DIGEST_KEY, INDEX_KEY, index_digest
 from ..errors import CheckpointFormatError
-from ..formats.base import dtype_to_str, str_to_dtype
 from .storage import is_url
 
 __all__ = ["INDEX_FILE", "BLOCK_ROWS", "build_index", "write_index", "ChunkIndex", "check_index"]
@@ -82,8 +82,20 @@ def _enc(x: Any) -> Any:
     if isinstance(x, dict):
         return {"d": [[_enc(k), _enc(v)] for k, v in x.items()]}
     if isinstance(x, torch.dtype):
-        return {"dtype": dtype_to_str(x)}
+        return {"dtype": _dtype_name(x)}
     raise _NoIndex(type(x).__name__)
+
+
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype named ``name`` (any torch dtype: an entry may be an int64 step counter)."""
+    d = getattr(torch, str(name), None)
+    if not isinstance(d, torch.dtype):
+        raise CheckpointFormatError(f"unknown dtype '{name}' in the chunk index")
+    return d
 
 
 def _dec(x: Any) -> Any:
@@ -94,7 +106,7 @@ def _dec(x: Any) -> Any:
             return tuple(_dec(v) for v in x["t"])
         if "d" in x:
             return {_dec(k): _dec(v) for k, v in x["d"]}
-        return str_to_dtype(x["dtype"])
+        return _dtype(x["dtype"])
     return x
 
 
@@ -144,7 +156,7 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         start = len(rows)
         if isinstance(md, TensorStorageMetadata):
             nd = len(md.size)
-            code = dtypes.setdefault(dtype_to_str(md.properties.dtype), len(dtypes))
+            code = dtypes.setdefault(_dtype_name(md.properties.dtype), len(dtypes))
             keys = [(list(c.offsets), list(c.sizes), MetadataIndex(fqn, c.offsets)) for c in md.chunks]
             kind, shape = 0, list(md.size)
         elif isinstance(md, BytesStorageMetadata):
@@ -227,11 +239,11 @@ class ChunkIndex:
         record, planner_data, version, has_checksums: what ``.metadata`` says besides its chunks.
 
     Raises:
-        CheckpointFormatError: the file is not an index of this format, a digest or crc32c does
-            not match, the tables are inconsistent, or ``.metadata`` does not name this index.
+        CheckpointFormatError: the file is not an index of this format, its digest does not match
+            its tables, or the tables are inconsistent (:meth:`rows`: a block's crc32c).
     """
 
-    def __init__(self, root: Path, *, check_metadata: bool = True) -> None:
+    def __init__(self, root: Path) -> None:
         from safetensors import safe_open
 
         self.root = root
@@ -253,7 +265,7 @@ class ChunkIndex:
         try:
             self.block_rows = int(header["block_rows"])
             doc = json.loads(bytes(arrays["table"]))
-            self.dtypes = [str_to_dtype(d) for d in doc["dtypes"]]
+            self.dtypes = [_dtype(d) for d in doc["dtypes"]]
             self.files = [str(f) for f in doc["files"]]
             self.record = _dec(doc["record"])
             self.planner_data = _dec(doc["planner_data"])
@@ -269,8 +281,6 @@ class ChunkIndex:
         self.entries = arrays["entries"]
         self.crcs = arrays["chunk_crc"]
         self._check_tables(shape, len(ends))
-        if check_metadata:
-            self._check_named()
 
     def _check_tables(self, shape: tuple, n_names: int) -> None:
         e, (n_rows, width) = self.entries, shape
@@ -289,8 +299,13 @@ class ChunkIndex:
         if not fine:
             raise _bad(self.root, "has an entry table that does not describe its chunk rows")
 
-    def _check_named(self) -> None:
-        """``.metadata`` names this index: its digest's text is in the file (read in 8 MiB pieces)."""
+    def named_by_metadata(self) -> bool:
+        """Whether ``.metadata`` names this index: its digest's text is in the file (read in 8 MiB
+        pieces, never unpickled). False: ``.metadata`` was replaced by a later save (of another
+        writer), or the index was copied from another checkpoint.
+
+        Raises:
+            CheckpointFormatError: ``.metadata`` cannot be read."""
         needle = self.digest.encode()
         tail, found = b"", False
         try:
@@ -302,8 +317,20 @@ class ChunkIndex:
                     tail = piece[-len(needle) :]
         except OSError as e:
             raise CheckpointFormatError(f"{self.root}: '.metadata' cannot be read ({e})") from e
-        if not found:
-            raise _bad(self.root, "is not the one '.metadata' names (a later save replaced '.metadata')")
+        return found
+
+    def check_rows(self) -> None:
+        """Verify every block of chunk rows against its crc32c (the full reader's check).
+
+        Raises:
+            CheckpointFormatError: a block does not match."""
+        step = self.block_rows * 1024
+        for start in range(0, self.n_rows, step):
+            block = np.ascontiguousarray(self._file.get_slice("chunks")[start : min(start + step, self.n_rows)])
+            for b in range(0, len(block), self.block_rows):
+                got = checksum(memoryview(block[b : b + self.block_rows]).cast("B"))
+                if got != int(self.crcs[(start + b) // self.block_rows]):
+                    raise _bad(self.root, f"fails the crc32c of its chunk rows {start + b}..")
 
     def rows(self, i: int) -> np.ndarray:
         """The ``chunks`` rows of entry ``i``, the blocks read verified by their crc32c.
@@ -381,7 +408,8 @@ class ChunkIndex:
 
 def check_index(root: Any, planner_data: Any, *, where: str) -> None:
     """The full reader's check: when ``.metadata``'s ckptq record names an index and that file is
-    in ``root``, its tables match their digest and the digest is the one the record names.
+    in ``root``, its tables match their digest, the digest is the one the record names and every
+    block of chunk rows matches its crc32c.
 
     Raises:
         CheckpointFormatError: they do not (the index is corrupt, or another checkpoint's).
@@ -389,6 +417,7 @@ def check_index(root: Any, planner_data: Any, *, where: str) -> None:
     digest = index_digest(planner_data)
     if digest is None or is_url(root) or not (Path(root) / INDEX_FILE).is_file():
         return
-    index = ChunkIndex(Path(root), check_metadata=False)
+    index = ChunkIndex(Path(root))
     if index.digest != digest:
         raise _bad(where, "is not the one its '.metadata' names (another checkpoint's, or a stale one)")
+    index.check_rows()
