@@ -14,7 +14,9 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -263,6 +265,10 @@ class CheckpointView(EntryTable):
         self._saved[key] = out
         return out
 
+    def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
+        """The saved chunks of ``key`` a read of ``box`` needs (here: :meth:`saved_chunks`, all of them)."""
+        return self.saved_chunks(key)
+
     def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> tuple[int, int] | None:
         """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
         with the elements of tensor entry ``key`` at ``box``, copied from the byte ranges of the
@@ -284,7 +290,7 @@ class CheckpointView(EntryTable):
                 None: use :meth:`read`), a data file is shorter than its metadata says, ``out`` does
                 not fit ``box``; ChecksumMismatchError: a chunk's bytes differ from its checksum.
         """
-        saved = self.saved_chunks(key)
+        saved = self._chunks_for(key, box)
         if saved is None:
             raise CheckpointFormatError(f"{self.path}: '{key}' cannot be read by byte range; use read()")
         if tuple(out.shape) != tuple(box[1]) or not out.is_contiguous() or (saved and out.dtype != saved[0].dtype):
@@ -308,7 +314,7 @@ class CheckpointView(EntryTable):
     def whole_chunk(self, key: str, box: chunks.Box) -> SavedChunk | None:
         """The saved chunk of tensor entry ``key`` whose box is exactly ``box``, if one is (and
         the entry can be read by byte range: :meth:`saved_chunks`)."""
-        for c in self.saved_chunks(key) or ():
+        for c in self._chunks_for(key, box) or ():
             if c.box == (tuple(box[0]), tuple(box[1])):
                 return c
         return None
@@ -526,19 +532,21 @@ class CheckpointView(EntryTable):
 class IndexedCheckpointView(CheckpointView):
     """A :class:`CheckpointView` opened from the checkpoint's chunk index (:mod:`ckptq.io.index`)
     instead of unpickling ``.metadata`` whole: the entry table (every entry's dtype, size,
-    descriptors: what :func:`~ckptq.reshard.plan.plan_reshard` needs) is read at once, an entry's
-    chunks and storage locations only when it is first read (:meth:`fill`, from
-    :meth:`saved_chunks`, :meth:`read` and :meth:`read_raw_bytes`), each block of index rows
-    verified by its crc32c and each entry then checked as the full reader checks it
-    (:func:`ckptq.io.check_storage` on that entry: bounds, coverage, disjointness, storage
-    locations, byte ranges, record sizes, data file lengths). Same interface and the same results
-    as :class:`CheckpointView` on the same checkpoint; open it with :func:`open_indexed`.
+    descriptors: what :func:`~ckptq.reshard.plan.plan_reshard` needs) is read at once; an entry's
+    chunk rows when it is first read (:meth:`need`: from :meth:`read_box` the chunks that overlap
+    the box, from :meth:`saved_chunks`, :meth:`read` and :meth:`read_raw_bytes` all of them).
+    Each block of rows read is verified by its crc32c and the rows of the entries read are checked
+    as the full reader checks a checkpoint (:func:`ckptq.io.check_storage`'s checks on arrays:
+    bounds, coverage, disjointness, storage locations, byte ranges, record sizes, data file
+    lengths; a failure is then named by the exact checks). Same interface and the same results as
+    :class:`CheckpointView` on the same checkpoint; open it with :func:`open_indexed`.
 
-    Memory: the entry table, plus the chunks of the entries read.
+    Memory: the entry table, the rows of the entries read (80 bytes a chunk for 3-D entries) and
+    DCP's objects for the chunks read.
 
     Raises:
-        CheckpointFormatError: from :class:`ckptq.io.index.ChunkIndex` (a damaged index, or one
-            that ``.metadata`` does not name), or an entry fails a check when it is filled.
+        CheckpointFormatError: from :class:`ckptq.io.index.ChunkIndex` (a damaged index), or the
+            rows of an entry fail a check when they are read.
     """
 
     def __init__(self, path: PathLike, index: ChunkIndex) -> None:
@@ -550,26 +558,110 @@ class IndexedCheckpointView(CheckpointView):
         self._entries = fold_entries(self.metadata, where=str(self.path))
         self._init_reads()
         self._checksums = {}
-        self._filled: set[str] = set()
+        self._rows: dict[str, Any] = {}  # key -> its chunk rows (numpy), checked
+        self._made: dict[str, Any] = {}  # key -> bool mask of its rows made into chunks
 
     @property
     def files(self) -> list[Any]:
         return [self.path / rel for rel in sorted(self.index.files)]
 
+    def need(self, wanted: Mapping[str, Any]) -> None:
+        """Make the chunks of DCP entries ``wanted`` (key -> boxes of the entry, or None for all of
+        it) available to the reads: the rows of the keys not read yet are read and checked together
+        (one call for many keys costs far less than one call each), then the chunks that overlap
+        the boxes become the entry's chunks and storage locations.
+
+        Raises:
+            CheckpointFormatError: a check fails.
+        """
+        with _gc_paused():
+            self._read_rows([k for k in wanted if k not in self._rows and k in self.index.names])
+            for key, boxes in wanted.items():
+                if key in self._rows:
+                    self._make(key, boxes)
+
     def fill(self, keys: Any) -> None:
-        """Read and check the chunks and storage locations of DCP entries ``keys`` (once each)."""
+        """:meth:`need` of all chunks of ``keys``."""
+        self.need(dict.fromkeys(keys))
+
+    def _read_rows(self, keys: list[str]) -> None:
+        import numpy as np
+
+        from .io.metadata import boxes_fine, holds, ranges_fine
+
+        if not keys:
+            return
+        index = self.index
+        rows = [index.rows(index.names[k]) for k in keys]
+        maxnd = index.maxnd
         sdm = self.metadata.state_dict_metadata
+        tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
+        counts = np.array([len(r) for r in rows], dtype=np.int64)
+        table = np.concatenate(rows) if rows else np.zeros((0, 2 * maxnd + 4), np.int64)
+        entry = np.repeat(np.arange(len(keys)), counts)
+        is_tensor = np.array(tensor, dtype=bool)[entry]
+        fine = True
+        nd = index.entries[[index.names[k] for k in keys], 2]
+        pad = np.arange(maxnd)[None, :] >= nd[:, None]  # per entry: padded dims
+        dims = np.where(pad, 1, index.entries[[index.names[k] for k in keys], 5 : 5 + maxnd])
+        off = np.where(pad[entry], 0, table[:, :maxnd])[is_tensor]
+        sz = np.where(pad[entry], 1, table[:, maxnd : 2 * maxnd])[is_tensor]
+        if is_tensor.any():
+            fine = bool(np.all(dims.prod(axis=1) < 1 << 53)) and boxes_fine(entry[is_tensor], off, sz, dims, True)
+        code, st, ln = table[:, 2 * maxnd], table[:, 2 * maxnd + 1], table[:, 2 * maxnd + 2]
+        fine = fine and bool(((code >= 0) & (code < len(index.files))).all())
+        last = ranges_fine(code, st, ln, len(index.files)) if fine else None
+        if last is not None and is_tensor.any():  # record sizes (check 4)
+            items = np.array([sdm[k].properties.dtype.itemsize if t else 0 for k, t in zip(keys, tensor, strict=True)])
+            fine = bool((ln[is_tensor] >= sz.prod(axis=1) * items[entry[is_tensor]]).all())
+        if (
+            not fine
+            or last is None
+            or not all(holds(self.path / index.files[f], int(last[f])) for f in np.unique(code).tolist())
+        ):
+            self._check_exactly(keys)  # names the failure (or passes a layout the arrays could not clear)
+        for k, r in zip(keys, rows, strict=True):
+            self._rows[k] = r
+            self._made[k] = np.zeros(len(r), dtype=bool)
+
+    def _check_exactly(self, keys: list[str]) -> None:
+        """The full reader's checks on DCP objects of every chunk of ``keys`` (naming a failure)."""
+        batch, located = {}, {}
         for key in keys:
-            if key in self._filled or key not in self.index.names:
-                continue
-            chunk_list, located, sums = self.index.read_entry(key)
-            md = sdm[key]
+            chunk_list, where, _ = self.index.read_entry(key)
+            md = self.metadata.state_dict_metadata[key]
             if isinstance(md, TensorStorageMetadata):
-                md.chunks = chunk_list
-            check_storage(Metadata({key: md}, storage_data=located), self.path)
-            self.metadata.storage_data.update(located)
-            self._checksums.update(sums)
-            self._filled.add(key)
+                md = TensorStorageMetadata(md.properties, md.size, chunk_list)
+            batch[key] = md
+            located.update(where)
+        check_storage(Metadata(batch, storage_data=located), self.path)
+
+    def _make(self, key: str, boxes: Any) -> None:
+        """The rows of ``key`` overlapping ``boxes`` (None: all) made into its chunks."""
+        import numpy as np
+
+        rows, made = self._rows[key], self._made[key]
+        md = self.metadata.state_dict_metadata[key]
+        maxnd = self.index.maxnd
+        if boxes is None or not isinstance(md, TensorStorageMetadata) or not md.size:
+            want = np.ones(len(rows), dtype=bool)
+        else:
+            nd = len(md.size)
+            lo, hi = rows[:, :nd], rows[:, :nd] + rows[:, maxnd : maxnd + nd]
+            want = np.zeros(len(rows), dtype=bool)
+            for off, size in boxes:
+                b_lo, b_hi = np.array(off, dtype=np.int64), np.array(off, dtype=np.int64) + np.array(size)
+                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=1)
+        new = want & ~made
+        if not new.any():
+            return
+        made |= new
+        chunk_list, located, sums = self.index.make_chunks(key, rows[made])
+        if isinstance(md, TensorStorageMetadata):
+            md.chunks = chunk_list
+        self.metadata.storage_data.update(located)
+        self._checksums.update(sums)
+        self._saved.pop(key, None)
 
     def has_foreign_records(self) -> bool:
         """Whether a plain tensor entry's first record is another library's tensor (the full
@@ -591,15 +683,19 @@ class IndexedCheckpointView(CheckpointView):
         return bool(sdm) and virtualize(probe, self.path) is not probe
 
     def saved_chunks(self, key: str) -> list[SavedChunk] | None:
-        self.fill((key,))
+        self.need({key: None})
+        return super().saved_chunks(key)
+
+    def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
+        self.need({key: [box]})
         return super().saved_chunks(key)
 
     def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
-        self.fill(self.entry(fqn).keys.values())
+        self.need(dict.fromkeys(self.entry(fqn).keys.values()))
         return super().read(fqn)
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
-        self.fill((fqn,))
+        self.need({fqn: None})
         return super().read_raw_bytes(fqn)
 
 
@@ -620,11 +716,26 @@ def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
     p = p.parent if p.name == METADATA_FILE else p
     if not (p / INDEX_FILE).is_file() or not (p / METADATA_FILE).is_file():
         return None
-    index = ChunkIndex(p)
-    if not index.named_by_metadata():  # a stale index (.metadata of a later save), or another checkpoint's
-        return None
-    view = IndexedCheckpointView(p, index)
-    return None if view.has_foreign_records() else view
+    with _gc_paused():
+        index = ChunkIndex(p)
+        if not index.named_by_metadata():  # a stale index (.metadata of a later save), or another checkpoint's
+            return None
+        view = IndexedCheckpointView(p, index)
+        return None if view.has_foreign_records() else view
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off meanwhile: building many small acyclic objects (the
+    entry table, chunk lists) otherwise triggers full collections that cost several times the
+    building itself (measured: 0.47 s against 0.12 s for a 7,800-entry table)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

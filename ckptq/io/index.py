@@ -55,7 +55,18 @@ from ..contract import CKPTQ_KEY, DIGEST_KEY, INDEX_KEY, index_digest
 from ..errors import CheckpointFormatError
 from .storage import is_url
 
-__all__ = ["INDEX_FILE", "BLOCK_ROWS", "build_index", "write_index", "ChunkIndex", "check_index"]
+__all__ = [
+    "INDEX_FILE",
+    "BLOCK_ROWS",
+    "build_index",
+    "pack_index",
+    "save_index",
+    "write_index",
+    "encode_value",
+    "encode_planner_data",
+    "ChunkIndex",
+    "check_index",
+]
 
 #: The index's file name in the checkpoint directory (never a data file: it does not end in ``.distcp``).
 INDEX_FILE = ".metadata.index"
@@ -69,21 +80,59 @@ class _NoIndex(Exception):
     """The metadata holds something the index does not represent (it is then not written)."""
 
 
-def _enc(x: Any) -> Any:
-    """Builtins (and dtypes) as JSON that :func:`_dec` turns back into equal values of the same types."""
+def encode_value(x: Any) -> Any:
+    """Builtins (and dtypes) as JSON that the reader turns back into equal values of the same
+    types (tuples and dicts tagged ``{"t": [...]}``, ``{"d": [[key, value], ...]}``, dtypes
+    ``{"dtype": name}``)."""
     if x is None or isinstance(x, (bool, str)):
         return x
     if isinstance(x, (int, float)):
         return x
     if isinstance(x, list):
-        return [_enc(v) for v in x]
+        return [encode_value(v) for v in x]
     if isinstance(x, tuple):
-        return {"t": [_enc(v) for v in x]}
+        return {"t": [encode_value(v) for v in x]}
     if isinstance(x, dict):
-        return {"d": [[_enc(k), _enc(v)] for k, v in x.items()]}
+        return {"d": [[encode_value(k), encode_value(v)] for k, v in x.items()]}
     if isinstance(x, torch.dtype):
         return {"dtype": _dtype_name(x)}
     raise _NoIndex(type(x).__name__)
+
+
+def _plain(x: Any) -> bool:
+    """Whether plain JSON gives ``x`` back as it is (str keys, lists, no tuples or dtypes)."""
+    if x is None or isinstance(x, (bool, str, int, float)):
+        return True
+    if type(x) is list:
+        return all(_plain(v) for v in x)
+    if type(x) is dict:
+        return all(type(k) is str and _plain(v) for k, v in x.items())
+    return False
+
+
+def encode_planner_data(record: dict | None, rest: dict) -> dict:
+    """The index table's fields for ``.metadata``'s ckptq record (its checksum table, digest and
+    index field left out) and the rest of its ``planner_data``: plain JSON where that gives them
+    back exactly (``record``; ``mappings``: DCP's flatten mappings, tuples of str and int), else
+    tagged (:func:`encode_value`; ``record_tagged``, ``planner_data``)."""
+    out: dict[str, Any] = {}
+    if record and _plain(record):
+        out["record"] = record
+    elif record:
+        out["record_tagged"] = encode_value(record)
+    if all(type(v) is tuple and all(type(p) in (str, int) for p in v) for v in rest.values()):
+        out["mappings"] = {k: list(v) for k, v in rest.items()}
+    else:
+        out["planner_data"] = encode_value(rest)
+    return out
+
+
+def _decode_planner_data(doc: dict) -> tuple[Any, dict]:
+    """``(record or None, rest of planner_data)`` from the fields :func:`encode_planner_data` wrote."""
+    record = doc["record"] if "record" in doc else _dec(doc.get("record_tagged"))
+    if "mappings" in doc:
+        return record, {k: tuple(v) for k, v in doc["mappings"].items()}
+    return record, _dec(doc["planner_data"])
 
 
 def _dtype_name(d: torch.dtype) -> str:
@@ -175,18 +224,31 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         ent_rows.append([kind, code, nd, start, len(rows) - start, *shape, *pad[nd:]])
         names.append(fqn.encode())
     width = 2 * maxnd + 4
-    chunks = np.array(rows, dtype=np.int64).reshape(len(rows), width)
-    blocks = [checksum(memoryview(chunks[i : i + BLOCK_ROWS]).cast("B")) for i in range(0, len(chunks), BLOCK_ROWS)]
     doc = {
         "dtypes": list(dtypes),
         "files": list(files),
-        "record": _enc(record) if record else None,
-        "planner_data": _enc(planner_data),
+        **encode_planner_data(record, planner_data),
         "version": metadata.version if isinstance(getattr(metadata, "version", None), str) else None,
         "checksums": table is not None,
     }
+    return pack_index(
+        np.array(ent_rows, dtype=np.int64).reshape(len(ent_rows), 5 + maxnd),
+        names,
+        np.array(rows, dtype=np.int64).reshape(len(rows), width),
+        doc,
+    )
+
+
+def pack_index(
+    entries: np.ndarray, names: list[bytes], chunks: np.ndarray, doc: dict
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The index's tensors and header from its tables (the module docstring): ``entries`` int64
+    ``(E, 5 + D)``, the FQNs UTF-8 encoded, ``chunks`` int64 ``(C, 2 D + 4)`` and the JSON table
+    ``doc`` (values tagged by :func:`encode_value`); adds the per-block crc32c and the digest."""
+    chunks = np.ascontiguousarray(chunks, dtype=np.int64)
+    blocks = [checksum(memoryview(chunks[i : i + BLOCK_ROWS]).cast("B")) for i in range(0, len(chunks), BLOCK_ROWS)]
     arrays = {
-        "entries": np.array(ent_rows, dtype=np.int64).reshape(len(ent_rows), 5 + maxnd),
+        "entries": np.ascontiguousarray(entries, dtype=np.int64),
         "names": np.frombuffer(b"".join(names), dtype=np.uint8),
         "name_ends": np.cumsum([len(n) for n in names], dtype=np.int64),
         "chunk_crc": np.array(blocks, dtype=np.uint32),
@@ -197,12 +259,21 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     return {**arrays, "chunks": chunks}, header
 
 
+def save_index(directory: Path, tensors: dict[str, np.ndarray], header: dict[str, str]) -> None:
+    """Write :func:`pack_index`'s result as :data:`INDEX_FILE` into local ``directory`` (fsynced)."""
+    from safetensors.numpy import save
+
+    blob = save(tensors, metadata=header)
+    with open(Path(directory) / INDEX_FILE, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_index(directory: Path, metadata: Metadata) -> str | None:
     """Write the index of ``metadata`` into local checkpoint ``directory`` (before ``.metadata``) and
     name it in ``metadata``'s ckptq record (:func:`ckptq.contract.with_index`, changed in place);
     returns its digest, or None when none is written (:func:`build_index`; no ckptq record)."""
-    from safetensors.numpy import save
-
     from ..contract import has_record, with_index
 
     if not has_record(metadata.planner_data):
@@ -210,14 +281,10 @@ def write_index(directory: Path, metadata: Metadata) -> str | None:
     built = build_index(metadata)
     if built is None:
         return None
-    tensors, header = built
-    blob = save(tensors, metadata=header)
-    with open(Path(directory) / INDEX_FILE, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    metadata.planner_data = with_index(metadata.planner_data, INDEX_FILE, header["tables_sha256"])
-    return header["tables_sha256"]
+    save_index(directory, *built)
+    digest = built[1]["tables_sha256"]
+    metadata.planner_data = with_index(metadata.planner_data, INDEX_FILE, digest)
+    return digest
 
 
 def _bad(where: Any, what: str) -> CheckpointFormatError:
@@ -267,8 +334,7 @@ class ChunkIndex:
             doc = json.loads(bytes(arrays["table"]))
             self.dtypes = [_dtype(d) for d in doc["dtypes"]]
             self.files = [str(f) for f in doc["files"]]
-            self.record = _dec(doc["record"])
-            self.planner_data = _dec(doc["planner_data"])
+            self.record, self.planner_data = _decode_planner_data(doc)
             self.version, self.has_checksums = doc["version"], bool(doc["checksums"])
             ends = arrays["name_ends"].tolist()
             blob = bytes(arrays["names"])
@@ -279,6 +345,7 @@ class ChunkIndex:
         except Exception as e:
             raise _bad(root, f"has a malformed table ({type(e).__name__}: {e})") from None
         self.entries = arrays["entries"]
+        self.maxnd = (shape[1] - 4) // 2 if len(shape) == 2 else -1
         self.crcs = arrays["chunk_crc"]
         self._check_tables(shape, len(ends))
 
@@ -355,13 +422,18 @@ class ChunkIndex:
         """A DCP ``Metadata`` of every entry (dtype, size) without chunks and without storage
         locations (:meth:`read_entry` gives an entry's), with the planner data."""
         sdm: dict[str, Any] = {}
-        for name, i in self.names.items():
-            kind, code, nd = (int(v) for v in self.entries[i, :3])
+        props = [TensorProperties(dtype=d) for d in self.dtypes]  # read-only: shared by the entries of a dtype
+        sizes: dict[tuple, torch.Size] = {}
+        for name, row in zip(self.names, self.entries.tolist(), strict=True):
+            kind, code, nd = row[:3]
             if kind == 1:
                 sdm[name] = BytesStorageMetadata()
             else:
-                size = torch.Size(self.entries[i, 5 : 5 + nd].tolist())
-                sdm[name] = TensorStorageMetadata(TensorProperties(dtype=self.dtypes[code]), size, [])
+                shape = tuple(row[5 : 5 + nd])
+                size = sizes.get(shape)
+                if size is None:
+                    size = sizes[shape] = torch.Size(shape)
+                sdm[name] = TensorStorageMetadata(props[code], size, [])
         planner_data = dict(self.planner_data)
         if self.record is not None:
             planner_data[CKPTQ_KEY] = self.record
@@ -379,11 +451,15 @@ class ChunkIndex:
             CheckpointFormatError: a block fails its crc32c, a row names a file the index does not
                 list, or (the checkpoint has a checksum table) a chunk has no checksum.
         """
+
+        return self.make_chunks(fqn, self.rows(self.names[fqn])[:limit])
+
+    def make_chunks(self, fqn: str, rows: np.ndarray) -> tuple[list, dict, dict]:
+        """:meth:`read_entry` of chunk rows ``rows`` of entry ``fqn`` (read and verified by :meth:`rows`)."""
         from torch.distributed.checkpoint.filesystem import _StorageInfo
 
         i = self.names[fqn]
-        rows = self.rows(i)[:limit]
-        kind, nd, maxnd = int(self.entries[i, 0]), int(self.entries[i, 2]), (rows.shape[1] - 4) // 2
+        kind, nd, maxnd = int(self.entries[i, 0]), int(self.entries[i, 2]), self.maxnd
         if (rows[:, 2 * maxnd] < 0).any() or (rows[:, 2 * maxnd] >= len(self.files)).any():
             raise _bad(self.root, f"places '{fqn}' in a file it does not list")
         if self.has_checksums and (rows[:, -1] < 0).any():

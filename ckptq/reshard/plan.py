@@ -56,6 +56,42 @@ class TensorJob:
     problem: str | None = None
     note: str | None = None
 
+    def source_boxes(self) -> dict[str, list | None]:
+        """What its owners' boxes read of the source: DCP key -> the boxes of that entry (per
+        component of a quantized source, :func:`ckptq.chunks.component_box`), None for all of it
+        (a bytes entry, or a component box that does not map). A job that transforms its tensors
+        reads them whole instead (:meth:`ckptq.checkpoint.CheckpointView.read`)."""
+        out: dict[str, list | None] = {}
+
+        def add(key: str, box) -> None:
+            if box is None or out.get(key, []) is None:
+                out[key] = None
+            else:
+                out.setdefault(key, []).append(box)
+
+        for _, (off, size) in self.owners:
+            if self.out == "bytes":
+                add(self.sources[0].fqn, None)
+                continue
+            if len(self.sources) > 1:  # grouped stack: the members the box covers, without their index
+                parts = [(self.sources[i], (off[1:], size[1:])) for i in range(off[0], off[0] + size[0])]
+            elif self.member is not None:  # grouped split: one slice of the 3-D source
+                parts = [(self.sources[0], ((self.member, *off), (1, *size)))]
+            else:
+                parts = [(self.sources[0], (tuple(off), tuple(size)))]
+            for src, box in parts:
+                if src.kind != "quantized":
+                    add(src.fqn, box)
+                    continue
+                desc = src.descriptor
+                cls = format_class(desc.format)
+                for spec in cls.component_specs(src.shape, cls._recipe_from_json(desc.recipe)):
+                    try:
+                        add(src.keys[spec.name], chunks.component_box(spec, src.shape, box))
+                    except ShardingError:
+                        add(src.keys[spec.name], None)
+        return out
+
 
 @dataclasses.dataclass
 class ReshardPlan:
