@@ -18,9 +18,9 @@ next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe
 * ``table`` uint8: JSON (tagged so that tuples and non-string keys come back as they were) of the
   dtype and file-name tables, the ckptq record without its checksum table, digest and index field,
   the rest of ``planner_data`` (DCP's flatten mappings), DCP's metadata version;
-* the safetensors header's ``__metadata__``: ``format`` (``ckptq.index``), ``version`` (1),
-  ``block_rows`` and ``tables_sha256``: SHA-256 of everything above but ``chunks`` (the sizes of
-  ``chunks`` included), the index's digest.
+* the safetensors header's ``__metadata__``, one key ``ckptq.index``: JSON (sorted keys) of
+  ``format`` (``ckptq.index``), ``version`` (1), ``block_rows`` and ``tables_sha256``: SHA-256 of
+  everything above but ``chunks`` (the sizes of ``chunks`` included), the index's digest.
 
 ``.metadata``'s ckptq record names the index and its digest (:func:`ckptq.contract.with_index`):
 the full reader checks that an index present is the one its ``.metadata`` names
@@ -72,7 +72,9 @@ __all__ = [
 INDEX_FILE = ".metadata.index"
 #: Rows of ``chunks`` per crc32c block.
 BLOCK_ROWS = 256
-_FORMAT, _VERSION = "ckptq.index", "1"
+_FORMAT, _VERSION = "ckptq.index", 1
+#: the one key of the safetensors header's ``__metadata__``: the index header, JSON
+_HEADER_KEY = "ckptq.index"
 _TABLES = ("entries", "names", "name_ends", "chunk_crc", "table")
 
 
@@ -168,7 +170,7 @@ def _sha(arrays: Mapping[str, np.ndarray], chunks_shape: tuple) -> str:
     return h.hexdigest()
 
 
-def build_index(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]] | None:
+def build_index(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
     """The index of a final ``metadata`` (storage locations and checksum table in place): its
     tensors and safetensors header fields, or None when the metadata holds something the index
     cannot represent (storage locations of another storage layer or with stream transforms,
@@ -179,7 +181,7 @@ def build_index(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, st
         return None
 
 
-def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     from torch.distributed.checkpoint.filesystem import _StorageInfo  # the class DCP's reader unpickles
 
     sdm, storage = metadata.state_dict_metadata, metadata.storage_data
@@ -241,7 +243,7 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, str]]:
 
 def pack_index(
     entries: np.ndarray, names: list[bytes], chunks: np.ndarray, doc: dict
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The index's tensors and header from its tables (the module docstring): ``entries`` int64
     ``(E, 5 + D)``, the FQNs UTF-8 encoded, ``chunks`` int64 ``(C, 2 D + 4)`` and the JSON table
     ``doc`` (values tagged by :func:`encode_value`); adds the per-block crc32c and the digest."""
@@ -254,16 +256,17 @@ def pack_index(
         "chunk_crc": np.array(blocks, dtype=np.uint32),
         "table": np.frombuffer(json.dumps(doc, separators=(",", ":")).encode(), dtype=np.uint8),
     }
-    header = {"format": _FORMAT, "version": _VERSION, "block_rows": str(BLOCK_ROWS)}
+    header = {"format": _FORMAT, "version": _VERSION, "block_rows": BLOCK_ROWS}
     header["tables_sha256"] = _sha(arrays, chunks.shape)
     return {**arrays, "chunks": chunks}, header
 
 
-def save_index(directory: Path, tensors: dict[str, np.ndarray], header: dict[str, str]) -> None:
+def save_index(directory: Path, tensors: dict[str, np.ndarray], header: dict[str, Any]) -> None:
     """Write :func:`pack_index`'s result as :data:`INDEX_FILE` into local ``directory`` (fsynced)."""
     from safetensors.numpy import save
 
-    blob = save(tensors, metadata=header)
+    # one key, sorted: the same bytes each time (safetensors writes its metadata map in no fixed order)
+    blob = save(tensors, metadata={_HEADER_KEY: json.dumps(header, sort_keys=True)})
     with open(Path(directory) / INDEX_FILE, "wb") as f:
         f.write(blob)
         f.flush()
@@ -317,14 +320,14 @@ class ChunkIndex:
         path = root / INDEX_FILE
         try:
             self._file = safe_open(str(path), framework="np")
-            header = self._file.metadata() or {}
+            header = json.loads((self._file.metadata() or {}).get(_HEADER_KEY, "{}"))
             arrays = {name: self._file.get_tensor(name) for name in _TABLES}
             shape = tuple(self._file.get_slice("chunks").get_shape())
         except CheckpointFormatError:
             raise
         except Exception as e:  # not a safetensors file, a missing tensor, a damaged header
             raise _bad(root, f"cannot be read ({type(e).__name__}: {e})") from None
-        if header.get("format") != _FORMAT or header.get("version") != _VERSION:
+        if not isinstance(header, dict) or header.get("format") != _FORMAT or header.get("version") != _VERSION:
             raise _bad(root, f"is not a version-{_VERSION} index (header {header})")
         self.digest = header.get("tables_sha256")
         if _sha(arrays, shape) != self.digest:
@@ -423,18 +426,19 @@ class ChunkIndex:
         locations (:meth:`read_entry` gives an entry's), with the planner data."""
         sdm: dict[str, Any] = {}
         props = [TensorProperties(dtype=d) for d in self.dtypes]  # read-only: shared by the entries of a dtype
-        sizes: dict[tuple, torch.Size] = {}
         for name, row in zip(self.names, self.entries.tolist(), strict=True):
             kind, code, nd = row[:3]
             if kind == 1:
                 sdm[name] = BytesStorageMetadata()
-            else:
-                shape = tuple(row[5 : 5 + nd])
-                size = sizes.get(shape)
-                if size is None:
-                    size = sizes[shape] = torch.Size(shape)
-                sdm[name] = TensorStorageMetadata(props[code], size, [])
-        planner_data = dict(self.planner_data)
+            else:  # one Size each, as unpickled (a writer copying it pickles what it was given)
+                sdm[name] = TensorStorageMetadata(props[code], torch.Size(row[5 : 5 + nd]), [])
+        # strings equal to an entry's name are that very object, as in an unpickled .metadata (a
+        # writer copying a flatten mapping then pickles the same bytes from either)
+        same = {n: n for n in sdm}
+        planner_data = {
+            same.get(k, k): tuple(same.get(x, x) if type(x) is str else x for x in v) if type(v) is tuple else v
+            for k, v in self.planner_data.items()
+        }
         if self.record is not None:
             planner_data[CKPTQ_KEY] = self.record
         md = Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data={})
