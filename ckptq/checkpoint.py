@@ -552,8 +552,10 @@ class IndexedCheckpointView(CheckpointView):
     def __init__(self, path: PathLike, index: ChunkIndex) -> None:
         self.path = Path(path)
         self.index = index
-        for rel in index.files:
+        for rel in index.files:  # check 3's rules for file names (the data files' lengths: when read)
             check_file_name(rel, self.path, str(self.path / INDEX_FILE), "?")
+            if not rel or Path(rel).name.endswith(METADATA_FILE):
+                raise CheckpointFormatError(f"{self.path}: the chunk index places records in '{rel}'; it is corrupt")
         self.metadata = index.skeleton()
         self._entries = fold_entries(self.metadata, where=str(self.path))
         self._init_reads()
