@@ -284,6 +284,7 @@ def _write_index_only(path: Path, keys: list, record: dict, world: int, n_chunks
     from ckptq.contract import CKPTQ_KEY, with_index
     from ckptq.io.index import INDEX_FILE, encode_planner_data, pack_index, save_index
 
+    keys = sorted(keys, key=lambda k: k[0])  # by name, as ckptq's writers write it
     maxnd = max(len(k[2]) for k in keys)
     dtypes: dict = {}
     ent, names, blocks = [], [], []

@@ -6,12 +6,12 @@ process that plans. The writers that write ``.metadata`` (:mod:`ckptq.io.writer`
 next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe_open`` /
 ``get_slice`` reads a row range of one tensor without reading the rest) of
 
-* ``entries`` int64 ``(E, 5 + D)``, one row per DCP entry in the checkpoint's entry order: kind (0
+* ``entries`` int64 ``(E, 5 + D)``, one row per DCP entry, sorted by FQN: kind (0
   tensor, 1 bytes), dtype (index into the table's ``dtypes``; -1 for bytes), ndim, first row and
   number of rows in ``chunks``, global shape padded with 0 to ``D`` (the largest ndim);
 * ``names`` uint8 and ``name_ends`` int64 ``(E,)``: the entries' FQNs, UTF-8, end to end;
 * ``chunks`` int64 ``(C, 2 D + 4)``, one row per saved chunk (a bytes entry: one row), an entry's rows
-  contiguous, in its ``chunks`` order: offsets and sizes (padded), data file (index into ``files``),
+  contiguous, sorted by offsets: offsets and sizes (padded), data file (index into ``files``),
   byte offset and length of its record, its crc32c checksum (-1: none);
 * ``chunk_crc`` uint32: the crc32c (:mod:`ckptq.checksums`) of each block of :data:`BLOCK_ROWS` rows of
   ``chunks`` (its bytes, little-endian), so that a reader of some rows verifies the blocks it reads;
@@ -200,15 +200,16 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     maxnd = max([len(md.size) for md in sdm.values() if isinstance(md, TensorStorageMetadata)] or [0])
     ent_rows, names, rows = [], [], []
     pad = [0] * maxnd
-    for fqn, md in sdm.items():
-        if type(fqn) is not str:
-            raise _NoIndex("name")
+    if not all(type(fqn) is str for fqn in sdm):
+        raise _NoIndex("name")
+    for fqn in sorted(sdm):  # by name, chunks by offsets: the same index however the save ordered them
+        md = sdm[fqn]
         per = (sums or {}).get(fqn) or {}
         start = len(rows)
         if isinstance(md, TensorStorageMetadata):
             nd = len(md.size)
             code = dtypes.setdefault(_dtype_name(md.properties.dtype), len(dtypes))
-            keys = [(list(c.offsets), list(c.sizes), MetadataIndex(fqn, c.offsets)) for c in md.chunks]
+            keys = sorted((list(c.offsets), list(c.sizes), MetadataIndex(fqn, c.offsets)) for c in md.chunks)
             kind, shape = 0, list(md.size)
         elif isinstance(md, BytesStorageMetadata):
             nd, code, kind, shape = 0, -1, 1, []
