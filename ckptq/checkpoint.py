@@ -608,8 +608,13 @@ class IndexedCheckpointView(CheckpointView):
         dims = np.where(pad, 1, index.entries[[index.names[k] for k in keys], 5 : 5 + maxnd])
         off = np.where(pad[entry], 0, table[:, :maxnd])[is_tensor]
         sz = np.where(pad[entry], 1, table[:, maxnd : 2 * maxnd])[is_tensor]
-        if is_tensor.any():
-            fine = bool(np.all(dims.prod(axis=1) < 1 << 53)) and boxes_fine(entry[is_tensor], off, sz, dims, True)
+        if is_tensor.any():  # the tensor entries alone, numbered among themselves
+            mask = np.array(tensor, dtype=bool)
+            number = np.cumsum(mask) - 1
+            dims_t = dims[mask]
+            fine = bool(np.all(dims_t.prod(axis=1) < 1 << 53)) and boxes_fine(
+                number[entry[is_tensor]], off, sz, dims_t, True
+            )
         code, st, ln = table[:, 2 * maxnd], table[:, 2 * maxnd + 1], table[:, 2 * maxnd + 2]
         fine = fine and bool(((code >= 0) & (code < len(index.files))).all())
         last = ranges_fine(code, st, ln, len(index.files)) if fine else None

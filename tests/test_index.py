@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -174,3 +175,34 @@ def test_reshard_through_the_index_writes_the_same_bytes(src, tmp_path):
     ckptq.reshard_checkpoint(src, tmp_path / "b", index=True, **kw)
     a, b = ({p.name: p.read_bytes() for p in sorted((tmp_path / d).iterdir())} for d in "ab")
     assert INDEX_FILE in a and a == b
+
+
+def test_rows_that_fail_the_readers_checks_are_refused(src):
+    """An index whose digests are right but whose rows say something impossible (a chunk outside
+    its tensor, a record past its file's end): refused when the entry is read, naming it."""
+    import pickle
+
+    from safetensors.numpy import load_file
+
+    from ckptq.contract import with_index
+    from ckptq.io.index import pack_index, save_index
+
+    tensors = load_file(str(src / INDEX_FILE))
+    index = ChunkIndex(src)
+    key = "model.layers.0.q_proj.weight.data"
+    i = index.names[key]
+    maxnd = index.maxnd
+    for column, value, match in ((0, 8, "outside the tensor"), (2 * maxnd + 1, 1 << 40, "truncated")):
+        chunks = tensors["chunks"].copy()
+        chunks[int(index.entries[i, 3]), column] = value  # its (one) chunk moved down 8 rows / far into its file
+        doc = json.loads(bytes(tensors["table"]))
+        names = [n.encode() for n in index.names]
+        packed, header = pack_index(tensors["entries"], names, chunks, doc)
+        save_index(src, packed, header)
+        md = pickle.loads((src / ".metadata").read_bytes())
+        md.planner_data = with_index(md.planner_data, INDEX_FILE, header["tables_sha256"])
+        (src / ".metadata").write_bytes(pickle.dumps(md))
+        view = open_indexed(src)
+        assert isinstance(view, IndexedCheckpointView)
+        with pytest.raises(ckptq.CheckpointFormatError, match=match):
+            view.saved_chunks(key)
