@@ -593,43 +593,41 @@ class IndexedCheckpointView(CheckpointView):
 
         if not keys:
             return
-        index = self.index
-        rows = [index.rows(index.names[k]) for k in keys]
-        maxnd = index.maxnd
-        sdm = self.metadata.state_dict_metadata
-        tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
-        counts = np.array([len(r) for r in rows], dtype=np.int64)
-        table = np.concatenate(rows) if rows else np.zeros((0, 2 * maxnd + 4), np.int64)
-        entry = np.repeat(np.arange(len(keys)), counts)
-        is_tensor = np.array(tensor, dtype=bool)[entry]
-        fine = True
-        nd = index.entries[[index.names[k] for k in keys], 2]
-        pad = np.arange(maxnd)[None, :] >= nd[:, None]  # per entry: padded dims
-        dims = np.where(pad, 1, index.entries[[index.names[k] for k in keys], 5 : 5 + maxnd])
-        off = np.where(pad[entry], 0, table[:, :maxnd])[is_tensor]
-        sz = np.where(pad[entry], 1, table[:, maxnd : 2 * maxnd])[is_tensor]
-        if is_tensor.any():  # the tensor entries alone, numbered among themselves
-            mask = np.array(tensor, dtype=bool)
-            number = np.cumsum(mask) - 1
-            dims_t = dims[mask]
-            fine = bool(np.all(dims_t.prod(axis=1) < 1 << 53)) and boxes_fine(
-                number[entry[is_tensor]], off, sz, dims_t, True
-            )
-        code, st, ln = table[:, 2 * maxnd], table[:, 2 * maxnd + 1], table[:, 2 * maxnd + 2]
+        index, sdm, maxnd = self.index, self.metadata.state_dict_metadata, self.index.maxnd
+        numbers = [index.names[k] for k in keys]
+        table = np.concatenate([index.rows(i) for i in numbers])
+        counts = index.entries[numbers, 4]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        # Padded dims have offset 0, size 1 and extent 1, and a bytes entry is one chunk of one
+        # element: every entry is checked as a box grid, in groups of about 2**18 rows (memory).
+        dims = index.entries[numbers, 5 : 5 + maxnd]
+        fine = bool(np.all(dims.prod(axis=1, dtype=np.float64) < 2.0**53))
+        group, first = 1 << 18, 0
+        while fine and first < len(keys):
+            last = int(np.searchsorted(starts, starts[first] + group, side="right")) - 1
+            last = max(last, first + 1)
+            a, b = int(starts[first]), int(starts[last])
+            entry = np.repeat(np.arange(last - first), counts[first:last])
+            rows = table[a:b]
+            fine = boxes_fine(entry, rows[:, :maxnd], rows[:, maxnd : 2 * maxnd], dims[first:last], True)
+            first = last
+        code, st, ln = (table[:, 2 * maxnd + k] for k in range(3))
         fine = fine and bool(((code >= 0) & (code < len(index.files))).all())
-        last = ranges_fine(code, st, ln, len(index.files)) if fine else None
-        if last is not None and is_tensor.any():  # record sizes (check 4)
+        ends = ranges_fine(code, st, ln, len(index.files)) if fine else None
+        if ends is not None:  # record sizes (check 4): N elements of dtype D need N * D.itemsize bytes
+            tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
             items = np.array([sdm[k].properties.dtype.itemsize if t else 0 for k, t in zip(keys, tensor, strict=True)])
-            fine = bool((ln[is_tensor] >= sz.prod(axis=1) * items[entry[is_tensor]]).all())
+            need = table[:, maxnd : 2 * maxnd].prod(axis=1) * np.repeat(items, counts)
+            fine = bool((ln >= need).all())
         if (
             not fine
-            or last is None
-            or not all(holds(self.path / index.files[f], int(last[f])) for f in np.unique(code).tolist())
+            or ends is None
+            or not all(holds(self.path / index.files[f], int(ends[f])) for f in np.unique(code).tolist())
         ):
             self._check_exactly(keys)  # names the failure (or passes a layout the arrays could not clear)
-        for k, r in zip(keys, rows, strict=True):
-            self._rows[k] = r
-            self._made[k] = np.zeros(len(r), dtype=bool)
+        for k, a, b in zip(keys, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            self._rows[k] = table[a:b]
+            self._made[k] = np.zeros(b - a, dtype=bool)
 
     def _check_exactly(self, keys: list[str]) -> None:
         """The full reader's checks on DCP objects of every chunk of ``keys`` (naming a failure)."""

@@ -292,9 +292,10 @@ def _write_index_only(path: Path, keys: list, record: dict, world: int, n_chunks
     for key, dtype, gshape, offs, sizes, files, starts, lengths in keys:
         nd, n = len(gshape), len(offs)
         code = dtypes.setdefault(str(dtype).removeprefix("torch."), len(dtypes))
-        ent.append([0, code, nd, row, n, *gshape, *[0] * (maxnd - nd)])
+        ent.append([0, code, nd, row, n, *gshape, *[1] * (maxnd - nd)])
         names.append(key.encode())
         b = np.zeros((n, 2 * maxnd + 4), dtype=np.int64)
+        b[:, maxnd : 2 * maxnd] = 1  # padded sizes
         b[:, :nd], b[:, maxnd : maxnd + nd] = offs, sizes
         b[:, 2 * maxnd], b[:, 2 * maxnd + 1], b[:, 2 * maxnd + 2], b[:, 2 * maxnd + 3] = files, starts, lengths, -1
         blocks.append(b)

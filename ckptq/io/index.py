@@ -8,10 +8,11 @@ next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe
 
 * ``entries`` int64 ``(E, 5 + D)``, one row per DCP entry, sorted by FQN: kind (0
   tensor, 1 bytes), dtype (index into the table's ``dtypes``; -1 for bytes), ndim, first row and
-  number of rows in ``chunks``, global shape padded with 0 to ``D`` (the largest ndim);
+  number of rows in ``chunks``, global shape padded with 1 to ``D`` (the largest ndim);
 * ``names`` uint8 and ``name_ends`` int64 ``(E,)``: the entries' FQNs, UTF-8, end to end;
 * ``chunks`` int64 ``(C, 2 D + 4)``, one row per saved chunk (a bytes entry: one row), an entry's rows
-  contiguous, sorted by offsets: offsets and sizes (padded), data file (index into ``files``),
+  contiguous, sorted by offsets: offsets and sizes (padded with 0 and 1: a bytes entry is one
+  chunk of one element of a ``(1, ..)`` entry), data file (index into ``files``),
   byte offset and length of its record, its crc32c checksum (-1: none);
 * ``chunk_crc`` uint32: the crc32c (:mod:`ckptq.checksums`) of each block of :data:`BLOCK_ROWS` rows of
   ``chunks`` (its bytes, little-endian), so that a reader of some rows verifies the blocks it reads;
@@ -199,7 +200,7 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     files: dict[str, int] = {}
     maxnd = max([len(md.size) for md in sdm.values() if isinstance(md, TensorStorageMetadata)] or [0])
     ent_rows, names, rows = [], [], []
-    pad = [0] * maxnd
+    zeros, ones = [0] * maxnd, [1] * maxnd
     if not all(type(fqn) is str for fqn in sdm):
         raise _NoIndex("name")
     for fqn in sorted(sdm):  # by name, chunks by offsets: the same index however the save ordered them
@@ -223,8 +224,8 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
                 raise _NoIndex("location")
             crc = per.get(None if kind else tuple(off), -1)
             f = files.setdefault(rel, len(files))
-            rows.append([*off, *pad[nd:], *sz, *pad[nd:], f, info.offset, info.length, crc])
-        ent_rows.append([kind, code, nd, start, len(rows) - start, *shape, *pad[nd:]])
+            rows.append([*off, *zeros[nd:], *sz, *ones[nd:], f, info.offset, info.length, crc])
+        ent_rows.append([kind, code, nd, start, len(rows) - start, *shape, *ones[nd:]])
         names.append(fqn.encode())
     width = 2 * maxnd + 4
     doc = {
@@ -366,7 +367,9 @@ class ChunkIndex:
             | ((kind == 1) & (code == -1) & (nd == 0) & (count == 1))
         ).all()
         fine = fine and (count >= 0).all() and (start == expected).all() and int(count.sum()) == n_rows
-        fine = fine and (e[:, 5:] >= 0).all() and len(self.crcs) == -(-n_rows // self.block_rows)
+        padded = np.arange(maxnd)[None, :] >= nd[:, None]
+        fine = fine and (e[:, 5:] >= 0).all() and (e[:, 5:][padded] == 1).all()
+        fine = fine and len(self.crcs) == -(-n_rows // self.block_rows)
         if not fine:
             raise _bad(self.root, "has an entry table that does not describe its chunk rows")
 
