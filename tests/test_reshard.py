@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 import ckptq
 from ckptq.checkpoint import CheckpointView
-from ckptq.io.index import INDEX_FILE
 from ckptq.cli import app
+from ckptq.io.index import INDEX_FILE
 from ckptq.metrics import bit_exact
 from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
 from ckptq.placement import rank_boxes
