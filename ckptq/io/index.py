@@ -116,15 +116,17 @@ def _plain(x: Any) -> bool:
 def encode_planner_data(record: dict | None, rest: dict) -> dict:
     """The index table's fields for ``.metadata``'s ckptq record (its checksum table, digest and
     index field left out) and the rest of its ``planner_data``: plain JSON where that gives them
-    back exactly (``record``; ``mappings``: DCP's flatten mappings, tuples of str and int), else
+    back exactly (``record``; ``mappings``: DCP's flatten mappings, tuples of str and int, sorted
+    by key), else
     tagged (:func:`encode_value`; ``record_tagged``, ``planner_data``)."""
     out: dict[str, Any] = {}
     if record and _plain(record):
         out["record"] = record
     elif record:
         out["record_tagged"] = encode_value(record)
-    if all(type(v) is tuple and all(type(p) in (str, int) for p in v) for v in rest.values()):
-        out["mappings"] = {k: list(v) for k, v in rest.items()}
+    if all(type(k) is str and type(v) is tuple and all(type(p) in (str, int) for p in v) for k, v in rest.items()):
+        # by key: the same index however the processes of a save merged them
+        out["mappings"] = {k: list(rest[k]) for k in sorted(rest)}
     else:
         out["planner_data"] = encode_value(rest)
     return out
