@@ -656,7 +656,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         if sums or sidecar_ranks(metadata.planner_data) is not None:  # the table replaces the planner's files
             metadata.planner_data = with_checksums(metadata.planner_data, sums)
             with_digest(metadata)  # the record now has a checksum table: the digest covers that
-        if not storage.is_url(str(self.path)):
+        if not getattr(self, "remote", False) and not storage.is_url(str(self.path)):
             # The chunk index (local checkpoints), before FileSystemWriter.finish writes .metadata (which
             # names it) with these same locations: the union of the ranks' write results, as it sets them.
             metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
