@@ -14,7 +14,9 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -33,11 +35,21 @@ from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io import safetensors, storage, torchsave
 from .io.foreign import ForeignLocation
-from .io.metadata import METADATA_FILE
+from .io.index import INDEX_FILE, ChunkIndex
+from .io.metadata import METADATA_FILE, check_file_name, check_storage
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
 from .io.source import CheckpointSource, SourceKind
 
-__all__ = ["Entry", "CheckpointView", "CheckpointSource", "SavedChunk", "open_checkpoint", "register_source"]
+__all__ = [
+    "Entry",
+    "CheckpointView",
+    "IndexedCheckpointView",
+    "CheckpointSource",
+    "SavedChunk",
+    "open_checkpoint",
+    "open_indexed",
+    "register_source",
+]
 
 #: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
 STAGING_BYTES = 1 << 20
@@ -108,6 +120,10 @@ class CheckpointView(EntryTable):
             self.metadata, self._entries = read_metadata_and_entries(self.path)
         else:
             self.metadata, self._entries = metadata, fold_entries(metadata, where=str(self.path))
+        self._init_reads()
+
+    def _init_reads(self) -> None:
+        """The state of reads (``self.path``, ``self.metadata`` and ``self._entries`` set)."""
         self.record = read_record(self.metadata.planner_data)
         self.reader = SafeFileSystemReader(self.path, metadata=self.metadata)
         self._saved: dict[str, list[SavedChunk] | None] = {}
@@ -115,6 +131,12 @@ class CheckpointView(EntryTable):
         self._advised: dict[str, int] = {}  # local data file -> end of the range asked for (READ_AHEAD)
         self._staging: Any = None
         self._checksums: Any = False  # read on first use
+
+    def _checksum_table(self) -> dict:
+        """``{(key, offsets or None): crc32c}`` of the records the checkpoint records checksums for."""
+        if self._checksums is False:
+            self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
+        return self._checksums
 
     @property
     def world_size(self) -> int | None:
@@ -174,9 +196,7 @@ class CheckpointView(EntryTable):
                 f"{self.path}: '{fqn}', record '{info.relative_path}' bytes {info.offset}..{info.offset + info.length}"
             )
             _check_archive(blob, where)
-            check_checksum(
-                blob, (read_checksums(self.metadata.planner_data, where=str(self.path)) or {}).get((fqn, None)), where
-            )
+            check_checksum(blob, self._checksum_table().get((fqn, None)), where)
         return blob, descriptors
 
     # ------------------------------------------------------------------ byte ranges
@@ -205,8 +225,7 @@ class CheckpointView(EntryTable):
         md = self.metadata.state_dict_metadata.get(key)
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointFormatError(f"{self.path}: '{key}' is not a tensor entry of the checkpoint")
-        if self._checksums is False:
-            self._checksums = read_checksums(self.metadata.planner_data, where=str(self.path)) or {}
+        sums = self._checksum_table()
         out: list[SavedChunk] | None = []
         for c in md.chunks:
             index = MetadataIndex(key, c.offsets)
@@ -238,13 +257,17 @@ class CheckpointView(EntryTable):
                     start,
                     length,
                     start + at[0],
-                    self._checksums.get((key, tuple(int(o) for o in c.offsets))),
+                    sums.get((key, tuple(int(o) for o in c.offsets))),
                     where,
                     at[1],
                 )
             )
         self._saved[key] = out
         return out
+
+    def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
+        """The saved chunks of ``key`` a read of ``box`` needs (here: :meth:`saved_chunks`, all of them)."""
+        return self.saved_chunks(key)
 
     def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> tuple[int, int] | None:
         """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
@@ -267,7 +290,7 @@ class CheckpointView(EntryTable):
                 None: use :meth:`read`), a data file is shorter than its metadata says, ``out`` does
                 not fit ``box``; ChecksumMismatchError: a chunk's bytes differ from its checksum.
         """
-        saved = self.saved_chunks(key)
+        saved = self._chunks_for(key, box)
         if saved is None:
             raise CheckpointFormatError(f"{self.path}: '{key}' cannot be read by byte range; use read()")
         if tuple(out.shape) != tuple(box[1]) or not out.is_contiguous() or (saved and out.dtype != saved[0].dtype):
@@ -291,7 +314,7 @@ class CheckpointView(EntryTable):
     def whole_chunk(self, key: str, box: chunks.Box) -> SavedChunk | None:
         """The saved chunk of tensor entry ``key`` whose box is exactly ``box``, if one is (and
         the entry can be read by byte range: :meth:`saved_chunks`)."""
-        for c in self.saved_chunks(key) or ():
+        for c in self._chunks_for(key, box) or ():
             if c.box == (tuple(box[0]), tuple(box[1])):
                 return c
         return None
@@ -504,6 +527,220 @@ class CheckpointView(EntryTable):
         if isinstance(pd, dict) and isinstance(pd.get(key), tuple):
             return pd[key]
         return None
+
+
+class IndexedCheckpointView(CheckpointView):
+    """A :class:`CheckpointView` opened from the checkpoint's chunk index (:mod:`ckptq.io.index`)
+    instead of unpickling ``.metadata`` whole: the entry table (every entry's dtype, size,
+    descriptors: what :func:`~ckptq.reshard.plan.plan_reshard` needs) is read at once; an entry's
+    chunk rows when it is first read (:meth:`need`: from :meth:`read_box` the chunks that overlap
+    the box, from :meth:`saved_chunks`, :meth:`read` and :meth:`read_raw_bytes` all of them).
+    Each block of rows read is verified by its crc32c and the rows of the entries read are checked
+    as the full reader checks a checkpoint (:func:`ckptq.io.check_storage`'s checks on arrays:
+    bounds, coverage, disjointness, storage locations, byte ranges, record sizes, data file
+    lengths; a failure is then named by the exact checks). Same interface and the same results as
+    :class:`CheckpointView` on the same checkpoint; open it with :func:`open_indexed`.
+
+    Memory: the entry table, the rows of the entries read (80 bytes a chunk for 3-D entries) and
+    DCP's objects for the chunks read.
+
+    Raises:
+        CheckpointFormatError: from :class:`ckptq.io.index.ChunkIndex` (a damaged index), or the
+            rows of an entry fail a check when they are read.
+    """
+
+    def __init__(self, path: PathLike, index: ChunkIndex) -> None:
+        self.path = Path(path)
+        self.index = index
+        for rel in index.files:  # check 3's rules for file names (the data files' lengths: when read)
+            check_file_name(rel, self.path, str(self.path / INDEX_FILE), "?")
+            if not rel or Path(rel).name.endswith(METADATA_FILE):
+                raise CheckpointFormatError(f"{self.path}: the chunk index places records in '{rel}'; it is corrupt")
+        self.metadata = index.skeleton()
+        self._entries = fold_entries(self.metadata, where=str(self.path))
+        self._init_reads()
+        self._checksums = {}
+        self._rows: dict[str, Any] = {}  # key -> its chunk rows (numpy), checked
+        self._made: dict[str, Any] = {}  # key -> bool mask of its rows made into chunks
+
+    @property
+    def files(self) -> list[Any]:
+        return [self.path / rel for rel in sorted(self.index.files)]
+
+    def need(self, wanted: Mapping[str, Any]) -> None:
+        """Make the chunks of DCP entries ``wanted`` (key -> boxes of the entry, or None for all of
+        it) available to the reads: the rows of the keys not read yet are read and checked together
+        (one call for many keys costs far less than one call each), then the chunks that overlap
+        the boxes become the entry's chunks and storage locations.
+
+        Raises:
+            CheckpointFormatError: a check fails.
+        """
+        with _gc_paused():
+            self._read_rows([k for k in wanted if k not in self._rows and k in self.index.names])
+            for key, boxes in wanted.items():
+                if key in self._rows:
+                    self._make(key, boxes)
+
+    def fill(self, keys: Any) -> None:
+        """:meth:`need` of all chunks of ``keys``."""
+        self.need(dict.fromkeys(keys))
+
+    def _read_rows(self, keys: list[str]) -> None:
+        import numpy as np
+
+        from .io.metadata import boxes_fine, holds, ranges_fine
+
+        if not keys:
+            return
+        index, sdm, maxnd = self.index, self.metadata.state_dict_metadata, self.index.maxnd
+        numbers = [index.names[k] for k in keys]
+        table = np.concatenate([index.rows(i) for i in numbers])
+        counts = index.entries[numbers, 4]
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        # Padded dims have offset 0, size 1 and extent 1, and a bytes entry is one chunk of one
+        # element: every entry is checked as a box grid, in groups of about 2**18 rows (memory).
+        dims = index.entries[numbers, 5 : 5 + maxnd]
+        fine = bool(np.all(dims.prod(axis=1, dtype=np.float64) < 2.0**53))
+        group, first = 1 << 18, 0
+        while fine and first < len(keys):
+            last = int(np.searchsorted(starts, starts[first] + group, side="right")) - 1
+            last = max(last, first + 1)
+            a, b = int(starts[first]), int(starts[last])
+            entry = np.repeat(np.arange(last - first), counts[first:last])
+            rows = table[a:b]
+            fine = boxes_fine(entry, rows[:, :maxnd], rows[:, maxnd : 2 * maxnd], dims[first:last], True)
+            first = last
+        code, st, ln = (table[:, 2 * maxnd + k] for k in range(3))
+        fine = fine and bool(((code >= 0) & (code < len(index.files))).all())
+        ends = ranges_fine(code, st, ln, len(index.files)) if fine else None
+        if ends is not None:  # record sizes (check 4): N elements of dtype D need N * D.itemsize bytes
+            tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
+            items = np.array([sdm[k].properties.dtype.itemsize if t else 0 for k, t in zip(keys, tensor, strict=True)])
+            need = table[:, maxnd : 2 * maxnd].prod(axis=1) * np.repeat(items, counts)
+            fine = bool((ln >= need).all())
+        if (
+            not fine
+            or ends is None
+            or not all(holds(self.path / index.files[f], int(ends[f])) for f in np.unique(code).tolist())
+        ):
+            self._check_exactly(keys)  # names the failure (or passes a layout the arrays could not clear)
+        for k, a, b in zip(keys, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            self._rows[k] = table[a:b]
+            self._made[k] = np.zeros(b - a, dtype=bool)
+
+    def _check_exactly(self, keys: list[str]) -> None:
+        """The full reader's checks on DCP objects of every chunk of ``keys`` (naming a failure)."""
+        batch, located = {}, {}
+        for key in keys:
+            chunk_list, where, _ = self.index.read_entry(key)
+            md = self.metadata.state_dict_metadata[key]
+            if isinstance(md, TensorStorageMetadata):
+                md = TensorStorageMetadata(md.properties, md.size, chunk_list)
+            batch[key] = md
+            located.update(where)
+        check_storage(Metadata(batch, storage_data=located), self.path)
+
+    def _make(self, key: str, boxes: Any) -> None:
+        """The rows of ``key`` overlapping ``boxes`` (None: all) made into its chunks."""
+        import numpy as np
+
+        rows, made = self._rows[key], self._made[key]
+        md = self.metadata.state_dict_metadata[key]
+        maxnd = self.index.maxnd
+        if boxes is None or not isinstance(md, TensorStorageMetadata) or not md.size:
+            want = np.ones(len(rows), dtype=bool)
+        else:
+            nd = len(md.size)
+            lo, hi = rows[:, :nd], rows[:, :nd] + rows[:, maxnd : maxnd + nd]
+            want = np.zeros(len(rows), dtype=bool)
+            for off, size in boxes:
+                b_lo, b_hi = np.array(off, dtype=np.int64), np.array(off, dtype=np.int64) + np.array(size)
+                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=1)
+        new = want & ~made
+        if not new.any():
+            return
+        made |= new
+        chunk_list, located, sums = self.index.make_chunks(key, rows[made])
+        if isinstance(md, TensorStorageMetadata):
+            md.chunks = chunk_list
+        self.metadata.storage_data.update(located)
+        self._checksums.update(sums)
+        self._saved.pop(key, None)
+
+    def has_foreign_records(self) -> bool:
+        """Whether a plain tensor entry's first record is another library's tensor (the full
+        reader presents those through the contract, :func:`ckptq.io.foreign.virtualize`: read such
+        a checkpoint with :class:`CheckpointView`). Reads the first index row and the first bytes of
+        the first record of each plain tensor entry (one the ckptq record does not describe)."""
+        from .io.foreign import virtualize
+
+        sdm, located = {}, {}
+        for e in self._entries.values():
+            if e.kind != "tensor" or e.descriptor is not None:
+                continue
+            md = self.metadata.state_dict_metadata[e.fqn]
+            first, where, _ = self.index.read_entry(e.fqn, limit=1)
+            if first:
+                sdm[e.fqn] = TensorStorageMetadata(md.properties, md.size, first)
+                located.update(where)
+        probe = Metadata(sdm, planner_data=self.metadata.planner_data, storage_data=located)
+        return bool(sdm) and virtualize(probe, self.path) is not probe
+
+    def saved_chunks(self, key: str) -> list[SavedChunk] | None:
+        self.need({key: None})
+        return super().saved_chunks(key)
+
+    def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
+        self.need({key: [box]})
+        return super().saved_chunks(key)
+
+    def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
+        self.need(dict.fromkeys(self.entry(fqn).keys.values()))
+        return super().read(fqn)
+
+    def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
+        self.need({fqn: None})
+        return super().read_raw_bytes(fqn)
+
+
+def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
+    """The checkpoint at local directory ``path`` opened from its chunk index
+    (:class:`IndexedCheckpointView`), or None when it has none to use (no index file: saved by
+    another writer or an older ckptq; an object store; an index ``.metadata`` does not name; another
+    library's tensors among its entries): open it with :func:`open_checkpoint` then (which refuses
+    an index that is not the one its ``.metadata`` names, :func:`ckptq.io.index.check_index`).
+
+    Raises:
+        CheckpointFormatError: the index is damaged or ``.metadata`` does not name it (remove the
+            index to read the checkpoint through ``.metadata``).
+    """
+    if storage.is_url(path):
+        return None
+    p = Path(path)
+    p = p.parent if p.name == METADATA_FILE else p
+    if not (p / INDEX_FILE).is_file() or not (p / METADATA_FILE).is_file():
+        return None
+    with _gc_paused():
+        index = ChunkIndex(p)
+        if not index.named_by_metadata():  # a stale index (.metadata of a later save), or another checkpoint's
+            return None
+        view = IndexedCheckpointView(p, index)
+        return None if view.has_foreign_records() else view
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off meanwhile: building many small acyclic objects (the
+    entry table, chunk lists) otherwise triggers full collections that cost several times the
+    building itself (measured: 0.47 s against 0.12 s for a 7,800-entry table)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

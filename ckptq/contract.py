@@ -64,6 +64,9 @@ __all__ = [
     "merge_sidecar_checksums",
     "check_checksum_coverage",
     "DIGEST_KEY",
+    "INDEX_KEY",
+    "with_index",
+    "index_digest",
     "mark_verified",
     "is_verified",
     "metadata_digest",
@@ -293,6 +296,37 @@ DIGEST_KEY = "metadata_sha256"
 _VERIFIED: dict[int, Any] = {}
 
 
+#: the record field naming the chunk index written next to ``.metadata`` (``ckptq.io.index``):
+#: ``{"file": name, "sha256": its digest}``. Set after :func:`metadata_digest` is taken, which leaves it out.
+INDEX_KEY = "index"
+
+
+def with_index(planner_data: Any, name: str, digest: str) -> dict:
+    """``planner_data`` (a copy) whose ckptq record names the chunk index ``name`` of ``digest``."""
+    data = dict(planner_data)
+    data[CKPTQ_KEY] = {**data[CKPTQ_KEY], INDEX_KEY: {"file": name, "sha256": digest}}
+    return data
+
+
+def index_digest(planner_data: Any) -> str | None:
+    """The digest of the chunk index the ckptq record names (None: it names none).
+
+    Raises:
+        CheckpointFormatError: the field is malformed.
+    """
+    if not has_record(planner_data) or not isinstance(planner_data[CKPTQ_KEY], Mapping):
+        return None
+    field = planner_data[CKPTQ_KEY].get(INDEX_KEY)
+    if field is None:
+        return None
+    if not isinstance(field, Mapping) or not isinstance(field.get("sha256"), str):
+        raise CheckpointFormatError(
+            f"malformed '{INDEX_KEY}' field in the '{CKPTQ_KEY}' record ({_short(field)}); restore the "
+            f"metadata or re-save the checkpoint"
+        )
+    return field["sha256"]
+
+
 def mark_verified(metadata: Any) -> None:
     """Remember (while it lives) that ``metadata``'s digest was checked and its per-rank checksum
     files read in (``ckptq.io.metadata.validate_metadata``): the load planner need not redo it."""
@@ -343,8 +377,8 @@ def _int_list(x: Any) -> list:
 def metadata_digest(metadata: Any) -> str:
     """SHA-256 (hex) of a canonical serialization of what a checkpoint's ``.metadata`` says about
     its contents: every entry (its kind, dtype, global size and chunks' offsets and sizes) and the
-    whole ``planner_data`` except the ckptq record's checksum table (only whether it has one) and
-    this digest. Not covered:
+    whole ``planner_data`` except the ckptq record's checksum table (only whether it has one), this
+    digest and the chunk index field (:data:`INDEX_KEY`: the index has its own digest). Not covered:
     ``storage_data`` (the records' file locations, which the chunks' checksums cover: a moved
     location reads other bytes) and ``storage_meta`` (ids of the save). Not over the pickle, whose
     bytes would include the digest and vary with pickling details."""
@@ -362,7 +396,7 @@ def metadata_digest(metadata: Any) -> str:
     planner_data = dict(metadata.planner_data or {})
     if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
         record = planner_data[CKPTQ_KEY]
-        planner_data[CKPTQ_KEY] = {k: v for k, v in record.items() if k not in ("checksums", DIGEST_KEY)}
+        planner_data[CKPTQ_KEY] = {k: v for k, v in record.items() if k not in ("checksums", DIGEST_KEY, INDEX_KEY)}
         # whether the checkpoint has checksums (not the table, which the storage writer may fill in
         # after the digest): removing them must not turn it silently into a checkpoint without any
         planner_data[CKPTQ_KEY]["checksums"] = record.get("checksums") is not None

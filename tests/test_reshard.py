@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 import ckptq
 from ckptq.checkpoint import CheckpointView
 from ckptq.cli import app
+from ckptq.io.index import INDEX_FILE
 from ckptq.metrics import bit_exact
 from ckptq.parse import parse_mesh, parse_placement, parse_placement_rules
 from ckptq.placement import rank_boxes
@@ -61,7 +62,7 @@ def test_reshard_fsdp2_tp_one_file_per_rank_and_exact(src, tmp_path):
     dst = tmp_path / "dst"
     run_reshard(view, plan, dst)
     assert _files(path) == before  # the source is never modified
-    assert sorted(os.listdir(dst)) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(os.listdir(dst)) == [".metadata", INDEX_FILE] + [f"__{r}_0.distcp" for r in range(4)]
     out = CheckpointView(dst)
     assert out.record["world_size"] == 4 and out.record["mesh"] == "dp_shard=2,tp=2"
     md = out.metadata

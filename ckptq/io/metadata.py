@@ -44,6 +44,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, virtualize
+from .index import check_index
 from .storage import file_size, is_url, join
 
 __all__ = [
@@ -51,6 +52,10 @@ __all__ = [
     "check_pickle_memo",
     "validate_metadata",
     "check_storage",
+    "check_file_name",
+    "boxes_fine",
+    "ranges_fine",
+    "holds",
     "describe_non_dcp",
 ]
 
@@ -69,7 +74,8 @@ def validate_metadata(
     ``root``), then :func:`ckptq.io.foreign.virtualize` (entries of tensors another library
     pickled become the native component entries of their canonical format), then check 4 on the
     result, then :func:`ckptq.contract.fold_entries` (the ckptq descriptors against the entries),
-    then :func:`ckptq.contract.check_digest` (edits that passed all of these), and reads the
+    then :func:`ckptq.contract.check_digest` (edits that passed all of these), then
+    :func:`ckptq.io.index.check_index` (a chunk index present is the one the record names), and reads the
     per-rank checksum files the record lists into its checksum table
     (:func:`ckptq.contract.merge_sidecar_checksums`).
 
@@ -115,6 +121,7 @@ def validate_metadata(
     entries = fold_entries(metadata, where=str(root))
     # Last, the edits that passed every check above: the digest, over the metadata as read.
     check_digest(raw, where=source)
+    check_index(root, raw.planner_data, where=source)  # a chunk index next to it is the one it names
     records = [checksum_key(k) for k, v in metadata.storage_data.items() if not isinstance(v, ForeignLocation)]
     if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
         planner_data = merge_sidecar_checksums(metadata.planner_data, root, records)
@@ -200,15 +207,22 @@ def _check_locations_inside(metadata: Metadata, root: Any, source: str) -> None:
         rel = getattr(info, "relative_path", None)
         if rel is None or (type(rel) is str and rel in safe):
             continue
-        rel = str(rel)
-        parts = Path(rel).parts
-        if os.path.isabs(rel) or ".." in parts or "\\" in rel:
-            raise UnsafeCheckpointError(
-                f"{source}: the metadata points '{getattr(index, 'fqn', '?')}' at '{rel}', outside "
-                f"the checkpoint directory '{root}'; refusing to read it"
-            )
+        check_file_name(str(rel), root, source, getattr(index, "fqn", "?"))
         if type(info.relative_path) is str:
             safe.add(rel)
+
+
+def check_file_name(rel: str, root: Any, source: str, fqn: str) -> None:
+    """Refuse a storage location's file name that is absolute or leaves the checkpoint directory.
+
+    Raises:
+        UnsafeCheckpointError: it does (names ``fqn``, the entry placed there).
+    """
+    if os.path.isabs(rel) or ".." in Path(rel).parts or "\\" in rel:
+        raise UnsafeCheckpointError(
+            f"{source}: the metadata points '{fqn}' at '{rel}', outside "
+            f"the checkpoint directory '{root}'; refusing to read it"
+        )
 
 
 def describe_non_dcp(p: Path) -> str:
@@ -331,12 +345,12 @@ def _check_layout(metadata: Metadata, root: Path, *, files: bool, complete: bool
         _raise_unlocated(root, sdm, storage)
     n_bytes = sum(1 for md in sdm.values() if not isinstance(md, TensorStorageMetadata))
     ends = _locations_fine(storage, stored, len(chunk_keys) + n_bytes)
-    if ends is not None and (not files or all(_holds(join(root, rel), end) for rel, end in ends.items())):
+    if ends is not None and (not files or all(holds(join(root, rel), end) for rel, end in ends.items())):
         return
     _check_locations(root, sdm, storage, chunk_keys, files)  # names the first failure
 
 
-def _holds(path: Any, end: int) -> bool:
+def holds(path: Any, end: int) -> bool:
     """``path`` (a local path or URL) is a file of at least ``end`` bytes."""
     size = file_size(path)
     return size is not None and size >= end
@@ -369,13 +383,24 @@ def _locations_fine(storage: Mapping, stored: set, expected: int) -> dict[str, i
         st, ln = np.array(offs, dtype=np.int64), np.array(lens, dtype=np.int64)
     except OverflowError:
         return None
+    last = ranges_fine(code, st, ln, len(names))
+    return None if last is None else {rel: int(e) for rel, e in zip(names, last.tolist(), strict=True)}
+
+
+def ranges_fine(code: np.ndarray, st: np.ndarray, ln: np.ndarray, n_files: int) -> np.ndarray | None:
+    """Check 3's byte ranges on arrays (int64): record ``i`` at bytes ``st[i] .. st[i] + ln[i]``
+    of data file ``code[i]`` (0 .. ``n_files - 1``). The end of the last record of each file when
+    offsets and lengths are >= 0 and no two non-empty records of a file overlap; None when one
+    may not (the exact check then decides and names it)."""
+    if not len(st):
+        return np.zeros(n_files, dtype=np.int64)
     if (st < 0).any() or (ln < 0).any() or (st > np.iinfo(np.int64).max - ln).any():
         return None
     en = st + ln
     span = int(en.max()) + 1
-    if span * (len(names) + 1) >= 1 << 62:
+    if span * (n_files + 1) >= 1 << 62:
         return None
-    last = np.zeros(len(names), dtype=np.int64)
+    last = np.zeros(n_files, dtype=np.int64)
     np.maximum.at(last, code, en)
     keep = en > st
     st, en = st[keep] + code[keep] * span, en[keep] + code[keep] * span  # files apart, in name order
@@ -384,7 +409,7 @@ def _locations_fine(storage: Mapping, stored: set, expected: int) -> dict[str, i
         st, en = st[order], en[order]
         if (st[1:] < np.maximum.accumulate(en)[:-1]).any():
             return None  # two records overlap (or share a foreign record): the exact check decides
-    return {rel: int(e) for rel, e in zip(names, last.tolist(), strict=True)}
+    return last
 
 
 def _check_locations(root: Path, sdm: Mapping, storage: Mapping, chunk_keys: set, files: bool) -> None:
@@ -577,15 +602,27 @@ def _boxes_fine(nd: int, mds: list, complete: bool) -> bool:
     off = np.array([c.offsets for md in mds for c in md.chunks], dtype=np.int64).reshape(n, nd)
     sz = np.array([c.sizes for md in mds for c in md.chunks], dtype=np.int64).reshape(n, nd)
     dims = np.array([md.size for md in mds], dtype=np.int64).reshape(len(mds), nd)
+    return boxes_fine(entry, off, sz, dims, complete)
+
+
+def boxes_fine(entry: np.ndarray, off: np.ndarray, sz: np.ndarray, dims: np.ndarray, complete: bool) -> bool:
+    """Check 2 of :func:`check_storage` on arrays (int64): chunk ``i`` of entry ``entry[i]`` at
+    ``off[i]`` of ``sz[i]``, entry ``e`` of global size ``dims[e]`` (all of one ndim; entries of
+    fewer dims padded with offset 0, size 1). True when every chunk is inside its entry, no two
+    chunks of an entry overlap and (``complete``) they cover it; False when one may not (the
+    exact checks then decide and name it). Entries of 2**53 elements or more must not be given."""
+    nd = off.shape[1]
     if (off < 0).any() or (sz < 0).any() or (off + sz > dims[entry]).any():
         return False
     volume = sz.prod(axis=1)
     if complete:  # exact in float64: every volume and numel < 2**53 (a sum above numel stays above)
-        covered = np.bincount(entry, weights=volume, minlength=len(mds))
+        covered = np.bincount(entry, weights=volume, minlength=len(dims))
         if (covered != dims.prod(axis=1)).any():
             return False
     keep = volume != 0
     off, sz, entry = off[keep], sz[keep], entry[keep]
+    if not nd:
+        return len(entry) < 2
     if len(entry) < 2:
         return True
     order = np.lexsort([a for d in reversed(range(nd)) for a in (sz[:, d], off[:, d])] + [entry])

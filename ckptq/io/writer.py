@@ -46,6 +46,7 @@ from ..contract import sidecar_ranks, with_checksums, with_digest
 from ..errors import CkptqError
 from ..ops import crc32c_available
 from . import storage
+from .index import write_index
 from .metadata import METADATA_FILE
 
 __all__ = [
@@ -388,6 +389,8 @@ class CheckpointDirWriter:
             )
         )
         metadata.version = self._version
+        if not self.remote:  # the chunk index (local checkpoints), before .metadata, which names it
+            write_index(self.path, metadata)
         if self.remote:  # one PUT: the checkpoint appears whole, or not at all
             with storage.open_file(storage.join(self.path, METADATA_FILE), "wb") as f:
                 pickle.dump(metadata, f)
@@ -659,6 +662,11 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         if sums or sidecar_ranks(metadata.planner_data) is not None:  # the table replaces the planner's files
             metadata.planner_data = with_checksums(metadata.planner_data, sums)
             with_digest(metadata)  # the record now has a checksum table: the digest covers that
+        if not getattr(self, "remote", False) and not storage.is_url(str(self.path)):
+            # The chunk index (local checkpoints), before FileSystemWriter.finish writes .metadata (which
+            # names it) with these same locations: the union of the ranks' write results, as it sets them.
+            metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
+            write_index(Path(self.path), metadata)
         super().finish(metadata, plain)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .. import parse
-from ..checkpoint import open_checkpoint
+from ..checkpoint import open_checkpoint, open_indexed
 from ..contract import MODES, NATIVE
 from ..errors import UsageError
 from ..parse import HP_DTYPES
@@ -65,6 +65,9 @@ class ReshardOptions:
         device: where re-encoding and dequantizing run: ``"auto"`` (a CUDA device when one is there
             and ckptq's CUDA kernels are built, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
             (the CLI's ``--device``; :func:`ckptq.io.device.resolve_device`). The same bytes either way.
+        index: open the source from its chunk index when it has one (:func:`ckptq.checkpoint.open_indexed`:
+            no unpickling of ``.metadata``; an entry's chunk rows are read and checked when it is
+            read). The same bytes either way.
     """
 
     mesh: str | MeshSpec = "1"
@@ -88,6 +91,7 @@ class ReshardOptions:
     progress: bool | Callable[[int], None] | None = None
     distributed: bool = False
     device: str | torch.device | None = "auto"
+    index: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules or ()))
@@ -151,7 +155,7 @@ def reshard_checkpoint(
     planning = o.planning()
     mesh = parse.parse_mesh(o.mesh)
     placement_rules = parse.parse_placement_rules(mesh, o.plan, o.rules)
-    view = open_checkpoint(src)
+    view = (open_indexed(src) if o.index else None) or open_checkpoint(src)
     unmatched = parse.check_rules(placement_rules, [e.fqn for e in view.entries()], allow_unmatched=o.allow_unmatched)
     plan = plan_reshard(view, mesh, placement_rules, **planning)
     summary = {**plan.summary(), "unmatched_rules": unmatched}

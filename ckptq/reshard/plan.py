@@ -56,6 +56,42 @@ class TensorJob:
     problem: str | None = None
     note: str | None = None
 
+    def source_boxes(self) -> dict[str, list | None]:
+        """What its owners' boxes read of the source: DCP key -> the boxes of that entry (per
+        component of a quantized source, :func:`ckptq.chunks.component_box`), None for all of it
+        (a bytes entry, or a component box that does not map). A job that transforms its tensors
+        reads them whole instead (:meth:`ckptq.checkpoint.CheckpointView.read`)."""
+        out: dict[str, list | None] = {}
+
+        def add(key: str, box) -> None:
+            if box is None or out.get(key, []) is None:
+                out[key] = None
+            else:
+                out.setdefault(key, []).append(box)
+
+        for _, (off, size) in self.owners:
+            if self.out == "bytes":
+                add(self.sources[0].fqn, None)
+                continue
+            if len(self.sources) > 1:  # grouped stack: the members the box covers, without their index
+                parts = [(self.sources[i], (off[1:], size[1:])) for i in range(off[0], off[0] + size[0])]
+            elif self.member is not None:  # grouped split: one slice of the 3-D source
+                parts = [(self.sources[0], ((self.member, *off), (1, *size)))]
+            else:
+                parts = [(self.sources[0], (tuple(off), tuple(size)))]
+            for src, box in parts:
+                if src.kind != "quantized":
+                    add(src.fqn, box)
+                    continue
+                desc = src.descriptor
+                cls = format_class(desc.format)
+                for spec in cls.component_specs(src.shape, cls._recipe_from_json(desc.recipe)):
+                    try:
+                        add(src.keys[spec.name], chunks.component_box(spec, src.shape, box))
+                    except ShardingError:
+                        add(src.keys[spec.name], None)
+        return out
+
 
 @dataclasses.dataclass
 class ReshardPlan:
@@ -306,17 +342,14 @@ def _owners(shape: tuple, mesh: MeshSpec, placements: tuple, fqn: str) -> list[t
 
 def _intervals_aligned(align: tuple, shape: tuple, intervals: list) -> bool:
     """Whether every non-empty box made of one interval of ``intervals[d]`` per dim is
-    block-aligned (:func:`ckptq.chunks.is_aligned` tests each dim alone)."""
+    block-aligned (:func:`ckptq.chunks.is_aligned` tests each dim alone: each interval is tested
+    as a 1-D box of its dim; dims of alignment 1 need no test)."""
     if math.prod(shape) == 0:
         return True  # its one box is empty
     for d, ivs in enumerate(intervals):
-        for off, size in ivs:
-            box = (
-                tuple(off if i == d else 0 for i in range(len(shape))),
-                tuple(size if i == d else n for i, n in enumerate(shape)),
-            )
-            if not chunks.is_aligned(align, shape, box):
-                return False
+        a, full = (align[d],), (shape[d],)
+        if a[0] > 1 and not all(chunks.is_aligned(a, full, ((off,), (size,))) for off, size in ivs):
+            return False
     return True
 
 
