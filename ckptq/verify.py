@@ -14,6 +14,7 @@ from .checkpoint import open_checkpoint, refuse_data_file
 from .contract import read_checksums
 from .formats.base import QuantizedTensor
 from .io import torchsave
+from .io.index import check_index
 from .io.reader import SafeFileSystemReader
 from .io.safetensors import check_safetensors_records, is_safetensors_source
 from .metrics import bit_exact, encoding_of, max_abs_error, sqnr_bound, sqnr_db
@@ -63,6 +64,7 @@ def check_integrity(
         return _integrity_report(rows, verified, unverified, None, verified > 0)
     reader = SafeFileSystemReader(path)
     metadata = reader.read_metadata()
+    check_index(path, metadata.planner_data, where=str(path), rows=True)  # every row block of a chunk index
     reader.set_up_storage_reader(metadata, True)
     nbytes = sum(int(getattr(i, "length", 0) or 0) for i in metadata.storage_data.values())
     if on_total:

@@ -492,10 +492,12 @@ class ChunkIndex:
         return chunk_list, storage, sums
 
 
-def check_index(root: Any, planner_data: Any, *, where: str) -> None:
+def check_index(root: Any, planner_data: Any, *, where: str, rows: bool = False) -> None:
     """The full reader's check: when ``.metadata``'s ckptq record names an index and that file is
-    in ``root``, its tables match their digest, the digest is the one the record names and every
-    block of chunk rows matches its crc32c.
+    in ``root``, its tables match their digest and the digest is the one the record names; with
+    ``rows`` (``ckptq verify``) also every block of chunk rows matches its crc32c. A load does not
+    read the rows (it does not use them; a reader of the index checks the blocks it reads), so the
+    index costs a load only its tables.
 
     Raises:
         CheckpointFormatError: they do not (the index is corrupt, or another checkpoint's).
@@ -506,4 +508,5 @@ def check_index(root: Any, planner_data: Any, *, where: str) -> None:
     index = ChunkIndex(Path(root))
     if index.digest != digest:
         raise _bad(where, "is not the one its '.metadata' names (another checkpoint's, or a stale one)")
-    index.check_rows()
+    if rows:
+        index.check_rows()
