@@ -154,6 +154,12 @@ class CheckpointView(EntryTable):
                 data[k] = torch.empty(size, dtype=md.properties.dtype)
                 self.read_box(k, ((0,) * len(size), size), data[k])
         else:
+            if self.local:  # records another library wrote: the kernel fetches them (and what follows) meanwhile
+                for k in keys:
+                    for c in self.metadata.state_dict_metadata[k].chunks:
+                        info = (self.metadata.storage_data or {}).get(MetadataIndex(k, c.offsets))
+                        if getattr(info, "relative_path", None) is not None:
+                            self._read_ahead(str(info.relative_path), int(info.offset))
             data = load_entries(self.reader, self.metadata, keys)
         if e.kind == "tensor":
             return data[fqn]
