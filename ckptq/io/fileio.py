@@ -55,9 +55,10 @@ __all__ = [
 DEFAULT_THREADS = 4
 #: bytes of each pinned staging buffer (two per writer thread) and of each read request.
 DEFAULT_BUFFER_BYTES = 32 << 20
-#: read-ahead buffers of ``DEFAULT_BUFFER_BYTES`` per data file being read by :class:`ckptq.io.SafeFileSystemReader`
-#: (3 gave native loads 0.76 of the disk probe's read GB/s on 2 H200, 2026-11-26: the files read ahead
-#: stalled while the first was used; 8 lets them read further at once).
+#: records of up to this many ``DEFAULT_BUFFER_BYTES`` a data file's thread of :class:`ckptq.io.SafeFileSystemReader`
+#: reads ahead of the caller (and pinned buffers per file for CUDA destinations). 3 gave native loads
+#: 0.76 of the disk probe's read GB/s on 2 H200, 2026-11-26: the files read ahead stalled while the
+#: first was used; 8 lets them read further at once.
 READ_AHEAD_BUFFERS = 8
 #: bytes of a data file past the current read that :class:`RecordReader` asks the kernel to fetch
 #: meanwhile (``POSIX_FADV_WILLNEED``, a window moved along as the reads go).

@@ -96,22 +96,27 @@ class SafeFileSystemReader(FileSystemReader):
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
         thread_count: data files read at once, each by its own thread (default
             :data:`ckptq.io.fileio.DEFAULT_THREADS`).
-        buffer_bytes: bytes of each read request and of each of the read-ahead buffers per
-            file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
-            not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        buffer_bytes: bytes of each read request, and of each of the pinned buffers per file that
+            CUDA destinations are filled through (so their copies do not wait); a file's thread
+            reads at most :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` of them ahead of the
+            records the caller has committed (default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
         fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         **kwargs: passed to ``FileSystemReader``.
 
-    How it reads: the records of each local data file are read in file order by a background thread,
-    ahead of their use, with large ``preadv`` calls (:class:`ckptq.io.fileio.RangeReader`). A
-    record whose framing is byte for byte the one this torch writes for the chunk's dtype and
-    shape (:func:`ckptq.io.records.tensor_record`: every record DCP's ``FileSystemWriter`` and
-    ckptq's writers write with this torch) is checked by comparing that framing, so its pickle is
-    never run, and its payload is hashed and copied into the destination piece by piece (a
-    record whose checksum then fails has been copied by that time; the load fails as usual). Any
-    other record (another torch's framing, stream transforms, bytes entries) is read and checked
-    through ``torch.load(weights_only=True)`` as described above. The records of a URL's data
-    objects are fetched one ranged GET each and read that second way.
+    How it reads: the records of each local data file are read in file order by a background thread
+    of their own (up to ``thread_count`` files at once), ahead of their use
+    (:class:`ckptq.io.fileio.RecordReader`). A record whose framing is byte for byte the one this
+    torch writes for the chunk's dtype and shape (:func:`ckptq.io.records.tensor_record`: every
+    record DCP's ``FileSystemWriter`` and ckptq's writers write with this torch) is checked by
+    comparing that framing, so its pickle is never run; that thread then resolves the record's
+    destinations with the planner (under a lock) and reads its payload with ``preadv`` straight
+    into a CPU destination that takes the whole chunk (else into one buffer of the chunk, narrowed
+    afterwards; CUDA destinations through pinned buffers), hashing each piece as it arrives. The
+    calling thread compares each record's checksum and commits it (a record whose checksum then
+    fails has been copied by that time; the load fails as usual). Any other record (another
+    torch's framing, stream transforms, bytes entries) is read and checked through
+    ``torch.load(weights_only=True)`` as described above. The records of a URL's data objects
+    are fetched one ranged GET each and read that second way.
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
