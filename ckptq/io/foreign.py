@@ -254,11 +254,15 @@ def _open_record(root: Path | str, info: Any):
         yield Window(f, start, want)
 
 
-def _has_meta(obj: Any) -> bool:
+def _has_meta(obj: Any, depth: int = 0) -> bool:
     """Whether a skeleton payload (:func:`_load_skeleton`) still holds unread (``meta``) tensors."""
-    return any(isinstance(v, torch.Tensor) and v.device.type == "meta" for v in vars(obj).values()) or any(
-        _has_meta(v) for v in vars(obj).values() if hasattr(v, "__dict__") and not isinstance(v, (torch.Tensor, type))
-    )
+    for v in vars(obj).values() if hasattr(obj, "__dict__") and depth < 3 else ():
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":
+                return True
+        elif not isinstance(v, type) and _has_meta(v, depth + 1):
+            return True
+    return False
 
 
 def _per_tensor(qt) -> dict:
@@ -334,12 +338,14 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
         storable canonically): from the skeleton, else (any step needs the unread payload's values) from
         the whole record."""
         adapter = adapters.adapter_for(payload)
+        skeleton = _has_meta(payload)
         try:
             qt0, producer = adapter.to_canonical(payload, fqn)
-            _per_tensor(qt0.columnwise_on_grid(tuple(metadata.state_dict_metadata[fqn].size), boxes))
+            if skeleton:  # what is asked of it below
+                _per_tensor(qt0.columnwise_on_grid(tuple(metadata.state_dict_metadata[fqn].size), boxes))
             return payload, qt0, producer
         except Exception:  # noqa: BLE001 - whatever the skeleton could not answer, the whole record does
-            if not _has_meta(payload):
+            if not skeleton:
                 raise
         with _open_record(root, info) as rec_file:
             payload = load_record(rec_file, source=f"{root}: '{fqn}'")
