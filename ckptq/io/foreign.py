@@ -57,7 +57,7 @@ from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, 
 from .device import prefetch
 from .record_check import Window, check_record_header
 
-__all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
+__all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items", "shard_canonical"]
 
 #: Bytes read from the start of a record to look for a producer's module names (torch.save writes
 #: the pickle, ``archive/data.pkl``, first).
@@ -448,34 +448,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
         by_record.setdefault((str(loc.relative_path), int(loc.offset)), []).append((it, loc))
     for (rel, off), group in by_record.items():
         loc0 = group[0][1]
-        exp = loc0.expect
-        where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
-        if exp.format is None:
-            raise CkptqError(exp.problem)
-        with _open_record(root, loc0) as rec_file:
-            payload = load_record(rec_file, source=where)
-        adapter = adapters.adapter_for(payload)
-        if adapter is None:
-            raise CheckpointFormatError(
-                f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
-            )
-        qt, _ = adapter.to_canonical(payload, exp.fqn)
-        if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
-            qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
-        if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
-            raise CheckpointFormatError(
-                f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "
-                f"first shard is {exp.format} {exp.recipe} and the metadata gives this shard "
-                f"{tuple(loc0.box[1])}; the shards disagree"
-            )
-        for name, value in _per_tensor(qt).items() if exp.problem is None else ():
-            if value != exp.per_tensor.get(name):
-                raise InconsistentScaleError(
-                    f"{where}: its per-tensor '{name}' differs from the first shard's; the shards were "
-                    f"quantized with different global values (no amax reduction over the shard "
-                    f"group), so no single tensor holds them. Read it in high precision per shard "
-                    f"(convert --to float32) or re-save with amax reduction"
-                )
+        qt = shard_canonical(root, loc0)
+        where = f"{root}: '{loc0.expect.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
         values = None
         for it, loc in group:
             if loc.component is None:
@@ -492,3 +466,42 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
                 )
             target.copy_(src)
             planner.commit_tensor(it, target)
+
+
+def shard_canonical(root: Path | str, loc0: ForeignLocation) -> Any:
+    """The canonical ckptq tensor of the saved shard whose record ``loc0`` locates: loaded once,
+    converted by its adapter, checked against the tensor's first shard (format, recipe, shape,
+    per-tensor values).
+
+    Raises:
+        CheckpointFormatError / InconsistentScaleError / CkptqError: as :func:`read_foreign_items`.
+    """
+    exp = loc0.expect
+    where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {loc0.relative_path} byte {loc0.offset})"
+    if exp.format is None:
+        raise CkptqError(exp.problem)
+    with _open_record(root, loc0) as rec_file:
+        payload = load_record(rec_file, source=where)
+    adapter = adapters.adapter_for(payload)
+    if adapter is None:
+        raise CheckpointFormatError(
+            f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
+        )
+    qt, _ = adapter.to_canonical(payload, exp.fqn)
+    if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
+        qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
+    if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
+        raise CheckpointFormatError(
+            f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "
+            f"first shard is {exp.format} {exp.recipe} and the metadata gives this shard "
+            f"{tuple(loc0.box[1])}; the shards disagree"
+        )
+    for name, value in _per_tensor(qt).items() if exp.problem is None else ():
+        if value != exp.per_tensor.get(name):
+            raise InconsistentScaleError(
+                f"{where}: its per-tensor '{name}' differs from the first shard's; the shards were "
+                f"quantized with different global values (no amax reduction over the shard "
+                f"group), so no single tensor holds them. Read it in high precision per shard "
+                f"(convert --to float32) or re-save with amax reduction"
+            )
+    return qt
