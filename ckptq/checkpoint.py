@@ -30,7 +30,7 @@ from . import chunks
 from .checksums import check as check_checksum
 from .checksums import checksum
 from .contract import Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io import safetensors, storage, torchsave
@@ -176,10 +176,49 @@ class CheckpointView(EntryTable):
                 data[k] = torch.empty(size, dtype=md.properties.dtype)
                 self.read_box(k, ((0,) * len(size), size), data[k])
         else:
-            data = load_entries(self.reader, self.metadata, keys)
+            if self.local:  # records another library wrote: the kernel fetches them (and what follows) meanwhile
+                for k in keys:
+                    for c in self.metadata.state_dict_metadata[k].chunks:
+                        info = (self.metadata.storage_data or {}).get(MetadataIndex(k, c.offsets))
+                        if getattr(info, "relative_path", None) is not None:
+                            self._read_ahead(str(info.relative_path), int(info.offset))
+            data = self._one_foreign_shard(keys) or load_entries(self.reader, self.metadata, keys)
         if e.kind == "tensor":
             return data[fqn]
         return from_components(e.descriptor, {name: data[key] for name, key in e.keys.items()})
+
+    def _one_foreign_shard(self, keys: list[str]) -> dict[str, torch.Tensor] | None:
+        """The entries ``keys`` of a foreign tensor saved as one shard (one record another library
+        wrote, :mod:`ckptq.io.foreign`), as its adapter's canonical tensor gives them (no copy into
+        new tensors); None for any other layout (read through DCP's reader)."""
+        from .io.foreign import shard_canonical
+
+        storage, sdm = self.metadata.storage_data or {}, self.metadata.state_dict_metadata
+        locs = {}
+        for k in keys:
+            md = sdm[k]
+            loc = storage.get(MetadataIndex(k, md.chunks[0].offsets)) if len(md.chunks) == 1 else None
+            if not isinstance(loc, ForeignLocation) or tuple(md.chunks[0].sizes) != tuple(md.size):
+                return None
+            locs[k] = loc
+        if len({(str(v.relative_path), int(v.offset)) for v in locs.values()}) != 1:
+            return None
+        try:
+            qt = shard_canonical(self.path, next(iter(locs.values())))
+        except CkptqError:
+            raise
+        except Exception as e:
+            raise CheckpointFormatError(
+                f"{self.path}: reading another library's record of {keys} failed ({type(e).__name__}: {e}); "
+                f"the data files are corrupt: restore them or re-save"
+            ) from e
+        data = {}
+        for k, loc in locs.items():
+            t = qt._components[loc.component] if loc.component is not None else qt.dequantize(torch.float32)
+            if tuple(t.shape) != tuple(sdm[k].size) or t.dtype != sdm[k].properties.dtype:
+                return None
+            data[k] = t.contiguous()
+        return data
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         """The stored record of a non-tensor entry, verbatim (never unpickled), and its transform

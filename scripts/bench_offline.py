@@ -18,10 +18,13 @@
    Before every timed run the source's files are dropped from the page cache (``posix_fadvise(DONTNEED)``
    after ``sync``); the run ends with ``os.sync()`` (the output is on disk). Median of ``--repeat``.
 
-Reported per case: seconds, GB/s of source bytes, and ``disk_fraction`` = (source bytes / probe read
-GB/s + output bytes / probe write GB/s) / seconds, the share of the disk-bound time (1.0 = as fast as
-the probe's sequential read of the source plus write of the output; goal >= 0.8). JSON (``--json``) +
-a markdown table on stdout.
+``--cases read,convert`` runs only the cases whose name starts with one of the words.
+
+Reported per case: seconds, CPU seconds of this process (all threads; and per GB of source), GB/s
+of source bytes, and ``disk_fraction`` = (source bytes / probe read GB/s + output bytes / probe
+write GB/s) / seconds, the share of the disk-bound time (1.0 = as fast as the probe's sequential
+read of the source plus write of the output; goal >= 0.8). JSON (``--json``) + a markdown table on
+stdout.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ CHUNK = 16 << 20
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def drop_cache(path: Path) -> None:
@@ -124,6 +135,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new case after this many seconds")
+    ap.add_argument("--cases", default="", help="comma-separated words: run only the cases whose name starts with one")
     args = ap.parse_args()
 
     import ckptq
@@ -193,6 +205,8 @@ def main() -> None:
         ("reshard native -> mesh 2 (byte copies)", native, reshard(native, mesh="2"), False),
         ("convert TE -> native (no kernels)", te_src, reshard(te_src), False),
     ]
+    wanted = [w.strip() for w in args.cases.split(",") if w.strip()]
+    cases = [c for c in cases if not wanted or any(c[0].startswith(w) for w in wanted)]
     gpu_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     results: list[dict] = []
 
@@ -229,14 +243,15 @@ def main() -> None:
                 continue
             row = {"case": name, "device": device, "source_bytes": dir_bytes(src)}
             try:
-                times = []
+                times, cpu = [], []
                 for _ in range(args.repeat):
                     shutil.rmtree(dst, ignore_errors=True)
                     drop_cache(src)
-                    t0 = time.perf_counter()
+                    c0, t0 = _cpu_s(), time.perf_counter()
                     report = fn(device)
                     os.sync()
                     times.append(time.perf_counter() - t0)
+                    cpu.append(_cpu_s() - c0)
                 t = statistics.median(times)
                 out_bytes = dir_bytes(dst) if dst.exists() else 0
                 bound = row["source_bytes"] / (probe["read_GBps"] * 1e9) + out_bytes / (probe["write_GBps"] * 1e9)
@@ -246,6 +261,8 @@ def main() -> None:
                     output_bytes=out_bytes,
                     GBps=round(row["source_bytes"] / t / 1e9, 3),
                     disk_fraction=round(bound / t, 3),
+                    cpu_s=round(statistics.median(cpu), 3),
+                    cpu_s_per_GB=round(statistics.median(cpu) / row["source_bytes"] * 1e9, 3),
                     ran_on=(report or {}).get("device", "cpu") if isinstance(report, dict) else "cpu",
                 )
                 if isinstance(report, dict) and "seconds" in report:
@@ -263,13 +280,16 @@ def main() -> None:
         f"machine: {os.cpu_count()} cores, GPU {gpu_name}, torch {torch.__version__}; disk probe: read "
         f"{probe['read_GBps']} GB/s, write {probe['write_GBps']} GB/s; median of {args.repeat}, caches dropped"
     )
-    print("| case | device | seconds | source GB/s | disk fraction |")
-    print("|---|---|---|---|---|")
+    print("| case | device | seconds | source GB/s | disk fraction | CPU s per GB |")
+    print("|---|---|---|---|---|---|")
     for r in results:
         if "seconds" in r:
-            print(f"| {r['case']} | {r['ran_on']} | {r['seconds']:.2f} | {r['GBps']} | {r['disk_fraction']} |")
+            print(
+                f"| {r['case']} | {r['ran_on']} | {r['seconds']:.2f} | {r['GBps']} | {r['disk_fraction']} "
+                f"| {r['cpu_s_per_GB']} |"
+            )
         else:
-            print(f"| {r['case']} | {r['device']} | {r.get('error') or r.get('skipped')} | | |")
+            print(f"| {r['case']} | {r['device']} | {r.get('error') or r.get('skipped')} | | | |")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,7 +13,9 @@ disk whose speed drifts favours no case), median of ``--repeat`` rounds:
   thread) and ``ckptq.io.ChecksumFileSystemWriter`` (checksums on) at each ``--threads`` value,
   and the high-precision save (``QuantizedSavePlanner(mode="high_precision")``: bf16 values);
 * loads (page cache dropped first, as for the probe) of each checkpoint with DCP's
-  ``FileSystemReader`` and ``ckptq.io.SafeFileSystemReader`` (checksums verified).
+  ``FileSystemReader`` and ``ckptq.io.SafeFileSystemReader`` (checksums verified; its default
+  ``thread_count``, and ``_t{n}`` cases at the other ``--threads`` values), each with the CPU
+  seconds the process used during it (all threads; ``cpu_s_per_GB``).
 
 GB/s = bytes of the checkpoint's data files / seconds. ``--gb 0.05 --repeat 1`` finishes in seconds
 (``tests/test_bench_scripts.py`` runs it as a check of the script, not a measurement).
@@ -117,15 +119,26 @@ def _state_dicts(gb: float):
     return bf16, ckptq.quantize_state_dict(bf16, rules)
 
 
-def rounds(cases: dict, repeat: int) -> dict:
-    """Every case once per round, ``repeat`` rounds: name -> list of seconds of ``case()``."""
+def _cpu_s() -> float:
+    """CPU seconds (user + system) this process has used so far, all its threads."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def rounds(cases: dict, repeat: int, cpu: dict | None = None) -> dict:
+    """Every case once per round, ``repeat`` rounds: name -> list of seconds of ``case()`` (and,
+    into ``cpu`` when given, name -> list of the process's CPU seconds during each)."""
     out = {name: [] for name in cases}
     for _ in range(repeat):
         for name, (prepare, run) in cases.items():
             prepare()
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_s(), time.perf_counter()
             run()
             out[name].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu.setdefault(name, []).append(_cpu_s() - c0)
     return out
 
 
@@ -144,7 +157,8 @@ def table(report: dict) -> str:
             f"| save {name} | {v['GB']:.3f} | {v['s']:.3f} | {v['GBps']:.2f} | {v['GBps'] / p['write_GBps']:.2f} |"
         )
     for name, v in report["loads"].items():
-        lines.append(f"| load {name} | | {v['s']:.3f} | {v['GBps']:.2f} | {v['GBps'] / p['read_GBps']:.2f} |")
+        cpu = f" ({v['cpu_s_per_GB']:.2f} CPU s/GB)" if "cpu_s_per_GB" in v else ""
+        lines.append(f"| load {name}{cpu} | | {v['s']:.3f} | {v['GBps']:.2f} | {v['GBps'] / p['read_GBps']:.2f} |")
     return "\n".join(lines)
 
 
@@ -235,6 +249,22 @@ def main() -> None:
             lambda p: SafeFileSystemReader(p, **knobs),
         ),
     }
+    from ckptq.io.fileio import DEFAULT_THREADS
+
+    for n in threads:  # the reader at the other thread counts (the cases above use its default)
+        if n != DEFAULT_THREADS:
+            loads[f"bf16_safe_reader_t{n}"] = (
+                f"bf16_ckptq_writer{first}",
+                t_bf16,
+                lambda: None,
+                lambda p, n=n: SafeFileSystemReader(p, thread_count=n, **knobs),
+            )
+            loads[f"native_safe_reader_t{n}"] = (
+                f"native_ckptq_writer{first}",
+                t_native,
+                ckptq.QuantizedLoadPlanner,
+                lambda p, n=n: SafeFileSystemReader(p, thread_count=n, **knobs),
+            )
     dropped = []
 
     def load_case(src, tg, planner, reader):
@@ -243,10 +273,18 @@ def main() -> None:
             lambda: dcp.load(tg, storage_reader=reader(root / src), planner=planner(), no_dist=True),
         )
 
-    times = rounds({name: load_case(*c) for name, c in loads.items()}, args.repeat)
+    cpu: dict = {}
+    times = rounds({name: load_case(*c) for name, c in loads.items()}, args.repeat, cpu)
     for name, all_s in times.items():
         t, nbytes = statistics.median(all_s), data_bytes(root / loads[name][0])
-        res["loads"][name] = {"s": t, "GBps": nbytes / t / 1e9, "all_s": all_s}
+        c = statistics.median(cpu[name])
+        res["loads"][name] = {
+            "s": t,
+            "GBps": nbytes / t / 1e9,
+            "all_s": all_s,
+            "cpu_s": c,
+            "cpu_s_per_GB": c / nbytes * 1e9,
+        }
     res["loads_caches_dropped"] = all(dropped)
     best = max((n for n in res["saves"] if n.startswith("native_ckptq")), key=lambda n: res["saves"][n]["GBps"])
     res["ratios"] = {

@@ -110,7 +110,14 @@ def test_bench_storage_io_runs(tmp_path):
         == saves["high_precision_ckptq_writer"]["GB"]
     )
     assert saves["native_dcp_writer"]["GB"] == saves["native_ckptq_writer_t1"]["GB"]
-    assert len(loads) == 5 and all(v["s"] > 0 for v in loads.values()) and r["disk_probe"]["read_GBps"] > 0
+    readers = {f"{k}_safe_reader_t{n}" for k in ("bf16", "native") for n in (1, 2)}  # besides the default 4
+    assert (
+        set(loads)
+        == {"bf16_dcp_reader", "native_dcp_reader", "bf16_safe_reader", "native_safe_reader"}
+        | {"high_precision_safe_reader"}
+        | readers
+    )
+    assert all(v["s"] > 0 and v["cpu_s_per_GB"] > 0 for v in loads.values()) and r["disk_probe"]["read_GBps"] > 0
 
 
 @pytest.mark.slow

@@ -232,3 +232,32 @@ def test_cuda_tensors_save_through_pinned_pieces_and_load_back_exactly(tmp_path)
                 planner=ckptq.QuantizedLoadPlanner(),
             )
             _check_loaded(got, sd)
+
+
+def test_a_planner_error_on_a_reading_thread_is_named_and_stops_every_thread(tmp_path):
+    """Destinations are resolved on the files' reading threads: a planner that fails there fails the
+    load with the record named, and no reading thread is left running."""
+    import threading
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptq.errors import CheckpointFormatError
+    from ckptq.io import dcp_failure
+
+    path = tmp_path / "ck"
+    w = ChecksumFileSystemWriter(path, thread_count=3)
+    dcp.save(_state_dict(), storage_writer=w, planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+
+    class Failing(ckptq.QuantizedLoadPlanner):
+        def resolve_tensor(self, read_item):
+            if read_item.storage_index.fqn == "c":
+                raise RuntimeError("no room for c")
+            return super().resolve_tensor(read_item)
+
+    before = threading.active_count()
+    with pytest.raises(CheckpointException) as e:
+        reader = SafeFileSystemReader(path, thread_count=3, buffer_bytes=1 << 16)
+        dcp.load(_targets(), storage_reader=reader, planner=Failing(), no_dist=True)
+    err = dcp_failure(e.value, str(path))
+    assert isinstance(err, CheckpointFormatError) and "'c'" in str(err) and "no room for c" in str(err)
+    assert threading.active_count() == before

@@ -199,6 +199,27 @@ def test_te_checkpoint_records_are_te_pickles(te_ckpt):
         dcp.load(fresh, storage_reader=FileSystemReader(str(path)))
 
 
+def test_opening_reads_only_pickles_and_small_storages_and_equals_a_full_read(te_ckpt, monkeypatch):
+    """``virtualize`` learns each TE tensor from its first record's pickle and small storages
+    (per-tensor values) and does not read the data or block scales, but where the adapter compares
+    values (NVFP4 16x16: its two copies' scales): the checkpoint it presents is the one a full read
+    of every first record gives."""
+    from ckptq.io import foreign, read_metadata
+
+    path, _ = te_ckpt
+    full_loads = []
+    real_load = foreign.load_record
+    monkeypatch.setattr(foreign, "load_record", lambda *a, **k: full_loads.append(k["source"]) or real_load(*a, **k))
+    monkeypatch.setattr(foreign, "_SKELETON_BYTES", 64)  # the 160 x 96 test tensors' data and scales stay unread
+    skeleton = read_metadata(path)
+    assert [s.split("'")[-2] for s in full_loads] == ["layers.4.nvfp4_2d.weight"]
+    monkeypatch.setattr(foreign, "_SKELETON_BYTES", 1 << 40)  # every storage read
+    full = read_metadata(path)
+    assert skeleton.state_dict_metadata == full.state_dict_metadata
+    assert skeleton.storage_data == full.storage_data
+    assert skeleton.planner_data == full.planner_data
+
+
 def test_inspect_te_checkpoint_shows_real_formats(te_ckpt):
     path, sd = te_ckpt
     report = inspect_checkpoint(path, stats=True)

@@ -13,8 +13,9 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
 * :class:`Staging`: copies a CUDA tensor out of the GPU in pieces of ``buffer_bytes`` into two
   pinned host buffers on a side stream (the copy of piece *k + 1* runs while piece *k* is hashed
   and written); CPU tensors are used in place;
-* :class:`RangeReader` / :class:`BufferPool`: the records of a file read in order, ahead of their
-  use, on a background thread into a bounded set of (pinned) buffers;
+* :class:`RecordReader` / :class:`BufferPool`: the records of a file read in order, ahead of their
+  use, on a background thread straight into their destinations (through a bounded set of pinned
+  buffers into CUDA ones), hashed on that thread;
 * :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops.
 
 Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
@@ -45,7 +46,8 @@ __all__ = [
     "pread_into",
     "pinned_or_plain",
     "BufferPool",
-    "RangeReader",
+    "RecordReader",
+    "READ_AHEAD",
 ]
 
 #: files written per rank by :class:`ckptq.io.ChecksumFileSystemWriter` (one thread each; DCP's
@@ -53,10 +55,14 @@ __all__ = [
 DEFAULT_THREADS = 4
 #: bytes of each pinned staging buffer (two per writer thread) and of each read request.
 DEFAULT_BUFFER_BYTES = 32 << 20
-#: read-ahead buffers of ``DEFAULT_BUFFER_BYTES`` per data file being read by :class:`ckptq.io.SafeFileSystemReader`
-#: (3 gave native loads 0.76 of the disk probe's read GB/s on 2 H200, 2026-11-26: the files read ahead
-#: stalled while the first was used; 8 lets them read further at once).
+#: records of up to this many ``DEFAULT_BUFFER_BYTES`` a data file's thread of :class:`ckptq.io.SafeFileSystemReader`
+#: reads ahead of the caller (and pinned buffers per file for CUDA destinations). 3 gave native loads
+#: 0.76 of the disk probe's read GB/s on 2 H200, 2026-11-26: the files read ahead stalled while the
+#: first was used; 8 lets them read further at once.
 READ_AHEAD_BUFFERS = 8
+#: bytes of a data file past the current read that :class:`RecordReader` asks the kernel to fetch
+#: meanwhile (``POSIX_FADV_WILLNEED``, a window moved along as the reads go).
+READ_AHEAD = 64 << 20
 #: bytes written to a file between two starts of its write-back (``fdatasync`` on a background thread).
 DEFAULT_SYNC_EVERY = 256 << 20
 
@@ -192,8 +198,8 @@ class _Cancelled(Exception):
 
 class BufferPool:
     """``count`` uint8 buffers of ``nbytes`` (pinned when ``pin``) handed out and taken back; a
-    buffer given back with a CUDA event is reused only after the event completed (the
-    non-blocking copy out of it finished)."""
+    buffer given back with CUDA events is reused only after they completed (the non-blocking
+    copies out of it finished)."""
 
     def __init__(self, count: int, nbytes: int, pin: bool) -> None:
         self.nbytes, self.pin = nbytes, pin
@@ -207,14 +213,14 @@ class BufferPool:
                 self._cv.wait(0.5)
             if self.cancelled:
                 raise _Cancelled
-            buf, event = self._free.pop()
-        if event is not None:
+            buf, events = self._free.pop()
+        for event in events or ():
             event.synchronize()
         return buf if buf is not None else pinned_or_plain(self.nbytes, self.pin)
 
-    def give(self, buf: torch.Tensor, event: Any = None) -> None:
+    def give(self, buf: torch.Tensor, events: Any = None) -> None:
         with self._cv:
-            self._free.append((buf, event))
+            self._free.append((buf, events))
             self._cv.notify()
 
     def cancel(self) -> None:
@@ -223,74 +229,155 @@ class BufferPool:
             self._cv.notify_all()
 
 
-class RangeReader:
-    """Reads byte ranges of one file ahead of their use, on a background thread, in pieces of at
-    most ``buffer_bytes`` into the buffers of a :class:`BufferPool` of ``depth`` buffers.
+class RecordReader:
+    """Reads ``torch.save`` records of one file in file order on a background thread, each record's
+    payload straight into its destinations (or through pinned buffers into CUDA ones), hashed as it
+    arrives, ahead of the consumer.
 
-    ``ranges`` is a list of ``(start, length)``; :meth:`pieces` yields, for the i-th range, its
-    pieces in order as ``(offset in the range, buffer, n)``; give each buffer back to
-    :attr:`pool` (with an event when a non-blocking copy reads it) once used. Call :meth:`close`
-    when done (or on error: it stops the thread).
+    For the i-th record ``(start, length, header, nbytes)`` of ``records`` the thread reads its first
+    ``len(header)`` bytes and compares them with ``header`` (the framing this torch writes for the
+    chunk's dtype and shape); only if they are equal does it call ``prepare(i)`` (on the thread),
+    which returns the record's destinations: 1-D uint8 tensors of ``nbytes`` (CPU or CUDA). The
+    payload is then read in pieces of ``buffer_bytes``: with ``preadv`` straight into the first CPU
+    destination (one copy, from the page cache into the tensor's memory), or, when every destination
+    is a CUDA tensor, into a pinned buffer of :attr:`pool` that is copied into them without blocking
+    on ``streams`` (the consumer's current stream of each device, captured when it built this
+    reader, so its later work on those tensors is ordered after the copies); with ``hashed``, each
+    piece's crc32c (:func:`ckptq.checksums.checksum`) continues the record's. :meth:`results`
+    yields ``(framed, nbytes read, checksum)`` per record, in order.
+
+    The thread runs at most ``ahead`` bytes of records (at least one record) past the one the
+    consumer takes, since ``prepare`` may allocate; it asks the kernel for the next
+    :data:`READ_AHEAD` bytes of the file while it hashes and copies (``POSIX_FADV_WILLNEED``), so
+    the disk keeps a request queued. Call :meth:`close` when done (or on error: it stops the thread).
 
     Args:
         path: the file, or an open descriptor of it (read through a duplicate: the caller's stays open).
-        fadvise: tell the kernel the file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
+        fadvise: tell the kernel the file is read sequentially (``POSIX_FADV_SEQUENTIAL``) and fetch ahead.
     """
 
     def __init__(
-        self, path: Any, ranges: list, *, buffer_bytes: int, depth: int, pin: bool, fadvise: bool = True
+        self,
+        path: Any,
+        records: list,
+        prepare: Any,
+        *,
+        hashed: bool,
+        buffer_bytes: int,
+        depth: int,
+        pin: bool,
+        fadvise: bool = True,
     ) -> None:
-        self.device = torch.cuda.current_device() if pin else None  # the caller's, for the pinned buffers
         import queue
 
+        self.device = torch.cuda.current_device() if pin else None  # the caller's, for the pinned buffers
+        self.streams = {self.device: torch.cuda.current_stream()} if pin else {}
         self.fd = os.dup(path) if isinstance(path, int) else os.open(path, os.O_RDONLY)
-        if fadvise and hasattr(os, "posix_fadvise"):
+        self.fadvise = fadvise and hasattr(os, "posix_fadvise")
+        if self.fadvise:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        self.ranges, self.size = ranges, max(1 << 16, int(buffer_bytes))
+        self.records, self.prepare, self.hashed = records, prepare, hashed
+        self.size = max(1 << 16, int(buffer_bytes))
+        self.ahead = depth * self.size
         self.pool = BufferPool(depth, self.size, pin)
         self._queue: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._ends = [0]  # bytes of payload up to each record (for the run-ahead bound)
+        for r in records:
+            self._ends.append(self._ends[-1] + r[3])
+        self._taken = 0  # records the consumer has taken
+        self._stop = False
+        self._advised = 0
         self._thread: threading.Thread | None = None
 
-    def start(self) -> RangeReader:
+    def start(self) -> RecordReader:
         self._thread = threading.Thread(target=self._run, name="ckptq-read", daemon=True)
         self._thread.start()
         return self
 
+    def _wait_turn(self, i: int) -> None:
+        """Block until record ``i`` is within ``ahead`` bytes of the consumer (or it is the next one)."""
+        with self._cv:
+            while not self._stop:
+                pending = self._ends[i + 1] - self._ends[self._taken]
+                if i <= self._taken or pending <= self.ahead:
+                    return
+                self._cv.wait(0.5)
+            raise _Cancelled
+
+    def _advise(self, pos: int) -> None:
+        if self.fadvise and pos + READ_AHEAD // 2 >= self._advised:
+            begin = max(pos, self._advised)
+            os.posix_fadvise(self.fd, begin, pos + READ_AHEAD - begin, os.POSIX_FADV_WILLNEED)
+            self._advised = pos + READ_AHEAD
+
     def _run(self) -> None:
+        from ..checksums import checksum
+
         try:
             if self.device is not None:
                 torch.cuda.set_device(self.device)
-            for start, length in self.ranges:
-                done = 0
-                while done < length or (length == 0 and done == 0):
-                    buf = self.pool.take()
-                    want = min(self.size, length - done)
-                    n = pread_into(self.fd, buf[:want].numpy(), start + done) if want else 0
-                    self._queue.put((done, buf, n))
-                    if n < want:  # the file ends early: the consumer reports it
-                        return
-                    done += want
-                    if length == 0:
+            for i, (start, _length, header, nbytes) in enumerate(self.records):
+                self._wait_turn(i)
+                self._advise(start)
+                head = os.pread(self.fd, len(header), start)
+                if head != header:
+                    self._queue.put((False, 0, 0))
+                    continue
+                dsts = self.prepare(i)
+                cpu = next((d for d in dsts if d.device.type == "cpu"), None)
+                pos, got, value = start + len(header), 0, 0
+                while got < nbytes:
+                    want = min(self.size, nbytes - got)
+                    self._advise(pos + got + want)
+                    buf = None
+                    if cpu is not None:
+                        part = cpu[got : got + want]
+                    else:
+                        buf = self.pool.take()
+                        part = buf[:want]
+                    n = pread_into(self.fd, part.numpy(), pos + got)
+                    part = part[:n]
+                    if self.hashed and n:
+                        value = checksum(part.numpy(), value)
+                    events = []
+                    for d in dsts:
+                        if d is cpu:
+                            continue
+                        if d.device.type == "cuda":
+                            stream = self.streams.get(d.device.index) or torch.cuda.current_stream(d.device)
+                            with torch.cuda.stream(stream):
+                                d[got : got + n].copy_(part, non_blocking=True)
+                                events.append(torch.cuda.Event())
+                                events[-1].record()
+                        else:
+                            d[got : got + n].copy_(part)
+                    if buf is not None:
+                        self.pool.give(buf, events)
+                    got += n
+                    if n < want:  # the file ends inside the record: the consumer reports it
                         break
+                self._queue.put((True, got, value))
         except _Cancelled:
             pass
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._queue.put(e)
 
-    def pieces(self, length: int) -> Iterator[tuple[int, torch.Tensor, int]]:
-        """The pieces of the next range (``length`` bytes long)."""
-        done = 0
-        while True:
+    def results(self) -> Iterator[tuple[bool, int, int]]:
+        """``(framed, payload bytes read, checksum)`` of each record, in order (raising what the thread raised)."""
+        for _ in self.records:
             got = self._queue.get()
             if isinstance(got, BaseException):
                 raise got
-            off, buf, n = got
-            yield off, buf, n
-            done = off + n
-            if done >= length or n < min(self.size, length - off):
-                return
+            with self._cv:
+                self._taken += 1
+                self._cv.notify()
+            yield got
 
     def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
         self.pool.cancel()
         if self._thread is not None:
             self._thread.join()

@@ -26,6 +26,7 @@ import io
 import os
 import pickle
 import re
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, 
 from .device import prefetch
 from .record_check import Window, check_record_header
 
-__all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items"]
+__all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items", "shard_canonical"]
 
 #: Bytes read from the start of a record to look for a producer's module names (torch.save writes
 #: the pickle, ``archive/data.pkl``, first).
@@ -126,11 +127,73 @@ def load_record(blob: bytes | Any, *, source: str) -> Any:
         raise CheckpointFormatError(f"{source}: the record is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
+#: Storages of at most this many bytes are read when :func:`virtualize` looks at a tensor's first
+#: record (per-tensor scales and amaxes, small shards); larger ones (the data and block scales)
+#: stay unread until the tensor itself is read.
+_SKELETON_BYTES = 1 << 16
+
+
+def _load_skeleton(root: Path | str, info: Any, source: str) -> Any:
+    """The record at ``info`` unpickled as :func:`load_record` does (the pickle's CRC-32 checked, the
+    same restricted globals), but with its storages on the ``meta`` device, then every storage of
+    at most :data:`_SKELETON_BYTES` read from the file into CPU memory (views of it kept): what a
+    producer's adapter needs to learn the tensor's format, recipe and per-tensor values, without
+    reading its payload. Local files only.
+
+    Raises:
+        UnsafeCheckpointError / CheckpointFormatError: as :func:`load_record`; OSError.
+    """
+    with _open_record(root, info) as rec_file:
+        check_record_header(rec_file, source)
+        globs = [(obj, f"{m}.{n}") for (m, n), obj in adapters.pickle_globals().items()]
+        try:
+            with _only_ours(globs):
+                payload = torch.load(rec_file, map_location="meta", weights_only=True)
+        except pickle.UnpicklingError:
+            return load_record(rec_file, source=source)  # names the refused global
+        storages: dict[int, torch.Tensor] = {}
+
+        def real(v: Any) -> Any:
+            st = v.untyped_storage()
+            at = getattr(st, "_checkpoint_offset", None)
+            if at is None or st.nbytes() > _SKELETON_BYTES:
+                return v
+            if at not in storages:
+                buf = torch.empty(st.nbytes(), dtype=torch.uint8)
+                rec_file.seek(int(at))
+                if rec_file.readinto(buf.numpy()) != st.nbytes():
+                    raise CheckpointFormatError(
+                        f"{source}: the record is truncated or corrupt (a storage ends past it)"
+                    )
+                storages[at] = buf
+            return storages[at].view(v.dtype).as_strided(v.shape, v.stride(), v.storage_offset())
+
+        def walk(obj: Any, depth: int = 0) -> None:
+            for name, v in list(vars(obj).items()) if hasattr(obj, "__dict__") and depth < 3 else ():
+                if isinstance(v, torch.Tensor) and v.device.type == "meta":
+                    setattr(obj, name, real(v))
+                elif not isinstance(v, (torch.Tensor, type)):
+                    walk(v, depth + 1)
+
+        walk(payload)
+        return payload
+
+
 @contextlib.contextmanager
 def _only_ours(globs: list):
     """``torch.serialization.safe_globals(globs)``, with any safe global registered elsewhere under one
     of the same names (e.g. by the foreign library itself, when it is imported) set aside meanwhile,
     so that a name always resolves to ckptq's stand-in, whatever is installed."""
+    with _GLOBALS_LOCK:  # torch's safe globals are one process-wide list: one user at a time
+        yield from _swap_globals(globs)
+
+
+#: Held while :func:`_only_ours` has swapped torch's safe globals (a record may be unpickled on a
+#: read-ahead thread while the caller's thread unpickles another).
+_GLOBALS_LOCK = threading.RLock()
+
+
+def _swap_globals(globs: list):
     ser = torch.serialization
     ours = {name for _, name in globs}
 
@@ -191,6 +254,17 @@ def _open_record(root: Path | str, info: Any):
         yield Window(f, start, want)
 
 
+def _has_meta(obj: Any, depth: int = 0) -> bool:
+    """Whether a skeleton payload (:func:`_load_skeleton`) still holds unread (``meta``) tensors."""
+    for v in vars(obj).values() if hasattr(obj, "__dict__") and depth < 3 else ():
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":
+                return True
+        elif not isinstance(v, type) and _has_meta(v, depth + 1):
+            return True
+    return False
+
+
 def _per_tensor(qt) -> dict:
     return {
         s.name: qt._components[s.name].reshape(-1).view(torch.uint8).tolist()
@@ -215,13 +289,17 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
     """``metadata`` with every foreign tensor entry presented through the ckptq contract (a copy;
     ``metadata`` itself is returned unchanged when it has none).
 
-    Reads the first record of each plain tensor entry whose first bytes name a registered
-    producer's module; one record per tensor (the others are checked when they are read).
+    Looks at the first record of each plain tensor entry whose first bytes name a registered
+    producer's module (one record per tensor; the others are checked when they are read): its
+    pickle and small storages only (:func:`_load_skeleton`: per-tensor values, never the data or
+    block scales, which are read once, when the tensor is), unless the adapter needs more of it.
 
     Raises:
         UnsafeCheckpointError / CheckpointFormatError: from :func:`load_record`; a component key
             that collides with an existing entry.
     """
+    from .storage import is_url
+
     markers = tuple(m for a in adapters.registered() for m in a.pickle_markers)
     storage = metadata.storage_data
     if not markers or not isinstance(storage, Mapping):
@@ -250,12 +328,32 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
             return None  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):
             return None
+        if not is_url(root):  # its format, recipe and per-tensor values; the payload is read once, later
+            return _load_skeleton(root, info, f"{root}: '{fqn}'")
         with _open_record(root, info) as rec_file:
             return load_record(rec_file, source=f"{root}: '{fqn}'")
 
+    def canonical(fqn: str, info: Any, payload: Any, boxes: list) -> tuple:
+        """``(payload, canonical tensor, producer)`` of a first record (raising CkptqError when it is not
+        storable canonically): from the skeleton, else (any step needs the unread payload's values) from
+        the whole record."""
+        adapter = adapters.adapter_for(payload)
+        skeleton = _has_meta(payload)
+        try:
+            qt0, producer = adapter.to_canonical(payload, fqn)
+            if skeleton:  # what is asked of it below
+                _per_tensor(qt0.columnwise_on_grid(tuple(metadata.state_dict_metadata[fqn].size), boxes))
+            return payload, qt0, producer
+        except Exception:  # noqa: BLE001 - whatever the skeleton could not answer, the whole record does
+            if not skeleton:
+                raise
+        with _open_record(root, info) as rec_file:
+            payload = load_record(rec_file, source=f"{root}: '{fqn}'")
+        return (payload, *adapter.to_canonical(payload, fqn))
+
     # the next record is read and unpickled on a thread while this one is converted and checked (an
     # error below leaves the generator to the garbage collector, whose close() stops that thread)
-    for (fqn, md, _info), payload in prefetch(first_records(), load_first, device=torch.device("cpu"), depth=2):
+    for (fqn, md, info), payload in prefetch(first_records(), load_first, device=torch.device("cpu"), depth=2):
         if payload is None:
             continue
         adapter = adapters.adapter_for(payload)
@@ -268,7 +366,7 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
         for c in md.chunks:
             del new_storage[MetadataIndex(fqn, c.offsets)]
         try:
-            qt0, producer = adapter.to_canonical(payload, fqn)
+            payload, qt0, producer = canonical(fqn, info, payload, boxes)
         except CkptqError as e:  # not storable canonically: its reads raise this
             expect = _ShardExpectation(fqn, None, None, {}, problem=str(e))
             sdm[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), md.size, md.chunks)
@@ -350,34 +448,8 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
         by_record.setdefault((str(loc.relative_path), int(loc.offset)), []).append((it, loc))
     for (rel, off), group in by_record.items():
         loc0 = group[0][1]
-        exp = loc0.expect
-        where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
-        if exp.format is None:
-            raise CkptqError(exp.problem)
-        with _open_record(root, loc0) as rec_file:
-            payload = load_record(rec_file, source=where)
-        adapter = adapters.adapter_for(payload)
-        if adapter is None:
-            raise CheckpointFormatError(
-                f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
-            )
-        qt, _ = adapter.to_canonical(payload, exp.fqn)
-        if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
-            qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
-        if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
-            raise CheckpointFormatError(
-                f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "
-                f"first shard is {exp.format} {exp.recipe} and the metadata gives this shard "
-                f"{tuple(loc0.box[1])}; the shards disagree"
-            )
-        for name, value in _per_tensor(qt).items() if exp.problem is None else ():
-            if value != exp.per_tensor.get(name):
-                raise InconsistentScaleError(
-                    f"{where}: its per-tensor '{name}' differs from the first shard's; the shards were "
-                    f"quantized with different global values (no amax reduction over the shard "
-                    f"group), so no single tensor holds them. Read it in high precision per shard "
-                    f"(convert --to float32) or re-save with amax reduction"
-                )
+        qt = shard_canonical(root, loc0)
+        where = f"{root}: '{loc0.expect.fqn}' (shard at {list(loc0.box[0])}, {rel} byte {off})"
         values = None
         for it, loc in group:
             if loc.component is None:
@@ -394,3 +466,42 @@ def read_foreign_items(root: Path, storage: Mapping, items: list, planner: Any) 
                 )
             target.copy_(src)
             planner.commit_tensor(it, target)
+
+
+def shard_canonical(root: Path | str, loc0: ForeignLocation) -> Any:
+    """The canonical ckptq tensor of the saved shard whose record ``loc0`` locates: loaded once,
+    converted by its adapter, checked against the tensor's first shard (format, recipe, shape,
+    per-tensor values).
+
+    Raises:
+        CheckpointFormatError / InconsistentScaleError / CkptqError: as :func:`read_foreign_items`.
+    """
+    exp = loc0.expect
+    where = f"{root}: '{exp.fqn}' (shard at {list(loc0.box[0])}, {loc0.relative_path} byte {loc0.offset})"
+    if exp.format is None:
+        raise CkptqError(exp.problem)
+    with _open_record(root, loc0) as rec_file:
+        payload = load_record(rec_file, source=where)
+    adapter = adapters.adapter_for(payload)
+    if adapter is None:
+        raise CheckpointFormatError(
+            f"{where}: holds a {type(payload).__name__}, not a foreign quantized tensor like its first shard"
+        )
+    qt, _ = adapter.to_canonical(payload, exp.fqn)
+    if exp.recipe is not None and qt.recipe != exp.recipe and qt.rowwise_only().recipe == exp.recipe:
+        qt = qt.rowwise_only()  # the tensor is presented without its columnwise copy (see virtualize)
+    if qt.FORMAT != exp.format or qt.recipe != exp.recipe or tuple(qt.shape) != tuple(loc0.box[1]):
+        raise CheckpointFormatError(
+            f"{where}: is {qt.FORMAT} {qt.recipe} of shape {tuple(qt.shape)}, but the tensor's "
+            f"first shard is {exp.format} {exp.recipe} and the metadata gives this shard "
+            f"{tuple(loc0.box[1])}; the shards disagree"
+        )
+    for name, value in _per_tensor(qt).items() if exp.problem is None else ():
+        if value != exp.per_tensor.get(name):
+            raise InconsistentScaleError(
+                f"{where}: its per-tensor '{name}' differs from the first shard's; the shards were "
+                f"quantized with different global values (no amax reduction over the shard "
+                f"group), so no single tensor holds them. Read it in high precision per shard "
+                f"(convert --to float32) or re-save with amax reduction"
+            )
+    return qt

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import threading
 import warnings
@@ -95,22 +96,27 @@ class SafeFileSystemReader(FileSystemReader):
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
         thread_count: data files read at once, each by its own thread (default
             :data:`ckptq.io.fileio.DEFAULT_THREADS`).
-        buffer_bytes: bytes of each read request and of each of the read-ahead buffers per
-            file being read (page-locked when CUDA is in use, so copies into CUDA destinations do
-            not wait; default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        buffer_bytes: bytes of each read request, and of each of the pinned buffers per file that
+            CUDA destinations are filled through (so their copies do not wait); a file's thread
+            reads at most :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` of them ahead of the
+            records the caller has committed (default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
         fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         **kwargs: passed to ``FileSystemReader``.
 
-    How it reads: the records of each local data file are read in file order by a background thread,
-    ahead of their use, with large ``preadv`` calls (:class:`ckptq.io.fileio.RangeReader`). A
-    record whose framing is byte for byte the one this torch writes for the chunk's dtype and
-    shape (:func:`ckptq.io.records.tensor_record`: every record DCP's ``FileSystemWriter`` and
-    ckptq's writers write with this torch) is checked by comparing that framing, so its pickle is
-    never run, and its payload is hashed and copied into the destination piece by piece (a
-    record whose checksum then fails has been copied by that time; the load fails as usual). Any
-    other record (another torch's framing, stream transforms, bytes entries) is read and checked
-    through ``torch.load(weights_only=True)`` as described above. The records of a URL's data
-    objects are fetched one ranged GET each and read that second way.
+    How it reads: the records of each local data file are read in file order by a background thread
+    of their own (up to ``thread_count`` files at once), ahead of their use
+    (:class:`ckptq.io.fileio.RecordReader`). A record whose framing is byte for byte the one this
+    torch writes for the chunk's dtype and shape (:func:`ckptq.io.records.tensor_record`: every
+    record DCP's ``FileSystemWriter`` and ckptq's writers write with this torch) is checked by
+    comparing that framing, so its pickle is never run; that thread then resolves the record's
+    destinations with the planner (under a lock) and reads its payload with ``preadv`` straight
+    into a CPU destination that takes the whole chunk (else into one buffer of the chunk, narrowed
+    afterwards; CUDA destinations through pinned buffers), hashing each piece as it arrives. The
+    calling thread compares each record's checksum and commits it (a record whose checksum then
+    fails has been copied by that time; the load fails as usual). Any other record (another
+    torch's framing, stream transforms, bytes entries) is read and checked through
+    ``torch.load(weights_only=True)`` as described above. The records of a URL's data objects
+    are fetched one ranged GET each and read that second way.
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
@@ -341,8 +347,10 @@ class SafeFileSystemReader(FileSystemReader):
                 raise CheckpointFormatError(
                     f"{self.path}: data file '{rel}' cannot be opened ({e}); copy the whole checkpoint directory"
                 ) from e
-        # the read-ahead of the next thread_count - 1 files runs while the records of one are used
-        starts = [self._plan_file(rel, file, size, reqs) for rel, file, size, reqs in opened]
+        # the read-ahead of the next thread_count - 1 files runs while the records of one are used;
+        # their threads resolve destinations, so every planner call holds this lock
+        self._planner_lock = threading.RLock()
+        starts = [self._plan_file(rel, file, size, reqs, planner) for rel, file, size, reqs in opened]
         started: dict[int, tuple] = {}
         try:
             for i, (rel, file, size, reqs) in enumerate(opened):
@@ -351,20 +359,22 @@ class SafeFileSystemReader(FileSystemReader):
                         started[j] = starts[j]()
                 self._read_file(rel, file, size, reqs, planner, started.pop(i))
         finally:
-            for _, reader in started.values():
+            for _, reader, _ in started.values():
                 if reader is not None:
                     reader.close()
 
-    def _plan_file(self, rel: str, file: Any, size: int, reqs: list) -> Any:
-        """A function that starts the read-ahead of the records of ``reqs`` that are read fast
-        (see the class docstring) and returns ``(fast records, RangeReader or None)``. Local
-        files only: a URL's records are fetched by ranged GETs (:meth:`_open_data`)."""
-        from .fileio import READ_AHEAD_BUFFERS, RangeReader
+    def _plan_file(self, rel: str, file: Any, size: int, reqs: list, planner: Any) -> Any:
+        """A function that starts the reading of the records of ``reqs`` that are read fast (see
+        the class docstring) and returns ``(fast records, RecordReader or None, destinations)``.
+        Local files only: a URL's records are fetched by ranged GETs (:meth:`_open_data`)."""
+        from .fileio import READ_AHEAD_BUFFERS, RecordReader
         from .records import tensor_record
 
         fast: dict[MetadataIndex, Any] = {}
+        by_index: dict[MetadataIndex, list] = {}
         for req in () if is_url(str(file)) else reqs:
             index = req.storage_index
+            by_index.setdefault(index, []).append(req)
             info = self.storage_data[index]
             want = (self._chunk_sizes or {}).get((index.fqn, tuple(index.offset or ())))
             if (
@@ -383,115 +393,113 @@ class SafeFileSystemReader(FileSystemReader):
                 fast[index] = record
         order = sorted(fast, key=lambda i: int(self.storage_data[i].offset))
         fast = {i: fast[i] for i in order}
-        ranges = [(int(self.storage_data[i].offset), int(self.storage_data[i].length)) for i in order]
+        records = [
+            (int(self.storage_data[i].offset), int(self.storage_data[i].length), fast[i].header, fast[i].nbytes)
+            for i in order
+        ]
         pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+        state: dict[MetadataIndex, tuple] = {}  # index -> (targets, CPU buffer of the whole chunk or None)
+
+        def prepare(i: int) -> list:
+            """The destinations of record ``i`` (on the reading thread): each read item's target that
+            takes the whole chunk as is, else one CPU buffer of the chunk for :meth:`_read_fast` to narrow."""
+            index = order[i]
+            dtype, sizes = (self._chunk_sizes or {})[(index.fqn, tuple(index.offset or ()))]
+            with self._planner_lock:
+                targets = [(req, planner.resolve_tensor(req).detach()) for req in by_index[index]]
+            dsts, whole = [], None
+            for req, target in targets:
+                if _takes_whole_chunk(req, target, dtype, sizes):
+                    dsts.append(target.reshape(-1).view(torch.uint8))
+                elif whole is None:
+                    whole = torch.empty(fast[index].nbytes, dtype=torch.uint8)
+                    dsts.append(whole)
+            state[index] = (targets, whole)
+            return dsts
 
         def start() -> tuple:
-            if not ranges:
-                return fast, None
+            if not records:
+                return fast, None, state
             pinned = self._pinned.get(rel)  # the file opened with the metadata (read through a duplicate)
-            reader = RangeReader(
+            reader = RecordReader(
                 file if pinned is None else pinned,
-                ranges,
+                records,
+                prepare,
+                hashed=self._verifying,
                 buffer_bytes=self.buffer_bytes,
                 depth=READ_AHEAD_BUFFERS,
                 pin=pin,
                 fadvise=self.fadvise,
             )
-            return fast, reader.start()
+            return fast, reader.start(), state
 
         return start
 
     def _read_file(self, rel: str, file: Any, size: int, reqs: list, planner: Any, started: tuple) -> None:
-        fast, reader = started
+        fast, reader, state = started
         by_index: dict[MetadataIndex, list] = {}
         for req in reqs:
             by_index.setdefault(req.storage_index, []).append(req)
         slow = [req for req in reqs if req.storage_index not in fast]
         try:
             with self._open_data(rel) as stream:
-                for index, record in fast.items():
-                    if not self._read_fast(reader, rel, index, record, by_index[index], planner):
+                results = reader.results() if reader is not None else iter(())
+                for index in fast:
+                    try:
+                        result = next(results)
+                    except CkptqError:
+                        raise
+                    except Exception as e:
+                        raise CheckpointFormatError(
+                            f"{self._where(index, rel)}: the record cannot be read ({type(e).__name__}: {e}); "
+                            f"restore the file or re-save"
+                        ) from e
+                    if not self._read_fast(rel, index, result, state, planner):
                         slow += by_index[index]  # another framing: read through torch.load
                 for req in sorted(slow, key=lambda r: int(self.storage_data[r.storage_index].offset)):
-                    self._read_item(stream(req.storage_index), rel, size, req, planner)
+                    with self._planner_lock:
+                        self._read_item(stream(req.storage_index), rel, size, req, planner)
         finally:
             if reader is not None:
                 reader.close()
 
-    def _read_fast(self, reader: Any, rel: str, index: MetadataIndex, record: Any, reqs: list, planner: Any) -> bool:
-        """Read one record whose framing should be ``record``'s from ``reader`` into the
-        destinations of ``reqs``; False (nothing written) if its framing differs."""
-        from ..checksums import checksum
-
-        info = self.storage_data[index]
-        where = self._where(index, rel)
-        length, head, nbytes = int(info.length), len(record.header), record.nbytes
-        dtype, sizes = (self._chunk_sizes or {})[(index.fqn, tuple(index.offset or ()))]
-        whole, direct, targets = None, [], []
-        value, got, first, framed = 0, 0, True, True
-        try:
-            for off, buf, n in reader.pieces(length):
-                event = None
-                try:
-                    if first:
-                        first = False
-                        framed = n >= head and bytes(buf[:head].numpy()) == record.header
-                        if framed:
-                            targets = [(req, planner.resolve_tensor(req).detach()) for req in reqs]
-                        for req, target in targets:
-                            if _takes_whole_chunk(req, target, dtype, sizes):
-                                direct.append(target.reshape(-1).view(torch.uint8))
-                            elif whole is None:
-                                whole = torch.empty(nbytes, dtype=torch.uint8)
-                    lo, hi = max(off, head), min(off + n, head + nbytes)  # the payload in this piece
-                    if framed and lo < hi:
-                        part = buf[lo - off : hi - off]
-                        if self._verifying:
-                            value = checksum(part.numpy(), value)
-                        for dst in direct:
-                            dst[lo - head : hi - head].copy_(part, non_blocking=True)
-                            if dst.device.type == "cuda":  # the buffer is reused once this copy ran
-                                event = torch.cuda.Event()
-                                event.record(torch.cuda.current_stream(dst.device))
-                        if whole is not None:
-                            whole[lo - head : hi - head].copy_(part)
-                        got += hi - lo
-                finally:
-                    reader.pool.give(buf, event)
-        except CkptqError:
-            raise
-        except Exception as e:
-            raise CheckpointFormatError(
-                f"{where}: the record cannot be read ({type(e).__name__}: {e}); restore the file or re-save"
-            ) from e
+    def _read_fast(self, rel: str, index: MetadataIndex, result: tuple, state: dict, planner: Any) -> bool:
+        """Finish one record that the reading thread read into its destinations (``result``:
+        ``(framed, payload bytes read, checksum)``): check its length and checksum, narrow it into
+        the targets that take part of it, commit; False (nothing written) if its framing differs."""
+        framed, got, value = result
         if not framed:
             return False
+        where = self._where(index, rel)
+        dtype, sizes = (self._chunk_sizes or {})[(index.fqn, tuple(index.offset or ()))]
+        targets, whole = state.pop(index)
+        nbytes = math.prod(sizes) * dtype.itemsize
         if got != nbytes:
             raise CheckpointFormatError(
                 f"{where}: the file ends inside the record; it is truncated: restore it or re-save"
             )
         if self._verifying:
             self._check_sum(index, None, where, got=value)
-        for req, target in targets:
-            if whole is not None and not _takes_whole_chunk(req, target, dtype, sizes):
-                chunk = whole.view(dtype).reshape(sizes) if nbytes else torch.empty(sizes, dtype=dtype)
-                tensor = _narrow(chunk, req, where)
-                if target.size() != tensor.size():
+        with self._planner_lock:
+            for req, target in targets:
+                if whole is not None and not _takes_whole_chunk(req, target, dtype, sizes):
+                    chunk = whole.view(dtype).reshape(sizes) if nbytes else torch.empty(sizes, dtype=dtype)
+                    tensor = _narrow(chunk, req, where)
+                    if target.size() != tensor.size():
+                        raise CheckpointFormatError(
+                            f"{where}: read {list(tensor.size())} elements for a destination of "
+                            f"{list(target.size())}; the metadata is inconsistent"
+                        )
+                    target.copy_(tensor)
+                try:
+                    planner.commit_tensor(req, target)
+                except CkptqError:
+                    raise
+                except Exception as e:
                     raise CheckpointFormatError(
-                        f"{where}: read {list(tensor.size())} elements for a destination of "
-                        f"{list(target.size())}; the metadata is inconsistent"
-                    )
-                target.copy_(tensor)
-            try:
-                planner.commit_tensor(req, target)
-            except CkptqError:
-                raise
-            except Exception as e:
-                raise CheckpointFormatError(
-                    f"{where}: the load planner failed on this record ({type(e).__name__}: {e}); the record "
-                    f"read intact, so the checkpoint and the target state_dict disagree"
-                ) from e
+                        f"{where}: the load planner failed on this record ({type(e).__name__}: {e}); the record "
+                        f"read intact, so the checkpoint and the target state_dict disagree"
+                    ) from e
         return True
 
     def _open_data(self, rel: str) -> Any:

@@ -202,6 +202,33 @@ def _ends(stream: Any, start: int, length: int) -> _Sparse:
     return _Sparse(head, length - head_n - tail_n, tail)
 
 
+def _known_framing(window: _Sparse, length: int, dtype: torch.dtype, sizes: tuple) -> tuple[int, int] | None:
+    """``(payload offset, zip CRC-32)`` of a record whose framing is byte for byte the one this torch
+    writes for ``dtype`` and ``sizes`` (:func:`tensor_record`: its pickle, hence dtype, shape and
+    layout, is then the template's, and needs no unpickling), its two CRC-32 fields of the payload
+    agreeing; else None (checked the long way)."""
+    try:
+        rec = tensor_record(dtype, tuple(sizes))
+    except CkptqError:
+        return None
+    head, tail = window.head, window.tail
+    if not window.gap:  # the whole record was read
+        head = tail = head + tail
+    if (
+        not rec.nbytes
+        or length != rec.length
+        or len(head) < len(rec.header)
+        or len(tail) < len(rec.trailer)
+        or head[: len(rec.header)] != rec.header
+    ):
+        return None
+    trailer = tail[len(tail) - len(rec.trailer) :]
+    crcs = {trailer[at : at + 4] for at in rec.crc_at}
+    if len(crcs) != 1:
+        return None
+    return len(rec.header), struct.unpack("<I", crcs.pop())[0]
+
+
 def locate_payload(
     stream: Any, start: int, length: int, where: str, dtype: torch.dtype, sizes: tuple[int, ...]
 ) -> tuple[int, int | None] | None:
@@ -212,7 +239,10 @@ def locate_payload(
     record; ``None`` for a valid record whose tensor is not one contiguous little-endian run (read
     it with ``torch.load`` instead).
 
-    Only the zip directory and the pickle are read (hundreds of bytes); the payload is not.
+    Only the zip directory and the pickle are read (hundreds of bytes); the payload is not. A record
+    whose framing is the one this torch writes for the chunk (every record ckptq and DCP's writer
+    write with this torch) is checked by comparing that framing (:func:`tensor_record`), without
+    unpickling, as :class:`~ckptq.io.SafeFileSystemReader` does.
 
     Raises:
         CheckpointFormatError: the record is truncated or corrupt, or holds another dtype, shape or
@@ -230,6 +260,9 @@ def locate_payload(
             f"{where}: the record is truncated or corrupt ({type(e).__name__}: {e}); "
             f"restore the file or re-save the checkpoint"
         ) from e
+    known = _known_framing(window, length, dtype, sizes)
+    if known is not None:
+        return known
     check_record_header(window, where)
     try:
         with zipfile.ZipFile(window) as z:
