@@ -11,6 +11,8 @@ worker processes (``--jobs``) with a time limit per case:
 * ``read_metadata``: :func:`ckptq.io.read_metadata`;
 * ``view``: :func:`ckptq.checkpoint.open_checkpoint` + ``read`` of every tensor (``load_entries``)
   and ``read_raw_bytes`` of every non-tensor entry;
+* ``indexed``: the same reads from :func:`ckptq.checkpoint.open_indexed` (the chunk index
+  ``.metadata.index``), through ``open_checkpoint`` where it says there is no index to use;
 * ``inspect``: :func:`ckptq.inspect.inspect_checkpoint` with ``stats=True``;
 * ``verify``: :func:`ckptq.verify.verify_checkpoints` of the original against the mutant;
 * ``integrity``: :func:`ckptq.verify.check_integrity` of the mutant alone (``ckptq verify PATH``);
@@ -101,7 +103,7 @@ CLASSES = [
 GOOD = {"CKPTQ_ERROR", "SAME"}
 #: classes that are no defect (counted apart): see the module docstring.
 APART = {"DATA_FLIP", "METADATA_VALID", "RECORD_REMOVED"}
-PATHS = ["read_metadata", "view", "inspect", "verify", "load"]
+PATHS = ["read_metadata", "view", "indexed", "inspect", "verify", "load"]
 SHAPE = (256, 128)  # 2 rank cuts at row 128: on every format's block grid (fp8_block: 128)
 
 
@@ -866,13 +868,24 @@ def path_read_metadata(ck: Path, orig: Path) -> str:
 def path_view(ck: Path, orig: Path) -> str:
     from ckptq.checkpoint import open_checkpoint
 
-    view = open_checkpoint(ck)
+    return _view_fingerprint(open_checkpoint(ck))
+
+
+def _view_fingerprint(view) -> str:
     out = []
     for e in view.entries():
         out.append(
             (e.fqn, view.read_raw_bytes(e.fqn)[0].hex()[:64] if e.kind == "bytes" else _digest(view.read(e.fqn)))
         )
     return repr(out)
+
+
+def path_indexed(ck: Path, orig: Path) -> str:
+    """The view opened from the chunk index (``open_indexed``), or through ``.metadata`` where it says
+    there is none to use, as its docstring tells a caller to do."""
+    from ckptq.checkpoint import open_checkpoint, open_indexed
+
+    return _view_fingerprint(open_indexed(ck) or open_checkpoint(ck))
 
 
 def path_inspect(ck: Path, orig: Path) -> str:
@@ -974,6 +987,7 @@ def path_load(ck: Path, orig: Path) -> str:
 READERS = {
     "read_metadata": path_read_metadata,
     "view": path_view,
+    "indexed": path_indexed,
     "inspect": path_inspect,
     "verify": path_verify,
     "integrity": path_integrity,
