@@ -86,8 +86,17 @@ def _aligned(shape, layout: str, i: int, ws: int) -> bool:
     return True
 
 
-def _dtensor(local, shape, layout: str):
+@functools.cache
+def _mesh(mesh_shape: tuple[int, ...]):
+    """One device mesh per mesh shape in a rank, as a job has one. A 2-D mesh makes a gloo group for
+    each of its rows and columns (``new_group``: every rank takes part, connecting through the
+    store); made again for each tensor of each load, they were most of this file's time."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", mesh_shape)
+
+
+def _dtensor(local, shape, layout: str):
     from torch.distributed.tensor import DTensor
 
     from ckptq.parse import parse_placement
@@ -95,9 +104,13 @@ def _dtensor(local, shape, layout: str):
     mesh_shape, pl = LAYOUTS[layout]
     if pl is None:
         return local
-    mesh = init_device_mesh("cpu", mesh_shape)
     return DTensor.from_local(
-        local, mesh, [parse_placement(p) for p in pl], run_check=False, shape=torch.Size(shape), stride=(shape[1], 1)
+        local,
+        _mesh(mesh_shape),
+        [parse_placement(p) for p in pl],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=(shape[1], 1),
     )
 
 
@@ -209,9 +222,7 @@ def test_misaligned_sources_refuse_to_save(saved):
 def test_every_pair_bit_exact_or_refused(saved, ws):
     root, _ = saved
     total_exact = total_refused = 0
-    # 4 ranks on a 2-core machine: 156 s on a quiet VM on 2026-11-26 (half of it system time, not
-    # yet explained), over the default 240 s guard under load: a longer guard for this test
-    for failures, exact, refused in run_distributed(ws, _load_worker, root, timeout=600):
+    for failures, exact, refused in run_distributed(ws, _load_worker, root):
         assert failures == []
         total_exact += exact
         total_refused += refused
