@@ -186,6 +186,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
     return groups
 
 
+@_gc_paused()  # many small acyclic objects; the GC's passes over an opened table cost more than planning
 def plan_reshard(
     view: CheckpointView,
     mesh: MeshSpec,
@@ -237,33 +238,27 @@ def plan_reshard(
         if bad:
             raise UnsupportedFormatError(f"ranks {bad[:4]}: mesh {mesh} has ranks 0..{mesh.world_size - 1}")
 
-    with _gc_paused():  # many small acyclic objects: see checkpoint._gc_paused
-        units: list[tuple[str, list[Entry], int | None]] = []
-        stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
-        in_group = {e.fqn for ms in stacked.values() for e in ms}
-        for e in view.entries():
-            if e.fqn in in_group:
-                continue
-            if (
-                grouped == "split"
-                and e.kind != "bytes"
-                and len(e.shape) == 3
-                and fnmatch.fnmatchcase(e.fqn, grouped_glob)
-            ):
-                units += [(f"{e.fqn}{i}", [e], i) for i in range(e.shape[0])]
-            else:
-                units.append((e.fqn, [e], None))
-        units += [(stem, ms, None) for stem, ms in stacked.items()]
-        units.sort(key=lambda u: u[0])
+    units: list[tuple[str, list[Entry], int | None]] = []
+    stacked = _groups_to_stack(view, grouped_glob) if grouped == "stack" else {}
+    in_group = {e.fqn for ms in stacked.values() for e in ms}
+    for e in view.entries():
+        if e.fqn in in_group:
+            continue
+        if grouped == "split" and e.kind != "bytes" and len(e.shape) == 3 and fnmatch.fnmatchcase(e.fqn, grouped_glob):
+            units += [(f"{e.fqn}{i}", [e], i) for i in range(e.shape[0])]
+        else:
+            units.append((e.fqn, [e], None))
+    units += [(stem, ms, None) for stem, ms in stacked.items()]
+    units.sort(key=lambda u: u[0])
 
-        if grouped == "stack" and not stacked:
-            raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
-        jobs = [
-            _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
-            for fqn, sources, member in units
-        ]
-        if ranks is not None:  # the jobs these ranks write, and every problem (a run stops on any)
-            jobs = [j for j in jobs if j.owners or j.problem]
+    if grouped == "stack" and not stacked:
+        raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
+    jobs = [
+        _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
+        for fqn, sources, member in units
+    ]
+    if ranks is not None:  # the jobs these ranks write, and every problem (a run stops on any)
+        jobs = [j for j in jobs if j.owners or j.problem]
     return ReshardPlan(view.path, mesh, jobs, ranks)
 
 
