@@ -784,7 +784,75 @@ def _describe_md(md: Any) -> str:
 
 def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[Descriptor, dict]:
     """Validate the descriptor of ``fqn`` against the stored entries; returns its typed form and
-    the component keys."""
+    the component keys.
+
+    A model repeats a few descriptors that differ only in their component FQNs (every expert of a
+    layer, every layer): what depends on the descriptor alone (field types, version, recipe, the
+    component layout of the format) is checked once per :func:`_template_key` and its verdict kept
+    (:data:`_TEMPLATES`); what differs per tensor (the component FQNs, their stored entries' dtype
+    and global shape, a high-precision entry's own) is checked for every tensor
+    (:func:`_check_like`). Any failure re-runs the whole check, which names it."""
+    key = _template_key(desc)
+    template = None if key is None else _TEMPLATES.get(key)
+    if template is not None:
+        out = _check_like(template, fqn, desc, sdm)
+        if out is not None:
+            return out
+    typed, keys = _check_descriptor_fully(where, fqn, desc, sdm)
+    if key is not None:
+        comps = tuple((name, c.dtype, c.shape) for name, c in typed.components.items())
+        _remember(_TEMPLATES, key, (typed, comps, FORMATS.get(typed.format) is None))
+    return typed, keys
+
+
+def _template_key(desc: Any) -> str | None:
+    """``repr`` of descriptor ``desc`` with its component FQNs left out (each must be a ``str``), or
+    None unless it is a plain ``dict`` whose components are (then it is checked whole every time).
+    ``repr`` of builtins tells ``1``, ``1.0`` and ``True`` apart and keeps the keys' order."""
+    if type(desc) is not dict:
+        return None
+    comps = desc.get("components")
+    if comps is not None:
+        if type(comps) is not dict:
+            return None
+        stripped = {}
+        for name, c in comps.items():
+            if type(c) is not dict or type(c.get("fqn")) is not str:
+                return None
+            stripped[name] = {k: (None if k == "fqn" else v) for k, v in c.items()}
+        desc = {**desc, "components": stripped}
+    return repr(desc)
+
+
+def _check_like(template: tuple, fqn: str, desc: dict, sdm: Mapping) -> tuple[Descriptor, dict] | None:
+    """The per-tensor checks of a descriptor whose :func:`_template_key` passed the whole check as
+    ``template`` (typed form, ``(name, dtype, global shape)`` of each component, format unknown):
+    its typed form and component keys, or None when a check fails (the whole check then names it)."""
+    typed, comps, unknown = template
+    if (FORMATS.get(typed.format) is None) != unknown:  # a format registered since
+        return None
+    if typed.mode == HIGH_PRECISION:
+        entry = sdm.get(fqn)
+        if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != typed.shape:
+            return None
+        if typed.stored_dtype is not None and entry.properties.dtype != typed.stored_dtype:
+            return None
+        return typed, {fqn: fqn}
+    raw, keys, components = desc["components"], {}, {}
+    for name, dtype, shape in comps:
+        cfqn = raw[name]["fqn"]
+        entry = sdm.get(cfqn)
+        if not isinstance(entry, TensorStorageMetadata) or entry.properties.dtype != dtype or entry.size != shape:
+            return None
+        keys[name] = cfqn
+        components[name] = ComponentDescriptor(dtype, shape, cfqn)
+    out = object.__new__(Descriptor)  # the template's immutable fields, these components
+    vars(out).update(vars(typed), components=types.MappingProxyType(components))
+    return out, keys
+
+
+def _check_descriptor_fully(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[Descriptor, dict]:
+    """:func:`_check_descriptor`, every check made."""
     where = f"{where}: ckptq tensor '{fqn}'"
     try:
         if not isinstance(desc, Mapping):
@@ -884,6 +952,8 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
 #: A model repeats a few recipes and shapes: each is checked once per process.
 _GOOD_RECIPES: dict = {}
 _LAYOUTS: dict = {}
+#: :func:`_template_key` -> what :func:`_check_like` needs of a descriptor that passed the whole check.
+_TEMPLATES: dict = {}
 
 
 def _remember(cache: dict, key: Any, value: Any) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,11 @@ def _take(ranges: Ranges, start: int, stop: int) -> Ranges:
 
 def _chunk(ranges: Ranges, n: int, c: int) -> Ranges:
     """``torch.chunk(indices, n)[c]`` (ceil-sized chunks; empty when chunk ``c`` does not exist)."""
+    if len(ranges) == 1:  # one run (every plain Shard): the same cut without the general walk
+        a, b = ranges[0]
+        size = cdiv(b - a, n)
+        s, e = min(c * size, b - a), min((c + 1) * size, b - a)
+        return [(a + s, a + e)] if s < e else []
     length = sum(b - a for a, b in ranges)
     size = cdiv(length, n)
     return _take(ranges, min(c * size, length), min((c + 1) * size, length))
@@ -198,15 +204,13 @@ def dtensor_box(obj: Any, *, fqn: str | None = None) -> Box:
     return shard_box(obj.shape, tuple(mesh.shape), mesh.get_coordinate(), obj.placements, fqn=fqn)
 
 
-def _dim_table(n: int, d: int, mesh_sizes: Sequence[int], placements: Sequence[Placement]) -> dict:
-    """Runs held along tensor dim ``d`` for every combination of coordinates of the mesh dims that
-    shard it (left to right, as :func:`owned_ranges`), built level by level so that each piece is
-    cut once per coordinate prefix: {coords of those mesh dims: runs}."""
+def _dim_table(n: int, cuts: Sequence[tuple[int, int | None]]) -> dict:
+    """Runs held along a tensor dim of size ``n`` cut by ``cuts``, the ``(mesh dim size, strided
+    factor or None)`` of the mesh dims that shard it, left to right (as :func:`owned_ranges`), for
+    every combination of their coordinates, built level by level so that each piece is cut once
+    per coordinate prefix: {coords of those mesh dims: runs}."""
     table: dict[tuple, Ranges] = {(): [(0, n)] if n else []}
-    for m, p in zip(mesh_sizes, placements, strict=False):
-        if _shard_dim(p) != d:
-            continue
-        sf = _strided_factor(p)
+    for m, sf in cuts:
         nxt = {}
         for prefix, ranges in table.items():
             pieces = [ranges] if sf is None else [_chunk(ranges, sf, k) for k in range(sf)]
@@ -231,20 +235,85 @@ def _box_tables(global_shape: Sequence[int], mesh: MeshSpec, placements: Sequenc
     relevant = [[i for i, p in enumerate(placements) if _shard_dim(p) == d] for d in range(len(global_shape))]
     boxes_per_dim = []
     for d, n in enumerate(global_shape):
-        table = {}
-        for k, runs in _dim_table(n, d, mesh.sizes, placements).items():
-            merged = _merge_runs(runs)
-            if len(merged) > 1:
-                coord = [0] * len(mesh.sizes)
-                for i, c in zip(relevant[d], k, strict=False):
-                    coord[i] = c
-                shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)  # raises, with details
-            table[k] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
+        table, bad = _dim_boxes(n, tuple((mesh.sizes[i], _strided_factor(placements[i])) for i in relevant[d]))
+        if bad is not None:
+            coord = [0] * len(mesh.sizes)
+            for i, c in zip(relevant[d], bad, strict=False):
+                coord[i] = c
+            shard_box(global_shape, mesh.sizes, coord, placements, fqn=fqn)  # raises, with details
         boxes_per_dim.append(table)
     if len(_TABLES) > 4096:
         _TABLES.clear()
     _TABLES[key] = out = (relevant, boxes_per_dim)
     return out
+
+
+def _dim_boxes(n: int, cuts: tuple) -> tuple[dict, tuple | None]:
+    """{coords of the mesh dims that shard a tensor dim of size ``n``: (offset, size)} and the first
+    coords whose indices are not one run (None if none), for ``cuts``: ``(mesh dim size, strided
+    factor or None)`` of those mesh dims, left to right (:func:`_dim_table`). Kept per ``(n, cuts)``:
+    a model's tensors of different shapes share their dims' sizes and cuts."""
+    key = (n, cuts)
+    hit = _DIM_BOXES.get(key)
+    if hit is not None:
+        return hit
+    if all(sf is None for _, sf in cuts):  # plain Shards: one run each, computed when looked up
+        table, bad = _ShardTable(n, tuple(m for m, _ in cuts)), None
+    else:
+        table, bad = {}, None
+        for k, runs in _dim_table(n, cuts).items():
+            merged = _merge_runs(runs)
+            if len(merged) > 1 and bad is None:
+                bad = k
+            table[k] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
+    if len(_DIM_BOXES) > 4096:
+        _DIM_BOXES.clear()
+    _DIM_BOXES[key] = out = (table, bad)
+    return out
+
+
+_DIM_BOXES: dict = {}
+
+
+class _ShardTable(Mapping):
+    """:func:`_dim_boxes`' table of a tensor dim of size ``n`` cut by plain ``Shard`` placements on
+    mesh dims of ``sizes``, without building a dict of ``prod(sizes)`` entries: a ``torch.chunk``
+    of one run is one run, so a coordinate's ``(offset, size)`` is a few divisions, made when it is
+    looked up (coordinates in range: the mesh's), and :meth:`values` is built level by level, each
+    run cut once (the same table as :func:`_dim_table`'s, tested)."""
+
+    def __init__(self, n: int, sizes: tuple[int, ...]) -> None:
+        self.n, self.sizes, self._values = n, sizes, None
+
+    def __getitem__(self, coords: tuple) -> tuple[int, int]:
+        if len(coords) != len(self.sizes):
+            raise KeyError(coords)
+        a, b = 0, self.n
+        for m, c in zip(self.sizes, coords, strict=False):
+            size = cdiv(b - a, m)
+            a, b = a + min(c * size, b - a), a + min((c + 1) * size, b - a)
+            if a >= b:
+                return self.n, 0
+        return a, b - a
+
+    def __iter__(self):
+        return itertools.product(*(range(m) for m in self.sizes))
+
+    def __len__(self) -> int:
+        return math.prod(self.sizes)
+
+    def values(self) -> list[tuple[int, int]]:  # type: ignore[override]
+        """``(offset, size)`` of every coordinate, in :meth:`__iter__`'s order."""
+        if self._values is None:
+            runs = [(0, self.n)]
+            for m in self.sizes:
+                runs = [
+                    (a + min(c * cdiv(b - a, m), b - a), a + min((c + 1) * cdiv(b - a, m), b - a))
+                    for a, b in runs
+                    for c in range(m)
+                ]
+            self._values = [(a, b - a) if a < b else (self.n, 0) for a, b in runs]
+        return self._values
 
 
 def rank_boxes(

@@ -358,6 +358,71 @@ def test_malformed_descriptors(ck, edit, match):
     _all_paths_fail(ck, match)
 
 
+def _twin(md, src: str, dst: str, *, high_precision: bool = False) -> None:
+    """Add ``dst`` to ``md``: ``src``'s descriptor with its own entries (copies of ``src``'s),
+    optionally as a high-precision entry stored as float32 (an entry named ``dst``)."""
+    import copy
+
+    sdm, tensors = md.state_dict_metadata, md.planner_data["__ckptq__"]["tensors"]
+    desc = copy.deepcopy(tensors[src])
+    if high_precision:
+        desc.update(mode="high_precision", stored_dtype="float32")
+        del desc["components"]
+        sdm[dst] = copy.deepcopy(sdm["b"])
+        sdm[dst].size = torch.Size(desc["shape"])
+    else:
+        for name, c in desc["components"].items():
+            sdm[f"{dst}.{name}"] = copy.deepcopy(sdm[c["fqn"]])
+            c["fqn"] = f"{dst}.{name}"
+    tensors[dst] = desc
+
+
+def _drop(key):
+    return lambda md: md.state_dict_metadata.pop(key)
+
+
+def _set_dtype(key):
+    return lambda md: setattr(md.state_dict_metadata[key].properties, "dtype", torch.float16)
+
+
+def _set_size(key):
+    return lambda md: setattr(md.state_dict_metadata[key], "size", torch.Size([64, 3]))
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (_drop("w3.data"), r"tensor 'w3' \(mxfp8\): component 'data': tensor entry 'w3.data' is missing"),
+        (_set_dtype("w3.scale"), r"tensor 'w3' \(mxfp8\): component 'scale' \('w3.scale'\) is stored as float16"),
+        (_set_size("w3.data"), r"tensor 'w3' \(mxfp8\): component 'data' \('w3.data'\) is stored as .* \[64, 3\]"),
+        (_drop("h3"), r"tensor 'h3' \(mxfp8, high_precision\) has no tensor entry 'h3'"),
+        (_set_dtype("h3"), r"tensor 'h3' \(mxfp8, high_precision\): stored as float16"),
+        (_set_size("h3"), r"tensor 'h3' \(mxfp8, high_precision\): stored shape \[64, 3\]"),
+    ],
+)
+def test_descriptors_alike_are_checked_once_and_each_tensors_entries_every_time(base, edit, match):
+    """fold_entries checks what a descriptor decides alone once per descriptor that differs only in
+    its component FQNs (contract._TEMPLATES); each tensor's own entries (present, dtype, global
+    shape) are still checked: tensors alike to one that passed fail as the whole check fails them."""
+    from ckptq.contract import _TEMPLATES, Descriptor, _template_key, fold_entries
+
+    md = pickle.loads((base / ".metadata").read_bytes())
+    for dst in ("w2", "w3"):
+        _twin(md, "w", dst)
+    for dst in ("h2", "h3"):
+        _twin(md, "w", dst, high_precision=True)
+    tensors = md.planner_data["__ckptq__"]["tensors"]
+    entries = fold_entries(md)  # w2 and h2 pass the whole check: w3 and h3 reuse their verdicts
+    assert _template_key(tensors["w3"]) in _TEMPLATES and _template_key(tensors["h3"]) in _TEMPLATES
+    for fqn in ("w2", "w3", "h2", "h3"):
+        assert entries[fqn].descriptor == Descriptor.from_dict(tensors[fqn])
+    assert entries["w3"].keys == {name: c["fqn"] for name, c in tensors["w3"]["components"].items()}
+    assert entries["h3"].kind == "tensor" and entries["h3"].keys == {"h3": "h3"}
+    edit(md)
+    with pytest.raises(CheckpointFormatError, match=match):
+        fold_entries(md)
+
+
 def test_unknown_format_is_a_ckptq_error_where_its_values_are_needed(ck):
     _edit(ck, lambda md: md.planner_data["__ckptq__"]["tensors"]["w"].update(format="int3"))
     rows = {r["fqn"]: r for r in inspect_checkpoint(ck)["tensors"]}  # the metadata lists it

@@ -154,3 +154,29 @@ def test_presets_follow_fsdp2_and_tp_conventions():
     assert fmt("l.norm.weight", 1) == "(S(0), R)"
     assert fmt("l.experts.w1", 3) == "(S(0), S(1))"  # grouped (N, out, in): column-parallel is dim 1
     assert format_placements(parse_placement_rules(parse_mesh("4"), "fsdp2").placements("x", 2)) == "(S(0))"
+
+
+def test_shard_tables_computed_on_lookup_equal_the_built_tables():
+    """Plain ``Shard`` cuts of a dim are looked up (placement._ShardTable), not built: the same
+    (offset, size) per coordinate, iteration order and values as the built table, and the same
+    :func:`dim_intervals` as every rank's box gives (meshes of up to 3 dims cutting one dim)."""
+    from ckptq.placement import _dim_table, _merge_runs, _ShardTable, dim_intervals
+
+    rng = random.Random(11)
+    for _ in range(300):
+        n = rng.choice([0, 1, 2, 3, 5, 7, 13, 64, 100])
+        sizes = tuple(rng.choice([1, 2, 3, 4, 5, 8]) for _ in range(rng.randint(0, 3)))
+        built = {}
+        for k, runs in _dim_table(n, [(m, None) for m in sizes]).items():
+            merged = _merge_runs(runs)
+            assert len(merged) <= 1
+            built[k] = (merged[0][0], merged[0][1] - merged[0][0]) if merged else (n, 0)
+        table = _ShardTable(n, sizes)
+        assert dict(table) == built and list(table) == list(built) and table.values() == list(built.values())
+        if not sizes:
+            continue
+        spec = MeshSpec(tuple(f"m{i}" for i in range(len(sizes))), sizes)
+        shape, placements = (n, 3), [Shard(0)] * len(sizes)
+        assert dim_intervals(shape, spec, placements) == [
+            {(o[d], s[d]) for o, s in rank_boxes(shape, spec, placements) if s[d]} for d in range(2)
+        ]
