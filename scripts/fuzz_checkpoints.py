@@ -518,12 +518,7 @@ def _metadata_edit(rng: random.Random, md: Any, ck: Path) -> str:
 def _append_record(ck: Path, md: Any, rng: random.Random, blob: bytes) -> tuple[str, bool]:
     """Append ``blob`` to a data file and point a random location at it; ``(fqn, non-tensor?)``."""
     key = rng.choice(list(md.storage_data))
-    info = md.storage_data[key]
-    f = ck / info.relative_path
-    info.offset = f.stat().st_size
-    info.length = len(blob)
-    with open(f, "ab") as fh:
-        fh.write(blob)
+    _append_at(ck, md, key, blob)
     return key.fqn, key.offset is None
 
 

@@ -13,37 +13,38 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run_script(name: str, *args: str) -> str:
+    """``python scripts/<name> args...`` (must succeed within 300 s); its standard output."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *args], check=True, capture_output=True, text=True, timeout=300
+    ).stdout
+
+
 @pytest.mark.slow
 def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_gpu_checkpoint.py"),
-            "--device",
-            "cpu",
-            "--divide",
-            "8",
-            "--layers",
-            "1",
-            "--repeat",
-            "1",
-            "--probe-gib",
-            "0.01",
-            "--disk-gib",
-            "0.0625",
-            "--one-gpu-load",
-            "--keep-caches",
-            "--dir",
-            str(tmp_path / "d"),
-            "--out",
-            str(out),
-            "--port",
-            "29533",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    _run_script(
+        "bench_gpu_checkpoint.py",
+        "--device",
+        "cpu",
+        "--divide",
+        "8",
+        "--layers",
+        "1",
+        "--repeat",
+        "1",
+        "--probe-gib",
+        "0.01",
+        "--disk-gib",
+        "0.0625",
+        "--one-gpu-load",
+        "--keep-caches",
+        "--dir",
+        str(tmp_path / "d"),
+        "--out",
+        str(out),
+        "--port",
+        "29533",
     )
     r = json.loads(out.read_text())
     assert r["world_size"] == 2 and [x["rank"] for x in r["ranks"]] == [0, 1]
@@ -62,35 +63,24 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
         loads = [k for k in x if k.startswith("load_")]
         assert len(loads) == 6 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
     assert r["load_b_native_on_1_gpu"]["s"] > 0
-    text = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gpu_checkpoint.py"), "--table", str(out)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    text = _run_script("bench_gpu_checkpoint.py", "--table", str(out))
     assert text.count("| ckptq native (MXFP8 / NVFP4) |") == 2 and "native save vs default planner" in text
 
 
 def test_bench_storage_io_runs(tmp_path):
     out = tmp_path / "r.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_storage_io.py"),
-            "--gb",
-            "0.02",
-            "--repeat",
-            "1",
-            "--threads",
-            "1,2",
-            "--dir",
-            str(tmp_path / "d"),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    _run_script(
+        "bench_storage_io.py",
+        "--gb",
+        "0.02",
+        "--repeat",
+        "1",
+        "--threads",
+        "1,2",
+        "--dir",
+        str(tmp_path / "d"),
+        "--out",
+        str(out),
     )
     r = json.loads(out.read_text())
     saves, loads = r["saves"], r["loads"]
@@ -125,28 +115,22 @@ def test_bench_scaleout_runs(tmp_path):
     """scripts/bench_scaleout.py end to end at a tiny size: the source, the disk probe, one
     2-process torchrun export, the JSON and the table."""
     out = tmp_path / "r.json"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_scaleout.py"),
-            "--workdir",
-            str(tmp_path / "w"),
-            "--size-gb",
-            "0.001",
-            "--side",
-            "256",
-            "--probe-gb",
-            "0.002",
-            "--procs",
-            "2",
-            "--only",
-            "export",
-            "--json",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    _run_script(
+        "bench_scaleout.py",
+        "--workdir",
+        str(tmp_path / "w"),
+        "--size-gb",
+        "0.001",
+        "--side",
+        "256",
+        "--probe-gb",
+        "0.002",
+        "--procs",
+        "2",
+        "--only",
+        "export",
+        "--json",
+        str(out),
     )
     r = json.loads(out.read_text())
     (run,) = r["runs"]
