@@ -621,10 +621,6 @@ class IndexedCheckpointView(CheckpointView):
                 if key in self._rows:
                     self._make(key, boxes)
 
-    def fill(self, keys: Any) -> None:
-        """:meth:`need` of all chunks of ``keys``."""
-        self.need(dict.fromkeys(keys))
-
     def _read_rows(self, keys: list[str]) -> None:
         import numpy as np
 
@@ -751,8 +747,8 @@ def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
     an index that is not the one its ``.metadata`` names, :func:`ckptq.io.index.check_index`).
 
     Raises:
-        CheckpointFormatError: the index is damaged or ``.metadata`` does not name it (remove the
-            index to read the checkpoint through ``.metadata``).
+        CheckpointFormatError: the index is damaged: its tables do not match their digest, or it
+            names bad data files (remove the index to read the checkpoint through ``.metadata``).
     """
     if storage.is_url(path):
         return None
