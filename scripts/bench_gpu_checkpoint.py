@@ -149,13 +149,14 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     left = max(30.0, args.budget_s - setup_s)
     res["setup_s"] = setup_s
 
-    def rounds(cases: dict, prepare, call, wait: bool = False, budget: float = float("inf")) -> dict:
+    def rounds(cases: dict, prepare, call, wait: bool = False, budget: float = float("inf"), after=None) -> dict:
         """Every case once per round, up to ``--repeat`` rounds (fewer when the next round would
         end after ``budget`` seconds from now; at least one), so that a disk whose speed drifts
         during the run favours no case: ``prepare(name, case)`` on rank 0 (untimed), then
         ``call(name, case)`` on every rank (``wait``: it returns a future, e.g.
-        ``dcp.async_save``'s, then waited for). Returns name -> [(seconds until ``call``
-        returned, seconds until all ranks finished)]."""
+        ``dcp.async_save``'s, then waited for), then ``after(name, case)`` on every rank (untimed,
+        before a barrier). Returns name -> [(seconds until ``call`` returned, seconds until all
+        ranks finished)]."""
         out = {name: [] for name in cases}
         begin = time.perf_counter()
         for r in range(args.repeat):
@@ -172,6 +173,9 @@ def _worker(rank: int, ws: int, args, queue) -> None:
                     result.result()
                 dist.barrier()
                 out[name].append((t1 - t0, time.perf_counter() - t0))
+                if after is not None:
+                    after(name, case)
+                    dist.barrier()
             used = time.perf_counter() - begin
             stop = torch.tensor([float(used * (r + 2) / (r + 1) > budget)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=cpu_group)  # every rank stops together
@@ -194,16 +198,28 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     }
     if args.dcp_writer_native:
         saves["b_native_dcp_writer"] = lambda p: dcp.save(native, checkpoint_id=p, planner=ckptq.QuantizedSavePlanner())
+    loaded = {"a_default_bf16", "b_ckptq_native", "d_high_precision"}  # the loads below read these
+    saved_bytes: dict = {}
+
+    def after_save(name, prefix=""):
+        # each rank's stored bytes, then the checkpoints no load reads are removed (disk space: at 38
+        # layers the saves and async saves of one round hold ~100 GB on 2 ranks)
+        saved_bytes[prefix + name] = _dir_bytes(root / (prefix + name), rank)
+        dist.barrier()
+        if rank == 0 and (prefix or name not in loaded):
+            shutil.rmtree(root / (prefix + name), ignore_errors=True)
+
     times = rounds(
         saves,
         lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
         lambda name, save: save(root / name),
         budget=0.3 * left,
+        after=lambda name, _: after_save(name),
     )
     res["rounds"] = {"saves": len(next(iter(times.values())))}
     for name in saves:
         all_s = [t for _, t in times[name]]
-        t, nbytes = statistics.median(all_s), _dir_bytes(root / name, rank)
+        t, nbytes = statistics.median(all_s), saved_bytes[name]
         res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9, "all_s": all_s}
 
     async_saves = {  # name: (state dict maker, planner maker, storage writer maker or None)
@@ -225,6 +241,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         ),
         wait=True,
         budget=0.3 * left,
+        after=lambda name, _: after_save(name, "async_"),
     )
     res["rounds"]["async"] = len(next(iter(times.values())))
     # the copy out of the GPU of the same bytes into pinned memory (what staging must at least take)

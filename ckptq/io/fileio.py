@@ -52,7 +52,7 @@ __all__ = [
 
 #: files written per rank by :class:`ckptq.io.ChecksumFileSystemWriter` (one thread each; DCP's
 #: ``FileSystemWriter`` defaults to 1), and reader threads of :class:`ckptq.io.SafeFileSystemReader`.
-DEFAULT_THREADS = 4
+DEFAULT_THREADS = 8
 #: bytes of each pinned staging buffer (two per writer thread) and of each read request.
 DEFAULT_BUFFER_BYTES = 32 << 20
 #: records of up to this many ``DEFAULT_BUFFER_BYTES`` a data file's thread of :class:`ckptq.io.SafeFileSystemReader`
