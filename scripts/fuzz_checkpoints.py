@@ -53,11 +53,20 @@ base's (the ground truth):
 * ``CKPTQ_ERROR`` (good): at least one path raised a ckptq error, none returned a different result;
 * ``SAME`` (good): every path returned the original's result (e.g. a flip in unused bytes).
 
+Whatever CPython prints outside any result while a worker reads a mutant (``sys.excepthook``, e.g.
+a deallocator's ``SystemError``, and unraisable exceptions) is returned with that case and printed
+as ``STRAY`` (:class:`StrayMessages`); a run with any exits 1.
+
 Usage::
 
-    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--json F] [--md F]
+    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--budget S] [--json F] [--md F]
 
-Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J`` reruns cases and prints their paths.
+``--budget`` bounds the whole run (corpus build included): no mutant starts after it, one in
+flight gets at most ``--timeout``, then the summary is written. SIGTERM / SIGINT stop the run and
+write the summary so far, marked partial (exit 128 + signal); ``--flush-every`` (30 s) writes one
+periodically while it runs, so a SIGKILL leaves one (docs/testing.md, "The fuzz of mutated
+checkpoints"). Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J``
+reruns cases and prints their paths.
 """
 
 from __future__ import annotations

@@ -199,8 +199,8 @@ def check_pickle_memo(data: bytes, source: str) -> None:
                 return
             if i + width + length > n:
                 raise CheckpointFormatError(
-                    f"{source}: the DCP metadata file is corrupt (a pickle opcode at byte {i - 1} declares "
-                    f"{length} bytes of data in a {n}-byte file); restore the file or re-save the checkpoint"
+                    f"{source}: the DCP metadata file is truncated or corrupt (a pickle opcode at byte {i - 1} "
+                    f"declares {length} bytes of data in a {n}-byte file); restore the file or re-save the checkpoint"
                 )
             i += width + length
         else:
