@@ -107,7 +107,8 @@ def test_fuzz_sigterm_writes_a_partial_summary(tmp_path):
     out, md = tmp_path / "fuzz.json", tmp_path / "fuzz.md"
     cmd = [sys.executable, str(SCRIPTS / "fuzz_checkpoints.py"), "--bases", "native1", "--n", "100000"]
     cmd += ["--jobs", "1", "--seed", "5", "--json", str(out), "--md", str(md), "--flush-every", "0.3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_file = (tmp_path / "fuzz.log").open("w")  # a file, not a pipe nobody reads while it runs
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
         flushed = None
@@ -121,10 +122,12 @@ def test_fuzz_sigterm_writes_a_partial_summary(tmp_path):
         assert flushed["partial"] and flushed["stopped_by"] == "running"
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        log, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+        log_file.close()
+    log = (tmp_path / "fuzz.log").read_text()
     assert proc.returncode == 128 + signal.SIGTERM, log
     assert time.monotonic() - sent < 20, log
     got = json.loads(out.read_text())["summary"]
