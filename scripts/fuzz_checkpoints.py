@@ -53,11 +53,20 @@ base's (the ground truth):
 * ``CKPTQ_ERROR`` (good): at least one path raised a ckptq error, none returned a different result;
 * ``SAME`` (good): every path returned the original's result (e.g. a flip in unused bytes).
 
+Whatever CPython prints outside any result while a worker reads a mutant (``sys.excepthook``, e.g.
+a deallocator's ``SystemError``, and unraisable exceptions) is returned with that case and printed
+as ``STRAY`` (:class:`StrayMessages`); a run with any exits 1.
+
 Usage::
 
-    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--json F] [--md F]
+    python scripts/fuzz_checkpoints.py --n 2000 --seed 0 [--jobs 2] [--timeout 60] [--budget S] [--json F] [--md F]
 
-Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J`` reruns cases and prints their paths.
+``--budget`` bounds the whole run (corpus build included): no mutant starts after it, one in
+flight gets at most ``--timeout``, then the summary is written. SIGTERM / SIGINT stop the run and
+write the summary so far, marked partial (exit 128 + signal); ``--flush-every`` (30 s) writes one
+periodically while it runs, so a SIGKILL leaves one (docs/testing.md, "The fuzz of mutated
+checkpoints"). Each case is reproducible from ``(seed, index)`` (and ``--bases``): ``--only I,J``
+reruns cases and prints their paths.
 """
 
 from __future__ import annotations
@@ -1020,11 +1029,13 @@ def has_record(ck: Path) -> bool | None:
     """Whether ``ck/.metadata`` (read through ckptq's allow-list unpickler) holds a ckptq record;
     None when it cannot be read that way (every path then fails on it too)."""
     from ckptq.contract import has_record as _has
-    from ckptq.io.safe_pickle import safe_load
+    from ckptq.io.metadata import check_pickle_memo
+    from ckptq.io.safe_pickle import safe_loads
 
     try:
-        with open(ck / ".metadata", "rb") as f:
-            return bool(_has(safe_load(f, source=str(ck)).planner_data))
+        data = (ck / ".metadata").read_bytes()
+        check_pickle_memo(data, str(ck))  # as the reader does: no allocation of a corrupt length
+        return bool(_has(safe_loads(data, source=str(ck)).planner_data))
     except Exception:  # noqa: BLE001 - unreadable: judged by the paths
         return None
 
@@ -1060,7 +1071,57 @@ def classify(
 
 
 # ----------------------------------------------------------------------------------- workers
+class StrayMessages:
+    """Collects what CPython reports outside any call's result while it is installed: what
+    ``PyErr_Print`` hands ``sys.excepthook`` (e.g. ``SystemError: deallocated bytearray object has
+    exported buffers``, printed by the deallocator itself) and unraisable exceptions (a ``__del__``
+    or a finalizer that raised; ``sys.unraisablehook``), each with the Python stack it came from, so
+    that a worker ties them to the mutant it was reading instead of leaving a bare line on stderr."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def __enter__(self) -> StrayMessages:
+        self._saved = sys.excepthook, sys.unraisablehook
+        sys.excepthook, sys.unraisablehook = self._except, self._unraisable
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.excepthook, sys.unraisablehook = self._saved
+
+    def _except(self, typ: type, value: BaseException, tb: Any) -> None:
+        self._add(f"{typ.__name__}: {value}")
+
+    def _unraisable(self, u: Any) -> None:
+        self._add(f"{u.exc_type.__name__}: {u.exc_value} ({u.err_msg or 'Exception ignored in'} {u.object!r})")
+
+    def _add(self, what: str) -> None:
+        where = "".join(traceback.format_stack(limit=10)[:-2])  # the code that was running
+        self.messages.append(f"{what}\n{where}")
+
+    def take(self) -> list[str]:
+        out, self.messages = self.messages, []
+        return out
+
+
+def _detach_from_signals() -> None:
+    """A worker leaves SIGINT / SIGTERM to the parent (which stops it and writes the summary; a
+    Ctrl-C or ``timeout`` signals the whole process group) and dies with it (Linux
+    ``PR_SET_PDEATHSIG``), so a killed parent leaves no worker reading a mutant."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_alloc_mb: float) -> None:
+    _detach_from_signals()
     global _MAX_ALLOC_MB
     _MAX_ALLOC_MB = max_alloc_mb
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -1072,8 +1133,12 @@ def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_al
 
     logging.disable(logging.CRITICAL)
     references: dict[str, dict] = {}
+    stray = StrayMessages().__enter__()  # for the worker's life
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
         if msg is None:
             return
         index, seed, base = msg
@@ -1108,11 +1173,24 @@ def _worker(conn, bases: dict, payloads: dict, scratch: str, canary: str, max_al
                             if r[0] in ("uncaught", "alloc") or (r[0] == "ok" and r[1] != references[base][p][1])
                         },
                         "errors": {p: r[1][:160] for p, r in results.items() if r[0] == "ckptq"},
+                        "stray": stray.take(),
                     },
                 )
             )
         finally:
             shutil.rmtree(ck, ignore_errors=True)
+
+
+class Stopped(BaseException):
+    """Raised in the parent by the SIGTERM / SIGINT handler :func:`main` installs: :func:`fuzz`
+    stops its workers and returns what it has (a BaseException, so no ``except Exception`` on the
+    way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
 
 
 class _Pool:
@@ -1132,15 +1210,28 @@ class _Pool:
         self.slots[i]["proc"].join(5)
         self.slots[i] = self._start()
 
-    def close(self) -> None:
+    def close(self, wait: float = 5.0) -> None:
+        """Idle workers are told to exit, busy ones (a stop before their case ended) killed; whoever
+        is still alive ``wait`` seconds later (all of them together) is killed."""
         for s in self.slots:
+            if s["case"] is not None:
+                s["proc"].kill()
+                continue
             try:
                 s["conn"].send(None)
             except (OSError, BrokenPipeError):
                 pass
-            s["proc"].join(5)
+        end = time.monotonic() + wait
+        for s in self.slots:
+            s["proc"].join(max(0.0, end - time.monotonic()))
             if s["proc"].is_alive():
                 s["proc"].kill()
+                s["proc"].join(1)
+
+
+def _lost(case: tuple, cls: str, detail: dict) -> dict:
+    """The record of a case whose worker gave no result (it died, or hung and was killed)."""
+    return {"index": case[0], "base": case[2], "class": cls, "mutation": "?", "kind": "?", "detail": detail}
 
 
 def fuzz(
@@ -1154,24 +1245,60 @@ def fuzz(
     bases_filter: list | None = None,
     verbose: bool = False,
     work: Path | None = None,
+    on_progress: Any = None,
+    progress_every: float = 30.0,
+    start: float | None = None,
 ) -> dict:
-    """Run ``n`` mutants (or until ``budget`` seconds); returns ``{"cases": [...], "counts": {...}}``."""
+    """Run ``n`` mutants on ``workers`` processes; returns the result (:func:`_result`).
+
+    Args:
+        timeout: seconds one mutant (every reader path) may take; past it the case is a HANG and
+            its worker is replaced.
+        budget: seconds for the whole run from ``start`` (``time.monotonic()``; default: this
+            call), the corpus build included: no mutant starts after it, one in flight gets at most
+            ``timeout`` from its own start, then the workers are stopped. So the run ends by
+            ``budget + timeout`` plus a few seconds to stop the workers.
+        on_progress: called with the result so far (``partial`` true) every ``progress_every``
+            seconds while mutants run (``main`` writes the summary files with it, so a killed run
+            leaves one).
+
+    A :class:`Stopped` (``main``'s SIGTERM / SIGINT handler) ends the run at once: the workers are
+    killed, the cases in flight listed as ``unfinished``, and the result so far returned.
+    """
+    start = time.monotonic() if start is None else start
     tmp = Path(tempfile.mkdtemp(prefix="ckptq-fuzz-", dir=work))
     canary = str(tmp / "CANARY-code-ran")
+    cases: list[dict] = []
+    pool, began, stopped_by = None, None, None
+    deadline = None if budget is None else start + budget
+
+    def result(partial: bool) -> dict:
+        busy = [s["case"][0] for s in pool.slots if s["case"] is not None] if pool else []
+        return _result(cases, n, began, start, canary, partial, stopped_by, busy)
+
     try:
-        corpus = build_corpus(tmp / "corpus", bases_filter)
-        payloads = {k: payload_ranges(v) for k, v in corpus.items()}
-        names = sorted(corpus)
-        scratch = tmp / "scratch"
-        scratch.mkdir()
-        pool = _Pool(workers, ({k: str(v) for k, v in corpus.items()}, payloads, str(scratch), canary, max_alloc_mb))
-        queue = collections.deque((i, seed, names[i % len(names)]) for i in range(n))
-        cases, start = [], time.monotonic()
         try:
-            while queue or any(s["case"] for s in pool.slots):
-                out_of_time = budget is not None and time.monotonic() - start > budget
+            corpus = build_corpus(tmp / "corpus", bases_filter)
+            payloads = {k: payload_ranges(v) for k, v in corpus.items()}
+            names = sorted(corpus)
+            scratch = tmp / "scratch"
+            scratch.mkdir()
+            queue = collections.deque((i, seed, names[i % len(names)]) for i in range(n))
+            if deadline is not None and time.monotonic() > deadline:
+                stopped_by = "budget"
+                queue.clear()
+            if queue:
+                pool = _Pool(
+                    workers, ({k: str(v) for k, v in corpus.items()}, payloads, str(scratch), canary, max_alloc_mb)
+                )
+            began = flushed = time.monotonic()
+            while pool is not None and (queue or any(s["case"] for s in pool.slots)):
+                now = time.monotonic()
+                if deadline is not None and now > deadline and queue:
+                    stopped_by = "budget"
+                    queue.clear()
                 for i, s in enumerate(pool.slots):
-                    if s["case"] is None and queue and not out_of_time:
+                    if s["case"] is None and queue:
                         s["case"], s["since"] = queue.popleft(), time.monotonic()
                         s["conn"].send(s["case"])
                     if s["case"] is None:
@@ -1184,69 +1311,71 @@ def fuzz(
                         if tag == "fatal":
                             raise RuntimeError(payload)
                         if tag == "died":
-                            cases.append(
-                                {
-                                    "index": s["case"][0],
-                                    "base": s["case"][2],
-                                    "class": "UNCAUGHT",
-                                    "mutation": "?",
-                                    "kind": "?",
-                                    "detail": {"worker": "died"},
-                                }
-                            )
+                            cases.append(_lost(s["case"], "UNCAUGHT", {"worker": "died"}))
                             pool.restart(i)
                         else:
                             cases.append(payload)
-                            if verbose or payload["class"] not in GOOD:
-                                print(
-                                    f"[{payload['index']}] {payload['class']:13s} {payload['base']:8s} "
-                                    f"{payload['mutation'][:110]}",
-                                    flush=True,
-                                )
+                            _report(payload, verbose)
                         s["case"] = None
                     elif not s["proc"].is_alive():
-                        cases.append(
-                            {
-                                "index": s["case"][0],
-                                "base": s["case"][2],
-                                "class": "UNCAUGHT",
-                                "mutation": "?",
-                                "kind": "?",
-                                "detail": {"worker": "died"},
-                            }
-                        )
+                        cases.append(_lost(s["case"], "UNCAUGHT", {"worker": "died"}))
                         s["case"] = None
                         pool.restart(i)
                     elif time.monotonic() - s["since"] > timeout:
-                        cases.append(
-                            {
-                                "index": s["case"][0],
-                                "base": s["case"][2],
-                                "class": "HANG",
-                                "mutation": "?",
-                                "kind": "?",
-                                "detail": {},
-                            }
-                        )
+                        cases.append(_lost(s["case"], "HANG", {}))
                         print(f"[{s['case'][0]}] HANG          {s['case'][2]}", flush=True)
                         s["case"] = None
                         pool.restart(i)
-                if out_of_time and not any(s["case"] for s in pool.slots):
-                    break
-        finally:
-            pool.close()
+                if on_progress is not None and time.monotonic() - flushed >= progress_every:
+                    on_progress(result(partial=True))
+                    flushed = time.monotonic()
+        except Stopped as e:
+            stopped_by = e.name
+        out = result(partial=stopped_by not in (None, "budget"))
+        if pool is not None:
+            pool.close(wait=0.0 if out["partial"] else 5.0)
         if os.path.exists(canary):  # a payload that ran late still counts
+            out["canary"] = True
             for c in cases:
                 c.setdefault("late_canary", True)
-        counts = collections.Counter(c["class"] for c in cases)
-        return {
-            "cases": sorted(cases, key=lambda c: c["index"]),
-            "counts": counts,
-            "seconds": time.monotonic() - start,
-            "canary": os.path.exists(canary),
-        }
+        return out
     finally:
+        if pool is not None:
+            for s in pool.slots:  # an error above: no worker outlives the run
+                if s["proc"].is_alive():
+                    s["proc"].kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _report(case: dict, verbose: bool) -> None:
+    """Print a finished case when it is not good (or ``verbose``), and anything stray its worker saw."""
+    if verbose or case["class"] not in GOOD:
+        print(f"[{case['index']}] {case['class']:13s} {case['base']:8s} {case['mutation'][:110]}", flush=True)
+    for m in case.get("stray", ()):
+        print(f"[{case['index']}] STRAY         {case['base']:8s} {m.splitlines()[0][:110]}", flush=True)
+
+
+def _result(
+    cases: list, n: int, began: float | None, start: float, canary: str, partial: bool, stopped_by: Any, busy: list
+) -> dict:
+    """``{"cases", "counts", "seconds", "setup_seconds", "canary", "requested", "partial",
+    "stopped_by", "unfinished", "stray"}``: ``seconds`` since the first mutant was handed out,
+    ``partial`` when written before the run ended (a periodic flush, a signal), ``stopped_by``
+    ``"budget"`` or the signal's name (None: every mutant ran), ``unfinished`` the cases in flight."""
+    now = time.monotonic()
+    done = list(cases)
+    return {
+        "cases": sorted(done, key=lambda c: c["index"]),
+        "counts": collections.Counter(c["class"] for c in done),
+        "seconds": now - began if began is not None else 0.0,
+        "setup_seconds": (began if began is not None else now) - start,
+        "canary": os.path.exists(canary),
+        "requested": n,
+        "partial": partial,
+        "stopped_by": stopped_by if stopped_by is not None or not partial else "running",
+        "unfinished": sorted(busy),
+        "stray": sum(1 for c in done if c.get("stray")),
+    }
 
 
 def summary_table(result: dict) -> str:
@@ -1287,7 +1416,17 @@ def summary_table(result: dict) -> str:
         f"({sum(c['kind'] == 'data' and 'ChecksumMismatchError' in str(c.get('errors')) for c in planned)} "
         f"with a ChecksumMismatchError)"
     )
-    lines.append(f"{len(cases)} mutants in {result['seconds']:.0f} s; code executed: {result['canary']}")
+    lines.append(
+        f"{len(cases)} mutants in {result['seconds']:.0f} s; code executed: {result['canary']}; "
+        f"cases with stray CPython messages (STRAY): {result.get('stray', 0)}"
+    )
+    stopped = result.get("stopped_by")
+    if stopped:
+        state = "in progress" if stopped == "running" else f"stopped by {stopped}"
+        lines.append(
+            f"{state} after {len(cases)} of {result['requested']} mutants"
+            + (f" ({len(result['unfinished'])} in flight, not counted)" if result["unfinished"] else "")
+        )
     return "\n".join(lines)
 
 
@@ -1339,49 +1478,23 @@ def machine() -> dict:
     }
 
 
-def main(argv: list | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--n", type=int, default=2000, help="mutants to run")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", "--workers", dest="jobs", type=int, default=2, help="worker processes")
-    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all reader paths) before HANG")
-    ap.add_argument("--budget", type=float, default=None, help="stop starting mutants after this many seconds")
-    ap.add_argument(
-        "--max-alloc-mb", type=float, default=512.0, help="peak-memory growth of one path that counts as BIG_ALLOC"
-    )
-    ap.add_argument("--bases", default=None, help="comma-separated base names (default: all of BASES)")
-    ap.add_argument("--json", type=Path, default=None, help="write the counts, the machine and every case here")
-    ap.add_argument("--all-cases", action="store_true", help="--json lists every case (default: all but the good)")
-    ap.add_argument("--md", type=Path, default=None, help="write the summary table (markdown) here")
-    ap.add_argument("--verbose", action="store_true", help="print every case, not only bad ones")
-    ap.add_argument("--only", default=None, help="comma-separated case indices: rerun them here, print every path")
-    args = ap.parse_args(argv)
-    if args.only:
-        rerun(args.seed, [int(i) for i in args.only.split(",")], args.bases.split(",") if args.bases else None)
-        return 0
-    result = fuzz(
-        args.n,
-        args.seed,
-        workers=args.jobs,
-        timeout=args.timeout,
-        budget=args.budget,
-        max_alloc_mb=args.max_alloc_mb,
-        bases_filter=args.bases.split(",") if args.bases else None,
-        verbose=args.verbose,
-    )
-    table = summary_table(result)
-    print(table)
-    bad = sum(result["counts"].get(c, 0) for c in CLASSES if c not in GOOD | APART)
-    planned = [c for c in result["cases"] if c["base"] in PLANNED]
-    summary = {
-        "mutants": len(result["cases"]),
+def summarize(result: dict, args: argparse.Namespace, command: str) -> dict:
+    """The summary of a run (what ``--json`` writes under ``"summary"``)."""
+    cases = result["cases"]
+    planned = [c for c in cases if c["base"] in PLANNED]
+    return {
+        "mutants": len(cases),
+        "requested": result["requested"],
+        "partial": result["partial"],
+        "stopped_by": result["stopped_by"],
+        "unfinished": result["unfinished"],
         "seconds": round(result["seconds"], 1),
+        "setup_seconds": round(result["setup_seconds"], 1),
         "jobs": args.jobs,
         "seed": args.seed,
         "counts": dict(result["counts"]),
-        "bad": bad,
+        "bad": sum(result["counts"].get(c, 0) for c in CLASSES if c not in GOOD | APART),
+        "stray": result["stray"],
         "code_executed": result["canary"],
         "planned_mutants": len(planned),
         "planned_silent_wrong": sum(c["class"] == "SILENT_WRONG" for c in planned),
@@ -1389,29 +1502,124 @@ def main(argv: list | None = None) -> int:
         "planned_data_detected": sum(c["kind"] == "data" and c["class"] == "CKPTQ_ERROR" for c in planned),
         "checksum_file_mutants": sum(c["kind"] == "checksums" for c in planned),
         "by_base": {
-            b: dict(collections.Counter(c["class"] for c in result["cases"] if c["base"] == b))
-            for b in sorted({c["base"] for c in result["cases"]})
+            b: dict(collections.Counter(c["class"] for c in cases if c["base"] == b))
+            for b in sorted({c["base"] for c in cases})
         },
-        "bases": {b: BASES[b] for b in sorted({c["base"] for c in result["cases"]})},
+        "bases": {b: BASES[b] for b in sorted({c["base"] for c in cases})},
         "machine": machine(),
-        "command": "python scripts/fuzz_checkpoints.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command,
     }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary file renamed over it: a run killed meanwhile leaves the
+    previous summary whole, never a cut one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_summary(result: dict, args: argparse.Namespace, command: str) -> tuple[dict, str]:
+    """Write ``--json`` / ``--md`` (either may be None) for ``result``; returns ``(summary, table)``."""
+    table = summary_table(result)
+    summary = summarize(result, args, command)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         cases = result["cases"] if args.all_cases else [c for c in result["cases"] if c["class"] not in GOOD]
+        if not args.all_cases:
+            cases += [c for c in result["cases"] if c["class"] in GOOD and c.get("stray")]
         # every case in brief ([index, base, kind, class, mutation]), the others in full
         brief = [[c["index"], c["base"], c["kind"], c["class"], c["mutation"][:80]] for c in result["cases"]]
-        args.json.write_text(json.dumps({"summary": summary, "cases": cases, "brief": brief}, default=str))
+        _write_atomic(args.json, json.dumps({"summary": summary, "cases": cases, "brief": brief}, default=str))
     if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
         m = summary["machine"]
-        args.md.write_text(
+        state = ""
+        if result["partial"]:
+            why = "while running" if summary["stopped_by"] == "running" else f"on {summary['stopped_by']}"
+            state = (
+                f"**Partial**: written {why}, {summary['mutants']} of {summary['requested']} mutants done "
+                f"({len(summary['unfinished'])} in flight not counted).\n\n"
+            )
+        elif summary["stopped_by"] == "budget":
+            state = f"Stopped by its time budget after {summary['mutants']} of {summary['requested']} mutants.\n\n"
+        _write_atomic(
+            args.md,
             f"# ckptq fuzz of mutated checkpoints, {m['date']}\n\n"
             f"Machine: {m['cpu']} ({m['cpu_count']} CPUs), Python {m['python']}, torch {m['torch']}; "
-            f"{args.jobs} jobs.\n\nCommand: `{summary['command']}`\n\n```\n{table}\n```\n\nBases:\n\n"
-            + "".join(f"* `{b}`: {d}\n" for b, d in summary["bases"].items())
+            f"{args.jobs} jobs.\n\nCommand: `{summary['command']}`\n\n{state}```\n{table}\n```\n\nBases:\n\n"
+            + "".join(f"* `{b}`: {d}\n" for b, d in summary["bases"].items()),
         )
-    return 1 if bad or result["canary"] else 0
+    return summary, table
+
+
+def main(argv: list | None = None) -> int:
+    start = time.monotonic()
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--n", type=int, default=2000, help="mutants to run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", "--workers", dest="jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per mutant (all reader paths) before HANG")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for the whole run (corpus build included): no mutant starts after it, one in flight gets "
+        "at most --timeout, then the summary is written",
+    )
+    ap.add_argument(
+        "--max-alloc-mb", type=float, default=512.0, help="peak-memory growth of one path that counts as BIG_ALLOC"
+    )
+    ap.add_argument("--bases", default=None, help="comma-separated base names (default: all of BASES)")
+    ap.add_argument("--json", type=Path, default=None, help="write the counts, the machine and every case here")
+    ap.add_argument("--all-cases", action="store_true", help="--json lists every case (default: all but the good)")
+    ap.add_argument("--md", type=Path, default=None, help="write the summary table (markdown) here")
+    ap.add_argument(
+        "--flush-every",
+        type=float,
+        default=30.0,
+        help="seconds between partial summaries written to --json / --md while the run goes on",
+    )
+    ap.add_argument("--verbose", action="store_true", help="print every case, not only bad ones")
+    ap.add_argument("--only", default=None, help="comma-separated case indices: rerun them here, print every path")
+    args = ap.parse_args(argv)
+    if args.only:
+        rerun(args.seed, [int(i) for i in args.only.split(",")], args.bases.split(",") if args.bases else None)
+        return 0
+    import signal
+
+    command = "python scripts/fuzz_checkpoints.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    def stop(signum: int, frame: Any) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal ends the process at once
+            signal.signal(sig, signal.SIG_DFL)
+        raise Stopped(signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        result = fuzz(
+            args.n,
+            args.seed,
+            workers=args.jobs,
+            timeout=args.timeout,
+            budget=args.budget,
+            max_alloc_mb=args.max_alloc_mb,
+            bases_filter=args.bases.split(",") if args.bases else None,
+            verbose=args.verbose,
+            on_progress=(lambda r: write_summary(r, args, command)) if args.json or args.md else None,
+            progress_every=args.flush_every,
+            start=start,
+        )
+        summary, table = write_summary(result, args, command)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    print(table)
+    if result["partial"]:
+        print(f"stopped by {result['stopped_by']}: partial summary of {summary['mutants']} mutants", flush=True)
+        return 128 + int(getattr(signal.Signals, result["stopped_by"], 0))
+    return 1 if summary["bad"] or summary["stray"] or result["canary"] else 0
 
 
 if __name__ == "__main__":

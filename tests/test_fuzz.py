@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -94,6 +95,84 @@ def test_fuzz_subset_structural_mutants_are_ckptq_errors(fuzz_run):
     for c in structural:  # every reader path refused it or (only read_metadata) had nothing to read
         assert set(c["paths"].values()) <= {"ckptq", "ok"}
         assert "ckptq" in c["paths"].values()
+
+
+def test_fuzz_sigterm_writes_a_partial_summary(tmp_path):
+    """A running fuzz flushes a partial summary while it runs (what a SIGKILL would leave) and, on
+    SIGTERM, stops its workers and writes the summary of the cases done, marked partial."""
+    import json
+    import signal
+    import subprocess
+
+    out, md = tmp_path / "fuzz.json", tmp_path / "fuzz.md"
+    cmd = [sys.executable, str(SCRIPTS / "fuzz_checkpoints.py"), "--bases", "native1", "--n", "100000"]
+    cmd += ["--jobs", "1", "--seed", "5", "--json", str(out), "--md", str(md), "--flush-every", "0.3"]
+    log_file = (tmp_path / "fuzz.log").open("w")  # a file, not a pipe nobody reads while it runs
+    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        flushed = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.exists():
+                flushed = json.loads(out.read_text())["summary"]
+                if flushed["mutants"] >= 2:
+                    break
+            time.sleep(0.2)
+        assert flushed is not None and flushed["mutants"] >= 2, proc.poll()
+        assert flushed["partial"] and flushed["stopped_by"] == "running"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log_file.close()
+    log = (tmp_path / "fuzz.log").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, log
+    assert time.monotonic() - sent < 20, log
+    got = json.loads(out.read_text())["summary"]
+    assert got["partial"] and got["stopped_by"] == "SIGTERM", got
+    assert got["mutants"] >= flushed["mutants"] and got["requested"] == 100000
+    assert sum(got["counts"].values()) == got["mutants"] and got["bad"] == 0
+    assert "**Partial**: written on SIGTERM" in md.read_text()
+
+
+def test_fuzz_budget_is_a_hard_bound():
+    """No mutant starts after the budget (counted from the call, corpus build included); the run
+    then ends within --timeout plus the time to stop the workers."""
+    fc = _fuzz_module()
+    budget, timeout = 12.0, 3.0
+    sys.path.insert(0, str(SCRIPTS))  # the spawned workers import the script by name too
+    try:
+        t = time.monotonic()
+        got = fc.fuzz(10**6, seed=2, workers=1, timeout=timeout, budget=budget, bases_filter=["native1"])
+        took = time.monotonic() - t
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert got["stopped_by"] == "budget" and not got["partial"], {k: v for k, v in got.items() if k != "cases"}
+    assert len(got["cases"]) < 10**6 and not got["unfinished"]
+    assert took < budget + timeout + 5, took
+
+
+def test_fuzz_worker_ties_stray_messages_to_the_case():
+    """What CPython prints outside any result (PyErr_Print -> sys.excepthook, e.g. the deallocator's
+    'deallocated bytearray object has exported buffers'; unraisable exceptions) is collected, with
+    the code that was running, so the fuzz reports it against the mutant."""
+    fc = _fuzz_module()
+
+    class RaisesInDel:
+        def __del__(self):
+            raise ValueError("from __del__")
+
+    before = sys.excepthook, sys.unraisablehook
+    with fc.StrayMessages() as stray:
+        RaisesInDel()
+        sys.excepthook(SystemError, SystemError("deallocated bytearray object has exported buffers"), None)
+    assert (sys.excepthook, sys.unraisablehook) == before
+    got = stray.take()
+    assert len(got) == 2 and not stray.take()
+    assert got[0].startswith("ValueError: from __del__") and "test_fuzz_worker_ties_stray" in got[0]
+    assert got[1].startswith("SystemError: deallocated bytearray object has exported buffers")
 
 
 # ------------------------------------------------------------------------ explicit malformations
@@ -285,6 +364,42 @@ def test_absurd_size_is_refused_without_allocating_rss(ck):
     with pytest.raises(CheckpointFormatError, match="'w.data'"):
         CheckpointView(ck)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 * 1024  # KiB
+
+
+@pytest.mark.parametrize("opcode,width", [(b"\x96", 8), (b"\x8e", 8), (b"\x8d", 8), (b"B", 4), (b"X", 4)])
+def test_pickle_data_length_past_the_metadata_end_is_refused_before_unpickling(ck, monkeypatch, capfd, opcode, width):
+    """A flipped byte of ``.metadata`` can make an opcode ``BYTEARRAY8`` (or another with a length:
+    ``BINBYTES8``, ``BINUNICODE8``, ``BINBYTES``, ``BINUNICODE``) whose length the C unpickler
+    allocates before reading. It is refused by that length, before anything is unpickled: else a
+    failed allocation (MemoryError), and for ``BYTEARRAY8`` CPython's spurious ``SystemError:
+    deallocated bytearray object has exported buffers`` on stderr (the 2026-11-26 fuzz run's)."""
+    from ckptq.io import safe_pickle
+
+    m = ck / ".metadata"
+    data = m.read_bytes()
+    assert data[:1] == b"\x80"  # PROTO n: the inserted opcode is the pickle's second
+    length = 2**50 if width == 8 else 2**32 - 16
+    m.write_bytes(data[:2] + opcode + length.to_bytes(width, "little") + data[2:])
+    monkeypatch.setattr(safe_pickle.SafeUnpickler, "load", lambda self: pytest.fail("the pickle was unpickled"))
+    _all_paths_fail(ck, rf"a pickle opcode at byte 2 declares {length} bytes of data in a {len(data) + 1 + width}-byte")
+    assert "exported buffers" not in capfd.readouterr().err
+
+
+def test_record_window_read_never_allocates_past_its_end(tmp_path):
+    """``zipfile`` and torch's reader ask a record's window for sizes taken from the record's own zip
+    directory; ``io.RawIOBase.read`` would allocate all of a corrupt one before reading."""
+    from ckptq.io.record_check import Window
+    from ckptq.io.records import _Sparse
+
+    f = tmp_path / "f"
+    f.write_bytes(bytes(range(16)))
+    with open(f, "rb", buffering=0) as fh:
+        w = Window(fh, 3, 10)
+        assert w.read(2**62) == bytes(range(3, 13))
+        assert w.read(2**62) == b"" and w.read() == b""
+        w.seek(8)
+        assert w.read(None) == bytes(range(11, 13))
+    assert _Sparse(b"ab", 2, b"cd").read(2**62) == b"ab\x00\x00cd"
 
 
 def test_dtype_that_disagrees_with_the_record(ck):

@@ -1,8 +1,8 @@
 """The DCP ``.metadata`` of a checkpoint, checked against itself and its files before anything trusts it.
 
 :class:`~ckptq.io.SafeFileSystemReader` reads the file and unpickles it through the allow-list
-(:mod:`ckptq.io.safe_pickle`; :func:`check_pickle_memo` first refuses a pickle whose memo would
-allocate gigabytes), then :func:`validate_metadata` makes the checks of :func:`check_storage`
+(:mod:`ckptq.io.safe_pickle`; :func:`check_pickle_memo` first refuses a pickle whose memo or data
+lengths would allocate gigabytes), then :func:`validate_metadata` makes the checks of :func:`check_storage`
 (structure, chunk geometry, storage locations, record sizes, data files), presents the entries of
 tensors another library pickled through the ckptq contract (:func:`ckptq.io.foreign.virtualize`)
 and validates the ckptq descriptors once (:func:`ckptq.contract.fold_entries`). Every failure is a
@@ -142,13 +142,21 @@ _PICKLE_ARGS = _pickle_arg_lengths()
 
 
 def check_pickle_memo(data: bytes, source: str) -> None:
-    """Refuse a pickle whose memo indices exceed its length before the C unpickler sees it.
+    """Refuse a pickle whose memo indices or data lengths exceed its length before the C unpickler
+    sees it.
 
     The C unpickler grows its memo array to twice a ``LONG_BINPUT``/``PUT`` index and zero-fills
     it: one flipped byte in ``.metadata`` can ask for gigabytes (a hang, then an allocation
     failure). A real pickle stores at most one memo entry per opcode, so an index >= its length
-    is corrupt. Walks the opcodes without building anything; stops at the first unknown opcode
-    or STOP (the unpickler then reports what it finds).
+    is corrupt. Likewise the opcodes that carry a length (``BINBYTES8``, ``BYTEARRAY8``,
+    ``BINUNICODE8``, ``BINBYTES`` ...) make the C unpickler allocate that many bytes before it
+    reads them (CPython 3.11 / 3.12 ``Modules/_pickle.c``), so a flipped byte that turns an opcode
+    into ``BYTEARRAY8`` asks for up to 2^64 bytes; a length past the end of the pickle is refused
+    here. (A failed ``bytearray`` allocation there also makes CPython print a spurious
+    ``SystemError: deallocated bytearray object has exported buffers``: ``PyByteArray_FromStringAndSize``
+    frees the half-made object before setting its export count; see docs/testing.md.) Walks the
+    opcodes without building anything; stops at the first unknown opcode or STOP (the unpickler
+    then reports what it finds).
     """
     n, i, args = len(data), 0, _PICKLE_ARGS
     frm = int.from_bytes
@@ -184,15 +192,17 @@ def check_pickle_memo(data: bytes, source: str) -> None:
                 if end < 0:
                     return
             i = end + 1
-        elif k == -2:  # one length byte
-            i += 1 + (data[i] if i < n else 0)
-        elif k in (-3, -4):  # four length bytes
-            length = frm(data[i : i + 4], "little", signed=(k == -3))
+        elif k in (-2, -3, -4, -5):  # a length (1, 4 or 8 bytes), then that many bytes
+            width = 1 if k == -2 else 8 if k == -5 else 4
+            length = frm(data[i : i + width], "little", signed=(k == -3))
             if length < 0:
                 return
-            i += 4 + length
-        elif k == -5:  # eight length bytes
-            i += 8 + frm(data[i : i + 8], "little")
+            if i + width + length > n:
+                raise CheckpointFormatError(
+                    f"{source}: the DCP metadata file is truncated or corrupt (a pickle opcode at byte {i - 1} "
+                    f"declares {length} bytes of data in a {n}-byte file); restore the file or re-save the checkpoint"
+                )
+            i += width + length
         else:
             return
 

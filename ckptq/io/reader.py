@@ -593,7 +593,9 @@ class SafeFileSystemReader(FileSystemReader):
             if is_bytes:
                 value = io.BytesIO(file_slice.read(-1))
                 if verify:
-                    self._check_sum(index, value.getbuffer(), where)
+                    # its bytes (no copy, no buffer export that a raised mismatch's traceback would keep
+                    # alive past the BytesIO: a BytesIO collected with an export cannot close)
+                    self._check_sum(index, value.getvalue(), where)
                 value.seek(0)
                 return value
             seekable = file_slice if file_slice.seekable() else io.BytesIO(file_slice.read(-1))

@@ -47,6 +47,17 @@ class ReadView(io.RawIOBase):
         self.pos = min(max(base + offset, 0), self.size)
         return self.pos
 
+    def read(self, size: int | None = -1) -> bytes:
+        """At most ``size`` bytes from ``pos`` (all that is left when ``size`` is negative or None).
+
+        ``io.RawIOBase.read`` allocates ``size`` bytes before it reads; ``zipfile`` and torch's
+        reader ask for sizes they take from the record's own (possibly corrupt) zip directory, so
+        this never allocates more than the view holds."""
+        left = self.size - self.pos
+        buf = bytearray(left if size is None or size < 0 else max(0, min(size, left)))
+        del buf[self.readinto(buf) :]
+        return bytes(buf)
+
 
 class Window(ReadView):
     """Bytes ``[start, start + length)`` of a seekable binary file, as a file (for ``zipfile``)."""

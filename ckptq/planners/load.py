@@ -726,7 +726,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if self._checksums and self.verify_checksums and not self.checksums_verified_by_reader:
-            self._verify_read(read_item, value.getbuffer())
+            self._verify_read(read_item, value.getvalue())  # no copy, and no export left behind on a mismatch
         path = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "checkpoint"
         where = f"{path}: non-tensor entry '{read_item.dest_index.fqn}'"
         obj = load_pickled_object(value, where=where, trust=self.trust_pickled_objects)
