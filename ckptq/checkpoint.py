@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from . import chunks
 from .checksums import check as check_checksum
 from .checksums import checksum
-from .contract import Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
+from .contract import CKPTQ_KEY, Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
 from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
 from .formats.base import QuantizedTensor
@@ -630,9 +630,11 @@ class IndexedCheckpointView(CheckpointView):
             return
         index, sdm, maxnd = self.index, self.metadata.state_dict_metadata, self.index.maxnd
         numbers = [index.names[k] for k in keys]
-        table = np.concatenate([index.rows(i) for i in numbers])
         counts = index.entries[numbers, 4]
         starts = np.concatenate([[0], np.cumsum(counts)])
+        table = np.empty((int(starts[-1]), index.width), dtype=np.int64)
+        for i, a, b in zip(numbers, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            table[a:b] = index.rows(i)  # (one entry's blocks at a time besides the table)
         # Padded dims have offset 0, size 1 and extent 1, and a bytes entry is one chunk of one
         # element: every entry is checked as a box grid, in groups of about 2**18 rows (memory).
         dims = index.entries[numbers, 5 : 5 + maxnd]
@@ -657,7 +659,10 @@ class IndexedCheckpointView(CheckpointView):
         if (
             not fine
             or ends is None
-            or not all(holds(self.path / index.files[f], int(ends[f])) for f in np.unique(code).tolist())
+            or not all(
+                holds(self.path / index.files[f], int(ends[f]))
+                for f in np.flatnonzero(np.bincount(code, minlength=len(index.files))).tolist()
+            )
         ):
             self._check_exactly(keys)  # names the failure (or passes a layout the arrays could not clear)
         for k, a, b in zip(keys, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
@@ -719,7 +724,12 @@ class IndexedCheckpointView(CheckpointView):
             if first:
                 sdm[e.fqn] = TensorStorageMetadata(md.properties, md.size, first)
                 located.update(where)
-        probe = Metadata(sdm, planner_data=self.metadata.planner_data, storage_data=located)
+        # the record without its descriptors: those name the entries left out above (virtualize's
+        # look at them would only cost, a pass over every descriptor's components)
+        planner_data = dict(self.metadata.planner_data or {})
+        if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
+            planner_data[CKPTQ_KEY] = {**planner_data[CKPTQ_KEY], "tensors": {}}
+        probe = Metadata(sdm, planner_data=planner_data, storage_data=located)
         return bool(sdm) and virtualize(probe, self.path) is not probe
 
     def saved_chunks(self, key: str) -> list[SavedChunk] | None:

@@ -819,7 +819,7 @@ def _template_key(desc: Any) -> str | None:
         for name, c in comps.items():
             if type(c) is not dict or type(c.get("fqn")) is not str:
                 return None
-            stripped[name] = {k: (None if k == "fqn" else v) for k, v in c.items()}
+            stripped[name] = {**c, "fqn": None}  # (an existing key keeps its place)
         desc = {**desc, "components": stripped}
     return repr(desc)
 

@@ -321,12 +321,17 @@ class ChunkIndex:
         from safetensors import safe_open
 
         self.root = root
-        path = root / INDEX_FILE
+        self._path = root / INDEX_FILE
         try:
-            self._file = safe_open(str(path), framework="np")
-            header = json.loads((self._file.metadata() or {}).get(_HEADER_KEY, "{}"))
-            arrays = {name: self._file.get_tensor(name) for name in _TABLES}
-            shape = tuple(self._file.get_slice("chunks").get_shape())
+            tables = safe_open(str(self._path), framework="np")  # checks the header against the file
+            header = json.loads((tables.metadata() or {}).get(_HEADER_KEY, "{}"))
+            arrays = {name: tables.get_tensor(name) for name in _TABLES}
+            rows = tables.get_slice("chunks")
+            shape = tuple(rows.get_shape())
+            if rows.get_dtype() != "I64":
+                raise ValueError(f"chunks of dtype {rows.get_dtype()}")
+            del tables, rows  # its file mapping: the rows are read with pread (their pages are not kept)
+            self._rows_at = _data_start(self._path, "chunks")
         except CheckpointFormatError:
             raise
         except Exception as e:  # not a safetensors file, a missing tensor, a damaged header
@@ -353,14 +358,23 @@ class ChunkIndex:
             raise _bad(root, f"has a malformed table ({type(e).__name__}: {e})") from None
         self.entries = arrays["entries"]
         self.maxnd = (shape[1] - 4) // 2 if len(shape) == 2 else -1
+        self.width = shape[1] if len(shape) == 2 else -1
         self.crcs = arrays["chunk_crc"]
         self._check_tables(shape, len(ends))
 
     def _check_tables(self, shape: tuple, n_names: int) -> None:
+        if len(shape) != 2:
+            raise _bad(self.root, f"has chunk rows of shape {list(shape)}, not (rows, columns)")
         e, (n_rows, width) = self.entries, shape
         self.n_rows = n_rows
         maxnd = (width - 4) // 2
-        if e.ndim != 2 or e.shape[1] != 5 + maxnd or len(e) != n_names or len(self.names) != n_names:
+        if (
+            e.ndim != 2
+            or e.shape[1] != 5 + maxnd
+            or width != 2 * maxnd + 4
+            or len(e) != n_names
+            or len(self.names) != n_names
+        ):
             raise _bad(self.root, "has tables of inconsistent sizes (or a repeated name)")
         kind, code, nd, start, count = e[:, 0], e[:, 1], e[:, 2], e[:, 3], e[:, 4]
         expected = np.concatenate([[0], np.cumsum(count)[:-1]]) if len(e) else count
@@ -402,28 +416,37 @@ class ChunkIndex:
             CheckpointFormatError: a block does not match."""
         step = self.block_rows * 1024
         for start in range(0, self.n_rows, step):
-            block = np.ascontiguousarray(self._file.get_slice("chunks")[start : min(start + step, self.n_rows)])
-            for b in range(0, len(block), self.block_rows):
-                got = checksum(memoryview(block[b : b + self.block_rows]).cast("B"))
-                if got != int(self.crcs[(start + b) // self.block_rows]):
-                    raise _bad(self.root, f"fails the crc32c of its chunk rows {start + b}..")
+            self._blocks(start // self.block_rows, -(-min(start + step, self.n_rows) // self.block_rows))
 
-    def rows(self, i: int) -> np.ndarray:
-        """The ``chunks`` rows of entry ``i``, the blocks read verified by their crc32c.
+    def _blocks(self, b0: int, b1: int) -> np.ndarray:
+        """Rows of blocks ``b0 .. b1 - 1`` (read with ``pread``: no file mapping whose pages stay
+        resident), each block verified by its crc32c."""
+        rows, width = b0 * self.block_rows, self.width
+        n = min(b1 * self.block_rows, self.n_rows) - rows
+        buf = bytearray(n * width * 8)
+        at = self._rows_at + rows * width * 8
+        with open(self._path, "rb", buffering=0) as f:
+            got = os.preadv(f.fileno(), [buf], at) if buf else 0
+        if got != len(buf):
+            raise _bad(self.root, f"is truncated (chunk rows {rows}..)")
+        view, step = memoryview(buf), self.block_rows * width * 8
+        for b in range(b1 - b0):
+            if checksum(view[b * step : (b + 1) * step]) != int(self.crcs[b0 + b]):
+                raise _bad(self.root, f"fails the crc32c of its chunk rows {(b0 + b) * self.block_rows}..")
+        return np.frombuffer(buf, dtype="<i8").reshape(n, width)
+
+    def rows(self, i: int, limit: int | None = None) -> np.ndarray:
+        """The ``chunks`` rows of entry ``i`` (its first ``limit``), the blocks read verified by their crc32c.
 
         Raises:
             CheckpointFormatError: a block's crc32c does not match.
         """
         start, count = int(self.entries[i, 3]), int(self.entries[i, 4])
+        count = count if limit is None else min(count, limit)
         if count == 0:
-            return np.zeros((0, (self.entries.shape[1] - 5) * 2 + 4), dtype=np.int64)
-        b0, b1 = start // self.block_rows, -(-(start + count) // self.block_rows)
-        end = min(b1 * self.block_rows, self.n_rows)
-        block = np.ascontiguousarray(self._file.get_slice("chunks")[b0 * self.block_rows : end])
-        for b in range(b1 - b0):
-            part = block[b * self.block_rows : (b + 1) * self.block_rows]
-            if checksum(memoryview(part).cast("B")) != int(self.crcs[b0 + b]):
-                raise _bad(self.root, f"fails the crc32c of its chunk rows {(b0 + b) * self.block_rows}..")
+            return np.zeros((0, self.width), dtype=np.int64)
+        b0 = start // self.block_rows
+        block = self._blocks(b0, -(-(start + count) // self.block_rows))
         at = start - b0 * self.block_rows
         return block[at : at + count]
 
@@ -462,7 +485,7 @@ class ChunkIndex:
                 list, or (the checkpoint has a checksum table) a chunk has no checksum.
         """
 
-        return self.make_chunks(fqn, self.rows(self.names[fqn])[:limit])
+        return self.make_chunks(fqn, self.rows(self.names[fqn], limit))
 
     def make_chunks(self, fqn: str, rows: np.ndarray) -> tuple[list, dict, dict]:
         """:meth:`read_entry` of chunk rows ``rows`` of entry ``fqn`` (read and verified by :meth:`rows`)."""
@@ -490,6 +513,15 @@ class ChunkIndex:
             if crc >= 0:
                 sums[key] = crc
         return chunk_list, storage, sums
+
+
+def _data_start(path: Path, name: str) -> int:
+    """The file offset of tensor ``name``'s bytes in safetensors file ``path`` (its header: 8 bytes
+    of little-endian length, then JSON giving each tensor's ``data_offsets`` after the header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        begin = json.loads(f.read(n))[name]["data_offsets"][0]
+    return 8 + n + int(begin)
 
 
 def check_index(root: Any, planner_data: Any, *, where: str, rows: bool = False) -> None:

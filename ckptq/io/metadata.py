@@ -405,7 +405,9 @@ def ranges_fine(code: np.ndarray, st: np.ndarray, ln: np.ndarray, n_files: int) 
     keep = en > st
     st, en = st[keep] + code[keep] * span, en[keep] + code[keep] * span  # files apart, in name order
     if len(st) > 1:
-        order = np.lexsort((en, st))
+        # by start alone: records i before j (st_i <= st_j) overlap iff st_j < en_i, so some record
+        # overlaps one before it iff its start is below the largest end before it, ties in any order
+        order = np.argsort(st)
         st, en = st[order], en[order]
         if (st[1:] < np.maximum.accumulate(en)[:-1]).any():
             return None  # two records overlap (or share a foreign record): the exact check decides
@@ -625,8 +627,10 @@ def boxes_fine(entry: np.ndarray, off: np.ndarray, sz: np.ndarray, dims: np.ndar
         return len(entry) < 2
     if len(entry) < 2:
         return True
-    order = np.lexsort([a for d in reversed(range(nd)) for a in (sz[:, d], off[:, d])] + [entry])
-    off, sz, entry = off[order], sz[order], entry[order]
+    keys = [a for d in reversed(range(nd)) for a in (sz[:, d], off[:, d])] + [entry]
+    if not _in_order(keys):  # (the chunk index keeps an entry's rows in this order: no sort then)
+        order = np.lexsort(keys)
+        off, sz, entry = off[order], sz[order], entry[order]
     same = entry[1:] == entry[:-1]
     differ = (off[1:] != off[:-1]) | (sz[1:] != sz[:-1])
     if not differ.any(axis=1)[same].all():
@@ -634,6 +638,20 @@ def boxes_fine(entry: np.ndarray, off: np.ndarray, sz: np.ndarray, dims: np.ndar
     k = differ.argmax(axis=1)
     rows = np.arange(len(k))
     return bool((off[1:][rows, k] >= (off[:-1] + sz[:-1])[rows, k])[same].all())
+
+
+def _in_order(keys: list) -> bool:
+    """Whether the rows are already in ``np.lexsort(keys)`` order (the last key first; equal rows
+    in any order): each row after its neighbour on the first key, from the last, where they differ."""
+    before = np.zeros(len(keys[0]) - 1, dtype=bool)  # decided: the pair is in order
+    for k in reversed(keys):
+        a, b = k[:-1], k[1:]
+        if (~before & (b < a)).any():
+            return False
+        before |= b > a
+        if before.all():
+            return True
+    return True
 
 
 def _check_chunks(root: Path, fqn: str, md: TensorStorageMetadata, complete: bool) -> None:
