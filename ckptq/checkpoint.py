@@ -629,12 +629,15 @@ class IndexedCheckpointView(CheckpointView):
         if not keys:
             return
         index, sdm, maxnd = self.index, self.metadata.state_dict_metadata, self.index.maxnd
+        root = str(self.path)
         numbers = [index.names[k] for k in keys]
         counts = index.entries[numbers, 4]
         starts = np.concatenate([[0], np.cumsum(counts)])
-        table = np.empty((int(starts[-1]), index.width), dtype=np.int64)
+        # stored a column at a time (the checks go through columns), one entry's blocks read at a time
+        columns = np.empty((index.width, int(starts[-1])), dtype=np.int64)
         for i, a, b in zip(numbers, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
-            table[a:b] = index.rows(i)  # (one entry's blocks at a time besides the table)
+            columns[:, a:b] = index.rows(i).T
+        table = columns.T
         # Padded dims have offset 0, size 1 and extent 1, and a bytes entry is one chunk of one
         # element: every entry is checked as a box grid, in groups of about 2**18 rows (memory).
         dims = index.entries[numbers, 5 : 5 + maxnd]
@@ -654,13 +657,15 @@ class IndexedCheckpointView(CheckpointView):
         if ends is not None:  # record sizes (check 4): N elements of dtype D need N * D.itemsize bytes
             tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
             items = np.array([sdm[k].properties.dtype.itemsize if t else 0 for k, t in zip(keys, tensor, strict=True)])
-            need = table[:, maxnd : 2 * maxnd].prod(axis=1) * np.repeat(items, counts)
+            need = np.repeat(items, counts)
+            for d in range(maxnd):
+                need *= table[:, maxnd + d]
             fine = bool((ln >= need).all())
         if (
             not fine
             or ends is None
             or not all(
-                holds(self.path / index.files[f], int(ends[f]))
+                holds(os.path.join(root, index.files[f]), int(ends[f]))
                 for f in np.flatnonzero(np.bincount(code, minlength=len(index.files))).tolist()
             )
         ):
