@@ -201,33 +201,37 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     dtypes: dict[str, int] = {}
     files: dict[str, int] = {}
     maxnd = max([len(md.size) for md in sdm.values() if isinstance(md, TensorStorageMetadata)] or [0])
-    ent_rows, names, rows = [], [], []
+    ent_rows, names, flat = [], [], []  # flat: the chunk rows, end to end
     zeros, ones = [0] * maxnd, [1] * maxnd
     if not all(type(fqn) is str for fqn in sdm):
         raise _NoIndex("name")
+    # a location by (fqn, offsets): a MetadataIndex's equality and hash are those of this pair (its
+    # ``index`` is a hint that takes no part), and making one per chunk to look it up costs more
+    located = {(k.fqn, k.offset): v for k, v in storage.items() if type(k) is MetadataIndex}
+    n_rows = 0
     for fqn in sorted(sdm):  # by name, chunks by offsets: the same index however the save ordered them
         md = sdm[fqn]
         per = (sums or {}).get(fqn) or {}
-        start = len(rows)
         if isinstance(md, TensorStorageMetadata):
             nd = len(md.size)
             code = dtypes.setdefault(_dtype_name(md.properties.dtype), len(dtypes))
-            keys = sorted((list(c.offsets), list(c.sizes), MetadataIndex(fqn, c.offsets)) for c in md.chunks)
+            boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
             kind, shape = 0, list(md.size)
         elif isinstance(md, BytesStorageMetadata):
             nd, code, kind, shape = 0, -1, 1, []
-            keys = [([], [], MetadataIndex(fqn))]
+            boxes = [(None, ())]
         else:
             raise _NoIndex(type(md).__name__)
-        for off, sz, key in keys:
-            info = storage.get(key)
+        pad0, pad1 = zeros[nd:], ones[nd:]
+        for off, sz in boxes:
+            info = located.get((fqn, off))
             rel = getattr(info, "relative_path", None)
             if type(rel) is not str or type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None):
                 raise _NoIndex("location")
-            crc = per.get(None if kind else tuple(off), -1)
             f = files.setdefault(rel, len(files))
-            rows.append([*off, *zeros[nd:], *sz, *ones[nd:], f, info.offset, info.length, crc])
-        ent_rows.append([kind, code, nd, start, len(rows) - start, *shape, *ones[nd:]])
+            flat.extend((*(off or ()), *pad0, *sz, *pad1, f, info.offset, info.length, per.get(off, -1)))
+        ent_rows.append([kind, code, nd, n_rows, len(boxes), *shape, *ones[nd:]])
+        n_rows += len(boxes)
         names.append(fqn.encode())
     width = 2 * maxnd + 4
     doc = {
@@ -240,7 +244,7 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return pack_index(
         np.array(ent_rows, dtype=np.int64).reshape(len(ent_rows), 5 + maxnd),
         names,
-        np.array(rows, dtype=np.int64).reshape(len(rows), width),
+        np.array(flat, dtype=np.int64).reshape(n_rows, width),
         doc,
     )
 
