@@ -3,8 +3,8 @@
 Reading a DCP checkpoint's ``.metadata`` means unpickling it whole (four Python objects per saved
 chunk: about 35 us and 1.8 KiB per chunk, docs/benchmarks.md "Planning at 1T scale"), in every
 process that plans. The writers that write ``.metadata`` (:mod:`ckptq.io.writer`) write this file
-next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe_open`` /
-``get_slice`` reads a row range of one tensor without reading the rest) of
+next to it first, :data:`INDEX_FILE`: a safetensors file (a header giving each tensor's byte
+range, then the bytes: a row range of one tensor is one ``pread`` at a known offset) of
 
 * ``entries`` int64 ``(E, 5 + D)``, one row per DCP entry, sorted by FQN: kind (0
   tensor, 1 bytes), dtype (index into the table's ``dtypes``; -1 for bytes), ndim, first row and
@@ -428,12 +428,14 @@ class ChunkIndex:
         rows, width = b0 * self.block_rows, self.width
         n = min(b1 * self.block_rows, self.n_rows) - rows
         buf = bytearray(n * width * 8)
-        at = self._rows_at + rows * width * 8
+        view, at, done = memoryview(buf), self._rows_at + rows * width * 8, 0
         with open(self._path, "rb", buffering=0) as f:
-            got = os.preadv(f.fileno(), [buf], at) if buf else 0
-        if got != len(buf):
-            raise _bad(self.root, f"is truncated (chunk rows {rows}..)")
-        view, step = memoryview(buf), self.block_rows * width * 8
+            while done < len(buf):  # (one read returns at most about 2 GiB)
+                got = os.preadv(f.fileno(), [view[done:]], at + done)
+                if got <= 0:
+                    raise _bad(self.root, f"is truncated (chunk rows {rows}..)")
+                done += got
+        step = self.block_rows * width * 8
         for b in range(b1 - b0):
             if checksum(view[b * step : (b + 1) * step]) != int(self.crcs[b0 + b]):
                 raise _bad(self.root, f"fails the crc32c of its chunk rows {(b0 + b) * self.block_rows}..")
