@@ -246,7 +246,7 @@ def test_array_checks_of_rows_in_order_and_shuffled_agree_and_are_sound():
 
     import numpy as np
 
-    from ckptq.io.metadata import boxes_fine, ranges_fine
+    from ckptq.io.metadata import _in_order, boxes_fine, ranges_fine
 
     rng = random.Random(0)
     cleared = 0
@@ -270,14 +270,16 @@ def test_array_checks_of_rows_in_order_and_shuffled_agree_and_are_sound():
         rows = [(e, off, sz) for e, (_, boxes) in enumerate(entries) for off, sz in boxes]
         valid = all(_brute_valid(dims, boxes) for dims, boxes in entries)
         dims = np.array([d for d, _ in entries], dtype=np.int64)
+        in_order = sorted(rows, key=lambda r: (r[0], *[v for d in range(nd) for v in (r[1][d], r[2][d])]))
+        shuffled = list(rows)
+        rng.shuffle(shuffled)
         verdicts = []
-        for order in (sorted(rows, key=lambda r: (r[0], *[v for d in range(nd) for v in (r[1][d], r[2][d])])), rows):
-            shuffled = list(order)
-            if order is rows:
-                rng.shuffle(shuffled)
-            entry = np.array([r[0] for r in shuffled], dtype=np.int64)
-            off = np.array([r[1] for r in shuffled], dtype=np.int64).reshape(-1, nd)
-            sz = np.array([r[2] for r in shuffled], dtype=np.int64).reshape(-1, nd)
+        for case in (in_order, shuffled):
+            entry = np.array([r[0] for r in case], dtype=np.int64)
+            off = np.array([r[1] for r in case], dtype=np.int64).reshape(-1, nd)
+            sz = np.array([r[2] for r in case], dtype=np.int64).reshape(-1, nd)
+            if case is in_order:  # the path without a sort
+                assert _in_order([a for d in reversed(range(nd)) for a in (sz[:, d], off[:, d])] + [entry])
             verdicts.append(boxes_fine(entry, off, sz, dims, True))
         assert verdicts[0] == verdicts[1] and (not verdicts[0] or valid), entries
         cleared += verdicts[0]
