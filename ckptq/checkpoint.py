@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from . import chunks
 from .checksums import check as check_checksum
 from .checksums import checksum
-from .contract import Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
+from .contract import CKPTQ_KEY, Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
 from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
 from .formats.base import QuantizedTensor
@@ -629,10 +629,15 @@ class IndexedCheckpointView(CheckpointView):
         if not keys:
             return
         index, sdm, maxnd = self.index, self.metadata.state_dict_metadata, self.index.maxnd
+        root = str(self.path)
         numbers = [index.names[k] for k in keys]
-        table = np.concatenate([index.rows(i) for i in numbers])
         counts = index.entries[numbers, 4]
         starts = np.concatenate([[0], np.cumsum(counts)])
+        # stored a column at a time (the checks go through columns), one entry's blocks read at a time
+        columns = np.empty((index.width, int(starts[-1])), dtype=np.int64)
+        for i, a, b in zip(numbers, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+            columns[:, a:b] = index.rows(i).T
+        table = columns.T
         # Padded dims have offset 0, size 1 and extent 1, and a bytes entry is one chunk of one
         # element: every entry is checked as a box grid, in groups of about 2**18 rows (memory).
         dims = index.entries[numbers, 5 : 5 + maxnd]
@@ -652,12 +657,17 @@ class IndexedCheckpointView(CheckpointView):
         if ends is not None:  # record sizes (check 4): N elements of dtype D need N * D.itemsize bytes
             tensor = [isinstance(sdm[k], TensorStorageMetadata) for k in keys]
             items = np.array([sdm[k].properties.dtype.itemsize if t else 0 for k, t in zip(keys, tensor, strict=True)])
-            need = table[:, maxnd : 2 * maxnd].prod(axis=1) * np.repeat(items, counts)
+            need = np.repeat(items, counts)
+            for d in range(maxnd):
+                need *= table[:, maxnd + d]
             fine = bool((ln >= need).all())
         if (
             not fine
             or ends is None
-            or not all(holds(self.path / index.files[f], int(ends[f])) for f in np.unique(code).tolist())
+            or not all(
+                holds(os.path.join(root, index.files[f]), int(ends[f]))
+                for f in np.flatnonzero(np.bincount(code, minlength=len(index.files))).tolist()
+            )
         ):
             self._check_exactly(keys)  # names the failure (or passes a layout the arrays could not clear)
         for k, a, b in zip(keys, starts[:-1].tolist(), starts[1:].tolist(), strict=True):
@@ -719,7 +729,12 @@ class IndexedCheckpointView(CheckpointView):
             if first:
                 sdm[e.fqn] = TensorStorageMetadata(md.properties, md.size, first)
                 located.update(where)
-        probe = Metadata(sdm, planner_data=self.metadata.planner_data, storage_data=located)
+        # the record without its descriptors: those name the entries left out above (virtualize's
+        # look at them would only cost, a pass over every descriptor's components)
+        planner_data = dict(self.metadata.planner_data or {})
+        if isinstance(planner_data.get(CKPTQ_KEY), Mapping):
+            planner_data[CKPTQ_KEY] = {**planner_data[CKPTQ_KEY], "tensors": {}}
+        probe = Metadata(sdm, planner_data=planner_data, storage_data=located)
         return bool(sdm) and virtualize(probe, self.path) is not probe
 
     def saved_chunks(self, key: str) -> list[SavedChunk] | None:

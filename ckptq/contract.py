@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import marshal
 import re
 import types
 import weakref
@@ -576,6 +577,15 @@ class Descriptor:
             set_(self, "producer", types.MappingProxyType(dict(self.producer)))
         set_(self, "extra", _frozen(self.extra))
 
+    def _with_components(self, components: dict[str, ComponentDescriptor]) -> Descriptor:
+        """A copy of this descriptor with ``components`` (a dict made for it, that nothing else
+        holds), its other fields shared: they were normalized when it was made, so ``__post_init__``
+        is not run again. ``dataclasses.replace`` does the same in 13 us, this in 2 us (measured on
+        a 2-core VM: 0.5 s against 0.09 s for the 46,814 tensors of a 1T per-expert checkpoint)."""
+        out = object.__new__(Descriptor)
+        vars(out).update(vars(self), components=types.MappingProxyType(components))
+        return out
+
     def __reduce__(self):
         # read-only mappings do not pickle: a descriptor travels (torchrun collectives) as its JSON form
         return (Descriptor.from_dict, (self.as_dict(),))
@@ -805,10 +815,13 @@ def _check_descriptor(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[De
     return typed, keys
 
 
-def _template_key(desc: Any) -> str | None:
-    """``repr`` of descriptor ``desc`` with its component FQNs left out (each must be a ``str``), or
-    None unless it is a plain ``dict`` whose components are (then it is checked whole every time).
-    ``repr`` of builtins tells ``1``, ``1.0`` and ``True`` apart and keeps the keys' order."""
+def _template_key(desc: Any) -> bytes | None:
+    """``marshal.dumps`` (format version 0) of descriptor ``desc`` with its component FQNs left
+    out (each must be a ``str``), or None unless it is a plain ``dict`` whose components are and
+    whose values marshal writes (then it is checked whole every time). ``marshal`` writes builtins
+    as they are (``marshal.loads`` gives them back): it tells ``1``, ``1.0`` and ``True``, lists
+    and tuples apart and keeps the keys' order; version 0 writes a value the same way however its
+    objects are shared or interned. 2-3x faster than ``repr`` here (a template key per tensor)."""
     if type(desc) is not dict:
         return None
     comps = desc.get("components")
@@ -819,9 +832,12 @@ def _template_key(desc: Any) -> str | None:
         for name, c in comps.items():
             if type(c) is not dict or type(c.get("fqn")) is not str:
                 return None
-            stripped[name] = {k: (None if k == "fqn" else v) for k, v in c.items()}
+            stripped[name] = {**c, "fqn": None}  # (an existing key keeps its place)
         desc = {**desc, "components": stripped}
-    return repr(desc)
+    try:
+        return marshal.dumps(desc, 0)
+    except ValueError:  # an object marshal does not write (not from JSON nor a pickled record)
+        return None
 
 
 def _check_like(template: tuple, fqn: str, desc: dict, sdm: Mapping) -> tuple[Descriptor, dict] | None:
@@ -846,9 +862,7 @@ def _check_like(template: tuple, fqn: str, desc: dict, sdm: Mapping) -> tuple[De
             return None
         keys[name] = cfqn
         components[name] = ComponentDescriptor(dtype, shape, cfqn)
-    out = object.__new__(Descriptor)  # the template's immutable fields, these components
-    vars(out).update(vars(typed), components=types.MappingProxyType(components))
-    return out, keys
+    return typed._with_components(components), keys
 
 
 def _check_descriptor_fully(where: str, fqn: str, desc: Any, sdm: Mapping) -> tuple[Descriptor, dict]:

@@ -291,6 +291,11 @@ def _write_index_only(path: Path, keys: list, record: dict, world: int, n_chunks
     row = 0
     for key, dtype, gshape, offs, sizes, files, starts, lengths in keys:
         nd, n = len(gshape), len(offs)
+        # an entry's rows sorted by offsets, then sizes, as ckptq's writers sort them (ckptq.io.index)
+        if nd:
+            last_first = reversed(range(nd))
+            order = np.lexsort([*(sizes[:, d] for d in reversed(range(nd))), *(offs[:, d] for d in last_first)])
+            offs, sizes, files, starts, lengths = (a[order] for a in (offs, sizes, files, starts, lengths))
         code = dtypes.setdefault(str(dtype).removeprefix("torch."), len(dtypes))
         ent.append([0, code, nd, row, n, *gshape, *[1] * (maxnd - nd)])
         names.append(key.encode())

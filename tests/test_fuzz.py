@@ -538,6 +538,23 @@ def test_descriptors_alike_are_checked_once_and_each_tensors_entries_every_time(
         fold_entries(md)
 
 
+def test_template_key_tells_values_of_other_types_apart():
+    """Descriptors share a template key only when they are equal value for value and type for
+    type, leaving out their component FQNs; one marshal cannot write is checked whole (no key)."""
+    from ckptq.contract import _template_key
+
+    def desc(**kw):
+        d = {"format": "fp8_tensor", "version": 1, "shape": [4, 4], "dtype": "bfloat16", "recipe": {}}
+        d["components"] = {"data": {"dtype": "float8_e4m3fn", "shape": [4, 4], "fqn": kw.pop("fqn", "w.data")}}
+        return {**d, **kw, "mode": "native"}
+
+    assert _template_key(desc()) == _template_key(desc(fqn="v.data"))
+    keys = [_template_key(desc(version=v)) for v in (1, 1.0, True)]
+    keys += [_template_key(desc(shape=s)) for s in ((4, 4), [4, 4.0])]
+    assert len(set(keys)) == len(keys) and None not in keys
+    assert _template_key(desc(recipe={"x": object()})) is None and _template_key(desc(fqn=3)) is None
+
+
 def test_unknown_format_is_a_ckptq_error_where_its_values_are_needed(ck):
     _edit(ck, lambda md: md.planner_data["__ckptq__"]["tensors"]["w"].update(format="int3"))
     rows = {r["fqn"]: r for r in inspect_checkpoint(ck)["tensors"]}  # the metadata lists it

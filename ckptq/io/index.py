@@ -3,8 +3,8 @@
 Reading a DCP checkpoint's ``.metadata`` means unpickling it whole (four Python objects per saved
 chunk: about 35 us and 1.8 KiB per chunk, docs/benchmarks.md "Planning at 1T scale"), in every
 process that plans. The writers that write ``.metadata`` (:mod:`ckptq.io.writer`) write this file
-next to it first, :data:`INDEX_FILE`: a safetensors file (safetensors 0.x ``safe_open`` /
-``get_slice`` reads a row range of one tensor without reading the rest) of
+next to it first, :data:`INDEX_FILE`: a safetensors file (a header giving each tensor's byte
+range, then the bytes: a row range of one tensor is one ``pread`` at a known offset) of
 
 * ``entries`` int64 ``(E, 5 + D)``, one row per DCP entry, sorted by FQN: kind (0
   tensor, 1 bytes), dtype (index into the table's ``dtypes``; -1 for bytes), ndim, first row and
@@ -201,33 +201,37 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     dtypes: dict[str, int] = {}
     files: dict[str, int] = {}
     maxnd = max([len(md.size) for md in sdm.values() if isinstance(md, TensorStorageMetadata)] or [0])
-    ent_rows, names, rows = [], [], []
+    ent_rows, names, flat = [], [], []  # flat: the chunk rows, end to end
     zeros, ones = [0] * maxnd, [1] * maxnd
     if not all(type(fqn) is str for fqn in sdm):
         raise _NoIndex("name")
+    # a location by (fqn, offsets): a MetadataIndex's equality and hash are those of this pair (its
+    # ``index`` is a hint that takes no part), and making one per chunk to look it up costs more
+    located = {(k.fqn, k.offset): v for k, v in storage.items() if type(k) is MetadataIndex}
+    n_rows = 0
     for fqn in sorted(sdm):  # by name, chunks by offsets: the same index however the save ordered them
         md = sdm[fqn]
         per = (sums or {}).get(fqn) or {}
-        start = len(rows)
         if isinstance(md, TensorStorageMetadata):
             nd = len(md.size)
             code = dtypes.setdefault(_dtype_name(md.properties.dtype), len(dtypes))
-            keys = sorted((list(c.offsets), list(c.sizes), MetadataIndex(fqn, c.offsets)) for c in md.chunks)
+            boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
             kind, shape = 0, list(md.size)
         elif isinstance(md, BytesStorageMetadata):
             nd, code, kind, shape = 0, -1, 1, []
-            keys = [([], [], MetadataIndex(fqn))]
+            boxes = [(None, ())]
         else:
             raise _NoIndex(type(md).__name__)
-        for off, sz, key in keys:
-            info = storage.get(key)
+        pad0, pad1 = zeros[nd:], ones[nd:]
+        for off, sz in boxes:
+            info = located.get((fqn, off))
             rel = getattr(info, "relative_path", None)
             if type(rel) is not str or type(info) is not _StorageInfo or getattr(info, "transform_descriptors", None):
                 raise _NoIndex("location")
-            crc = per.get(None if kind else tuple(off), -1)
             f = files.setdefault(rel, len(files))
-            rows.append([*off, *zeros[nd:], *sz, *ones[nd:], f, info.offset, info.length, crc])
-        ent_rows.append([kind, code, nd, start, len(rows) - start, *shape, *ones[nd:]])
+            flat.extend((*(off or ()), *pad0, *sz, *pad1, f, info.offset, info.length, per.get(off, -1)))
+        ent_rows.append([kind, code, nd, n_rows, len(boxes), *shape, *ones[nd:]])
+        n_rows += len(boxes)
         names.append(fqn.encode())
     width = 2 * maxnd + 4
     doc = {
@@ -240,7 +244,7 @@ def _build(metadata: Metadata) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     return pack_index(
         np.array(ent_rows, dtype=np.int64).reshape(len(ent_rows), 5 + maxnd),
         names,
-        np.array(rows, dtype=np.int64).reshape(len(rows), width),
+        np.array(flat, dtype=np.int64).reshape(n_rows, width),
         doc,
     )
 
@@ -321,12 +325,17 @@ class ChunkIndex:
         from safetensors import safe_open
 
         self.root = root
-        path = root / INDEX_FILE
+        self._path = root / INDEX_FILE
         try:
-            self._file = safe_open(str(path), framework="np")
-            header = json.loads((self._file.metadata() or {}).get(_HEADER_KEY, "{}"))
-            arrays = {name: self._file.get_tensor(name) for name in _TABLES}
-            shape = tuple(self._file.get_slice("chunks").get_shape())
+            tables = safe_open(str(self._path), framework="np")  # checks the header against the file
+            header = json.loads((tables.metadata() or {}).get(_HEADER_KEY, "{}"))
+            arrays = {name: tables.get_tensor(name) for name in _TABLES}
+            rows = tables.get_slice("chunks")
+            shape = tuple(rows.get_shape())
+            if rows.get_dtype() != "I64":
+                raise ValueError(f"chunks of dtype {rows.get_dtype()}")
+            del tables, rows  # its file mapping: the rows are read with pread (their pages are not kept)
+            self._rows_at = _data_start(self._path, "chunks")
         except CheckpointFormatError:
             raise
         except Exception as e:  # not a safetensors file, a missing tensor, a damaged header
@@ -353,14 +362,23 @@ class ChunkIndex:
             raise _bad(root, f"has a malformed table ({type(e).__name__}: {e})") from None
         self.entries = arrays["entries"]
         self.maxnd = (shape[1] - 4) // 2 if len(shape) == 2 else -1
+        self.width = shape[1] if len(shape) == 2 else -1
         self.crcs = arrays["chunk_crc"]
         self._check_tables(shape, len(ends))
 
     def _check_tables(self, shape: tuple, n_names: int) -> None:
+        if len(shape) != 2:
+            raise _bad(self.root, f"has chunk rows of shape {list(shape)}, not (rows, columns)")
         e, (n_rows, width) = self.entries, shape
         self.n_rows = n_rows
         maxnd = (width - 4) // 2
-        if e.ndim != 2 or e.shape[1] != 5 + maxnd or len(e) != n_names or len(self.names) != n_names:
+        if (
+            e.ndim != 2
+            or e.shape[1] != 5 + maxnd
+            or width != 2 * maxnd + 4
+            or len(e) != n_names
+            or len(self.names) != n_names
+        ):
             raise _bad(self.root, "has tables of inconsistent sizes (or a repeated name)")
         kind, code, nd, start, count = e[:, 0], e[:, 1], e[:, 2], e[:, 3], e[:, 4]
         expected = np.concatenate([[0], np.cumsum(count)[:-1]]) if len(e) else count
@@ -402,28 +420,39 @@ class ChunkIndex:
             CheckpointFormatError: a block does not match."""
         step = self.block_rows * 1024
         for start in range(0, self.n_rows, step):
-            block = np.ascontiguousarray(self._file.get_slice("chunks")[start : min(start + step, self.n_rows)])
-            for b in range(0, len(block), self.block_rows):
-                got = checksum(memoryview(block[b : b + self.block_rows]).cast("B"))
-                if got != int(self.crcs[(start + b) // self.block_rows]):
-                    raise _bad(self.root, f"fails the crc32c of its chunk rows {start + b}..")
+            self._blocks(start // self.block_rows, -(-min(start + step, self.n_rows) // self.block_rows))
 
-    def rows(self, i: int) -> np.ndarray:
-        """The ``chunks`` rows of entry ``i``, the blocks read verified by their crc32c.
+    def _blocks(self, b0: int, b1: int) -> np.ndarray:
+        """Rows of blocks ``b0 .. b1 - 1`` (read with ``pread``: no file mapping whose pages stay
+        resident), each block verified by its crc32c."""
+        rows, width = b0 * self.block_rows, self.width
+        n = min(b1 * self.block_rows, self.n_rows) - rows
+        buf = bytearray(n * width * 8)
+        view, at, done = memoryview(buf), self._rows_at + rows * width * 8, 0
+        with open(self._path, "rb", buffering=0) as f:
+            while done < len(buf):  # (one read returns at most about 2 GiB)
+                got = os.preadv(f.fileno(), [view[done:]], at + done)
+                if got <= 0:
+                    raise _bad(self.root, f"is truncated (chunk rows {rows}..)")
+                done += got
+        step = self.block_rows * width * 8
+        for b in range(b1 - b0):
+            if checksum(view[b * step : (b + 1) * step]) != int(self.crcs[b0 + b]):
+                raise _bad(self.root, f"fails the crc32c of its chunk rows {(b0 + b) * self.block_rows}..")
+        return np.frombuffer(buf, dtype="<i8").reshape(n, width)
+
+    def rows(self, i: int, limit: int | None = None) -> np.ndarray:
+        """The ``chunks`` rows of entry ``i`` (its first ``limit``), the blocks read verified by their crc32c.
 
         Raises:
             CheckpointFormatError: a block's crc32c does not match.
         """
         start, count = int(self.entries[i, 3]), int(self.entries[i, 4])
+        count = count if limit is None else min(count, limit)
         if count == 0:
-            return np.zeros((0, (self.entries.shape[1] - 5) * 2 + 4), dtype=np.int64)
-        b0, b1 = start // self.block_rows, -(-(start + count) // self.block_rows)
-        end = min(b1 * self.block_rows, self.n_rows)
-        block = np.ascontiguousarray(self._file.get_slice("chunks")[b0 * self.block_rows : end])
-        for b in range(b1 - b0):
-            part = block[b * self.block_rows : (b + 1) * self.block_rows]
-            if checksum(memoryview(part).cast("B")) != int(self.crcs[b0 + b]):
-                raise _bad(self.root, f"fails the crc32c of its chunk rows {(b0 + b) * self.block_rows}..")
+            return np.zeros((0, self.width), dtype=np.int64)
+        b0 = start // self.block_rows
+        block = self._blocks(b0, -(-(start + count) // self.block_rows))
         at = start - b0 * self.block_rows
         return block[at : at + count]
 
@@ -462,7 +491,7 @@ class ChunkIndex:
                 list, or (the checkpoint has a checksum table) a chunk has no checksum.
         """
 
-        return self.make_chunks(fqn, self.rows(self.names[fqn])[:limit])
+        return self.make_chunks(fqn, self.rows(self.names[fqn], limit))
 
     def make_chunks(self, fqn: str, rows: np.ndarray) -> tuple[list, dict, dict]:
         """:meth:`read_entry` of chunk rows ``rows`` of entry ``fqn`` (read and verified by :meth:`rows`)."""
@@ -490,6 +519,15 @@ class ChunkIndex:
             if crc >= 0:
                 sums[key] = crc
         return chunk_list, storage, sums
+
+
+def _data_start(path: Path, name: str) -> int:
+    """The file offset of tensor ``name``'s bytes in safetensors file ``path`` (its header: 8 bytes
+    of little-endian length, then JSON giving each tensor's ``data_offsets`` after the header)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        begin = json.loads(f.read(n))[name]["data_offsets"][0]
+    return 8 + n + int(begin)
 
 
 def check_index(root: Any, planner_data: Any, *, where: str, rows: bool = False) -> None:
