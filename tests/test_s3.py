@@ -127,17 +127,24 @@ def _no_secrets(*texts: str) -> None:
 def test_dcp_save_load_round_trip(s3, tmp_path):
     """``dcp.save`` with AtomicFileSystemWriter to s3:// and ``dcp.load`` with SafeFileSystemReader
     and QuantizedLoadPlanner: bit-exact; the data object is the local save's file byte for byte;
-    saving over it is refused without ``overwrite``."""
+    DCP's own ``FsspecReader`` (``torch.load`` of each record) reads it too; saving over it is
+    refused without ``overwrite``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
     sd, url = _state(1), _url("ckptq-src")
     dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
     assert _names(s3, url) == [".metadata", "__0_0.distcp"]  # the temporary .metadata.tmp is gone
-    # against DCP's own local writer (one file per rank): ckptq's local writer spreads a rank's
-    # records over thread_count files, each record's .data/serialization_id its own (ckptq.io.records)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
+    # against ckptq's local writer with one file per rank (its records are torch.save's byte for byte
+    # but for .data/serialization_id: ckptq.io.records)
+    local = ckptq.io.ChecksumFileSystemWriter(tmp_path / "ck", thread_count=1)
+    dcp.save(sd, storage_writer=local, planner=ckptq.QuantizedSavePlanner())
     assert s3.cat_file(f"{url[5:]}/__0_0.distcp") == (tmp_path / "ck" / "__0_0.distcp").read_bytes()
 
     out = _zeros(sd)
     dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+    _assert_same_state(out, sd)
+    out = _zeros(sd)
+    dcp.load(out, storage_reader=FsspecReader(url), planner=ckptq.QuantizedLoadPlanner())
     _assert_same_state(out, sd)
     view = CheckpointView(url)
     assert view.local is False and view.files == [f"{url}/__0_0.distcp"]

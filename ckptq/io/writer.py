@@ -539,12 +539,10 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._staged_key: Any = None
 
     def _streams_records(self) -> bool:
-        """Whether this writer writes the records itself (else through ``FileSystemWriter``):
-        local directories only (a URL is written through DCP's fsspec file system)."""
+        """Whether this writer writes the records itself (else through ``FileSystemWriter``)."""
         fmt = getattr(self, "serialization_format", None)
         return (
-            not storage.is_url(str(self.path))
-            and self.single_file_per_rank
+            self.single_file_per_rank
             and not getattr(getattr(self, "transforms", None), "extensions", ())
             and (fmt is None or getattr(fmt, "value", None) == "torch_save")
         )
@@ -595,56 +593,94 @@ class ChecksumFileSystemWriter(FileSystemWriter):
 
         prefix = plan.storage_data.prefix
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(max(1, self.thread_count), plan.items))]
-        if len(jobs) == 1:
-            return self._write_file(*jobs[0], planner, None)
-        with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptq-write") as pool:
-            futures = [pool.submit(self._write_file, name, items, planner, device) for name, items in jobs]
+        files, workers = max(1, self.thread_count), max(1, self.thread_count)
+        write = self._write_file
+        if storage.is_url(str(self.path)):  # objects of at most about OBJECT_BYTES, thread_count uploads at once
+            files = max(files, -(-sum(_item_bytes(it) for it in plan.items) // storage.OBJECT_BYTES))
+            write = self._write_object
+        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(files, plan.items))]
+        if write is self._write_object:
+            jobs = [job for job in jobs if job[1]]  # no empty objects
+        if len(jobs) == 1 or workers == 1:
+            return [r for name, items in jobs for r in write(name, items, planner, None)]
+        with cf.ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="ckptq-write") as pool:
+            futures = [pool.submit(write, name, items, planner, device) for name, items in jobs]
             return [r for f in futures for r in f.result()]
 
     def _write_file(self, name: str, items: list, planner: Any, device: int | None) -> list:
         """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``
         (on a thread of its own: ``device`` is the calling thread's current CUDA device)."""
-        if device is not None:
-            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
-        import zlib
+        from .fileio import Flusher, pwrite_all
 
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        from .fileio import Flusher, Staging, pwrite_all
-        from .records import tensor_record
-
-        storage_info, _ = check_dcp_version()
         fd = os.open(self.fs.concat_path(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        flusher = Flusher(fd, self.sync_every if self.sync_files else 0)
-        staging, pos, out, ok = Staging(self.buffer_bytes), 0, [], False
-        ordered = [it for it in items if it.type == WriteItemType.BYTE_IO]
-        ordered += [it for it in items if it.type != WriteItemType.BYTE_IO]
+        flusher, ok = Flusher(fd, self.sync_every if self.sync_files else 0), False
+
+        def put(parts: list, pos: int) -> int:
+            n = pwrite_all(fd, parts, pos)
+            flusher.wrote(n)
+            return n
+
         try:
-            for item in ordered:
-                data, start = planner.resolve_data(item), pos
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = data.getbuffer()
-                    pos += pwrite_all(fd, [buf], pos)
-                    sum_ = checksum(buf)
-                else:
-                    t = data.detach()
-                    record = tensor_record(t.dtype, tuple(t.shape))
-                    pending, sum_, crc = [record.header], 0, 0
-                    for piece in staging.pieces(t):
-                        sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
-                        n = pwrite_all(fd, pending + [piece], pos)
-                        pos, pending = pos + n, []
-                        flusher.wrote(n)
-                    pos += pwrite_all(fd, pending + [record.trailer_for(crc)], pos)
-                info = storage_info(name, start, pos - start)
-                out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
+            out = self._encode(name, items, planner, device, put)
             ok = True
         finally:
             try:
                 flusher.close(fsync=ok and self.sync_files)
             finally:
                 os.close(fd)
+        return out
+
+    def _write_object(self, name: str, items: list, planner: Any, device: int | None) -> list:
+        """Make the records of ``items`` (as :meth:`_write_file`) and upload them as the data
+        object ``name`` (:func:`ckptq.io.storage.put_object`: it appears whole when its upload
+        completes, or not at all). The object's bytes are joined once in memory, from the
+        tensors' own memory (a CUDA tensor's through one copy to the host)."""
+        parts: list = []
+
+        def put(pieces: list, pos: int) -> int:
+            pieces = [memoryview(p).cast("B") for p in pieces]
+            parts.extend(pieces)
+            return sum(len(p) for p in pieces)
+
+        out = self._encode(name, items, planner, device, put, _Whole())
+        data = b"".join(parts)
+        parts.clear()  # the tensors are no longer held
+        storage.put_object(str(self.fs.concat_path(self.path, name)), data)
+        return out
+
+    def _encode(self, name: str, items: list, planner: Any, device: int | None, put: Any, staging: Any = None) -> list:
+        """Write the records of ``items`` (bytes entries first, as DCP does) one after another from
+        byte 0 with ``put(parts, pos)`` (bytes-like ``parts`` at byte ``pos`` of file ``name``;
+        returns the bytes written), each hashed; returns their write results. ``staging``: what
+        gives a tensor's bytes (default :class:`ckptq.io.fileio.Staging`); ``device``: as for
+        :meth:`_write_file`."""
+        if device is not None:
+            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
+        import zlib
+
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from .fileio import Staging
+        from .records import tensor_record
+
+        storage_info, _ = check_dcp_version()
+        staging, pos, out = staging or Staging(self.buffer_bytes), 0, []
+        for item in _bytes_first(items):
+            data, start = planner.resolve_data(item), pos
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer()
+                pos += put([buf], pos)
+                sum_ = checksum(buf)
+            else:
+                t = data.detach()
+                record = tensor_record(t.dtype, tuple(t.shape))
+                pending, sum_, crc = [record.header], 0, 0
+                for piece in staging.pieces(t):
+                    sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
+                    pos, pending = pos + put(pending + [piece], pos), []
+                pos += put(pending + [record.trailer_for(crc)], pos)
+            info = storage_info(name, start, pos - start)
+            out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
         return out
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -670,6 +706,34 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         super().finish(metadata, plain)
 
 
+class _Whole:
+    """A tensor's bytes in one piece that stays valid (a CPU tensor's own memory; a CUDA tensor
+    copied to the host): for records kept until an object is uploaded."""
+
+    @staticmethod
+    def pieces(tensor: torch.Tensor) -> Any:
+        from ..checksums import payload
+
+        return iter([payload(tensor)])
+
+
+def _item_bytes(item: Any) -> int:
+    """Payload bytes of a write item (0 for a bytes entry)."""
+    td = item.tensor_data
+    if td is None:
+        return 0
+    return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def _bytes_first(items: list) -> list:
+    """``items`` with the bytes entries first, as DCP's writer orders a file's records."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    return [it for it in items if it.type == WriteItemType.BYTE_IO] + [
+        it for it in items if it.type != WriteItemType.BYTE_IO
+    ]
+
+
 def _bins(count: int, items: list) -> list[list]:
     """The items of a rank's plan in ``count`` files, as DCP's ``FileSystemWriter`` splits them
     (torch 2.13 ``filesystem._split_by_size_and_type``): bytes entries round-robin, tensor chunks
@@ -684,14 +748,10 @@ def _bins(count: int, items: list) -> list[list]:
     for i, it in enumerate(byte_items):
         out[i % count].append(it)
 
-    def nbytes(it: Any) -> int:
-        td = it.tensor_data
-        return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
-
-    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=nbytes, reverse=True):
+    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True):
         i = sizes.index(min(sizes))
         out[i].append(it)
-        sizes[i] += nbytes(it)
+        sizes[i] += _item_bytes(it)
     return out
 
 
