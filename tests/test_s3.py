@@ -6,6 +6,7 @@ against the same runs on local folders; a two-process reshard bucket -> bucket u
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -159,6 +160,102 @@ def test_dcp_save_load_round_trip(s3, tmp_path):
     out = _zeros(sd)
     dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
     _assert_same_state(out, _state(2))
+
+
+class _Requests:
+    """Counts the S3 API calls of the s3fs client (botocore's ``before-call`` event, by operation
+    name) while the block runs: what the moto server is asked, request by request."""
+
+    def __init__(self, fs) -> None:
+        self.client, self.calls = fs.s3, collections.Counter()
+
+    def _count(self, model, **_) -> None:
+        self.calls[model.name] += 1
+
+    def __enter__(self) -> collections.Counter:
+        self.client.meta.events.register("before-call.s3", self._count)
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        self.client.meta.events.unregister("before-call.s3", self._count)
+
+
+def _quantized(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": ckptq.quantize(torch.randn(64, 256, generator=g), "mxfp8") for i in range(n)}
+
+
+def test_requests_of_a_save_and_a_load(s3, monkeypatch):
+    """``dcp.save`` uploads the rank's data object with one PUT and ``.metadata`` with one more (no
+    ``.metadata.tmp`` copied and deleted); ``dcp.load`` fetches ``.metadata`` and then the records
+    of the data object together: one ranged GET per window of records next to each other
+    (``READ_WINDOW`` bytes at most), never one per record."""
+    from ckptq.io import storage
+
+    sd, url = _quantized(6), _url("ckptq-src")
+    with _Requests(s3) as calls:
+        dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
+    assert calls["PutObject"] == 2 and not calls.keys() & {"CopyObject", "CreateMultipartUpload", "UploadPart"}, calls
+    assert _names(s3, url) == [".metadata", "__0_0.distcp"]
+    size = s3.info(f"{url[5:]}/__0_0.distcp")["size"]
+    records = len(read_metadata(url).storage_data)
+    assert records == 12  # 6 entries of 2 components each
+    for window, gets in ((storage.READ_WINDOW, 1), (size // 5, 6)):  # 6: the last window is the rest
+        monkeypatch.setattr(storage, "READ_WINDOW", window)
+        out = _zeros(sd)
+        with _Requests(s3) as calls:
+            dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+        _assert_same_state(out, sd)
+        assert calls["GetObject"] == 1 + gets, (window, calls)  # .metadata, then the windows
+
+
+def test_save_spreads_a_rank_over_objects(s3, monkeypatch):
+    """A rank's records larger than ``OBJECT_BYTES`` are spread over several objects (uploaded by
+    ``thread_count`` threads at once), each built and uploaded whole; ckptq's reader and DCP's own
+    ``FsspecReader`` read them bit-exact."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from ckptq.io import storage
+
+    sd = _quantized(5, seed=1)
+    monkeypatch.setattr(storage, "OBJECT_BYTES", 40_000)  # each tensor: 16 KiB of fp8 + 512 B of scales
+    for threads in (1, 2):
+        url = _url("ckptq-src")
+        writer = AtomicFileSystemWriter(url, thread_count=threads)
+        dcp.save(sd, storage_writer=writer, planner=ckptq.QuantizedSavePlanner())
+        assert _names(s3, url) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+        for reader in (SafeFileSystemReader(url), FsspecReader(url)):
+            out = _zeros(sd)
+            dcp.load(out, storage_reader=reader, planner=ckptq.QuantizedLoadPlanner())
+            _assert_same_state(out, sd)
+
+
+def test_range_prefetcher_reads_across_windows(s3):
+    """:class:`ckptq.io.storage.RangePrefetcher` covers ranges with windows (neighbours within
+    ``gap`` together, long ranges split) and serves any read in ascending order from them: reads
+    that cross windows, skip windows, fall outside every window, or run past the object's end."""
+    from ckptq.io.storage import RangePrefetcher
+
+    data = bytes(range(256)) * 400  # 102400 bytes
+    key = f"ckptq-src/{uuid.uuid4().hex[:8]}/blob"
+    s3.pipe_file(key, data)
+    ranges = [(0, 1000), (1100, 5000), (20_000, 50_000), (90_000, 102_400)]
+    with _Requests(s3) as calls:
+        src = RangePrefetcher(f"s3://{key}", ranges, window=16_384, ahead=2, gap=200)
+        assert src.windows == [(0, 5000), (20_000, 36_384), (36_384, 50_000), (90_000, 102_400)]
+        buf = bytearray(4000)
+        assert src.readinto(buf, 500) == 4000 and buf == data[500:4500]
+        assert src.pread(20_000, 30_000) == data[30_000:50_000]  # across two windows
+        assert src.pread(10, 60_000) == data[60_000:60_010]  # in no window: fetched by itself
+        assert src.pread(1000, 102_000) == data[102_000:]  # the object ends first
+        src.close()
+    # the four windows, the read outside them, and the rest of the read past the end (refused: 416;
+    # a HEAD then tells that the object ended)
+    assert calls["GetObject"] == 6 and calls["HeadObject"] == 1, calls
+
+    src = RangePrefetcher(f"s3://{key}", ranges, window=16_384, ahead=1, gap=200)
+    assert src.pread(100, 95_000) == data[95_000:95_100]  # windows before it skipped
+    src.close()
 
 
 def test_tools_on_buckets_match_local_runs(s3, tmp_path):

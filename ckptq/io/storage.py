@@ -248,11 +248,12 @@ class RangePrefetcher:
 
     ``ranges`` (``(start, end)`` byte ranges, e.g. the records a reader will read) are covered by
     windows: ranges in file order, one after another while the gap between them is at most
-    ``gap`` bytes and the window at most ``window`` bytes (a longer range is split). Each window
-    is one ranged GET (the file system's ``cat_file`` with ``start`` / ``end``), ``ahead`` of them
-    in flight on threads. :meth:`pread` / :meth:`readinto` must come in ascending file positions:
-    a window is dropped once a read starts past its end; a read outside every window is fetched by
-    itself. Memory: at most ``ahead + 1`` windows.
+    ``gap`` bytes (default :data:`READ_BLOCK`) and the window at most ``window`` bytes (default
+    :data:`READ_WINDOW`; a longer range is split). Each window is one ranged GET (the file
+    system's ``cat_file`` with ``start`` / ``end``), ``ahead`` of them (default
+    :data:`READ_AHEAD_WINDOWS`) in flight on threads. :meth:`pread` / :meth:`readinto` must come
+    in ascending file positions: a window is dropped once a read starts past its end; a read
+    outside every window is fetched by itself. Memory: at most ``ahead + 1`` windows.
 
     Not thread-safe (one reader thread); :meth:`close` stops it.
     """
@@ -262,24 +263,31 @@ class RangePrefetcher:
         url: str,
         ranges: list[tuple[int, int]],
         *,
-        window: int = READ_WINDOW,
-        ahead: int = READ_AHEAD_WINDOWS,
-        gap: int = READ_BLOCK,
+        window: int | None = None,
+        ahead: int | None = None,
+        gap: int | None = None,
     ) -> None:
         import collections
         import concurrent.futures as cf
 
         self.url = url
         self._fs, self._path = filesystem(url)
-        self.windows = _windows(ranges, max(1, int(window)), max(0, int(gap)))
+        window = READ_WINDOW if window is None else window
+        self.windows = _windows(ranges, max(1, int(window)), max(0, int(READ_BLOCK if gap is None else gap)))
         self._todo = collections.deque(self.windows)
         self._held: collections.deque = collections.deque()  # (start, end, future of the bytes)
-        self._ahead = max(1, int(ahead))
+        self._ahead = max(1, int(READ_AHEAD_WINDOWS if ahead is None else ahead))
         self._pool = cf.ThreadPoolExecutor(self._ahead, thread_name_prefix="ckptq-get")
         self._fill()
 
     def _get(self, start: int, end: int) -> bytes:
-        return self._fs.cat_file(self._path, start=start, end=end)  # one ranged GET
+        try:  # one ranged GET; the server sends what the object holds of the range
+            return self._fs.cat_file(self._path, start=start, end=end)
+        except OSError:
+            size = file_size(self.url)
+            if size is None or start < size:
+                raise
+            return b""  # a range starting at or past the end
 
     def _fill(self) -> None:
         while self._todo and len(self._held) <= self._ahead:

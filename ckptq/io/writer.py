@@ -703,6 +703,15 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             # names it) with these same locations: the union of the ranks' write results, as it sets them.
             metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
             write_index(Path(self.path), metadata)
+        if storage.is_url(str(self.path)) and getattr(self, "use_collectives", True):
+            # One PUT of .metadata (DCP's finish PUTs .metadata.tmp and "renames" it: on an object store
+            # a copy and deletes, six requests more): the checkpoint appears whole, last, or not at all.
+            # What FileSystemWriter.finish (torch 2.13) sets before it pickles the metadata:
+            metadata.version = check_dcp_version()[1]
+            metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
+            metadata.storage_meta = self.storage_meta()
+            storage.put_object(str(storage.join(str(self.path), METADATA_FILE)), pickle.dumps(metadata))
+            return
         super().finish(metadata, plain)
 
 
