@@ -208,6 +208,17 @@ def test_requests_of_a_save_and_a_load(s3, monkeypatch):
         _assert_same_state(out, sd)
         assert calls["GetObject"] == 1 + gets, (window, calls)  # .metadata, then the windows
 
+    # Plain (unquantized) entries: the first bytes of each one's record are looked at for another
+    # library's pickled tensor (ckptq.io.foreign), all in one GET when their records lie together.
+    monkeypatch.undo()
+    sd, url = _state(1), _url("ckptq-src")
+    dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
+    out = _zeros(sd)
+    with _Requests(s3) as calls:
+        dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+    _assert_same_state(out, sd)
+    assert calls["GetObject"] == 3, calls  # .metadata, the two plain entries' first bytes, the records
+
 
 def test_save_spreads_a_rank_over_objects(s3, monkeypatch):
     """A rank's records larger than ``OBJECT_BYTES`` are spread over several objects (uploaded by
