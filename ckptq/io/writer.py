@@ -498,10 +498,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     through two pinned buffers of ``buffer_bytes`` per thread (:class:`ckptq.io.fileio.Staging`),
     and each file's write-back started every ``sync_every`` bytes (:class:`ckptq.io.fileio.Flusher`).
     ``dcp.async_save`` stages the state dict into pinned host memory kept for the next save of
-    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). With DCP's
-    stream transforms (``_extensions``), another ``serialization_format``,
-    ``single_file_per_rank=False`` or a URL path (:class:`AtomicFileSystemWriter`) it writes
-    through ``FileSystemWriter`` itself (with checksums).
+    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). For a URL
+    path (:class:`AtomicFileSystemWriter`) the same records make each data object, joined once in
+    memory from the tensors' bytes and uploaded whole (:func:`ckptq.io.storage.put_object`), a
+    rank's records spread over objects of at most about :data:`ckptq.io.storage.OBJECT_BYTES`,
+    ``thread_count`` of them built and uploaded at once; ``.metadata`` is one PUT. With DCP's
+    stream transforms (``_extensions``), another ``serialization_format`` or
+    ``single_file_per_rank=False`` it writes through ``FileSystemWriter`` itself (with checksums).
 
     Args:
         path: the checkpoint directory.
@@ -889,10 +892,10 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     the next save into ``path`` empties. The directory must be on a file system every rank shares
     (as for ``FileSystemWriter``).
 
-    ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
-    system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
-    under the final prefix and ``.metadata`` last (readers see no checkpoint before it exists; a
-    save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``), with DCP's own fsspec file system (as
+    ``FsspecWriter``) as its ``fs``: object stores cannot rename, so the data objects are uploaded
+    whole under the final prefix and ``.metadata`` last, in one PUT (readers see no checkpoint
+    before it exists; a save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
     in DCP's ``CheckpointException``: :func:`ckptq.io.dcp_failure`) unless ``overwrite=True``, which deletes
     its ``.metadata`` first and its other objects next, before any rank writes: from then until the
     new ``.metadata`` is written there is no checkpoint at that prefix (save versions under new
@@ -903,8 +906,8 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         path: the checkpoint directory, or an fsspec URL.
         **kwargs: passed to :class:`ChecksumFileSystemWriter` (``thread_count``, ``sync_files``,
             ...; for URLs ``overwrite`` defaults to False, ``sync_files`` to False (an upload is
-            durable once it completes) and ``thread_count`` to 1 (one object per rank, as DCP's
-            ``FsspecWriter``)).
+            durable once it completes) and ``thread_count`` (objects built and uploaded at once,
+            each holding its bytes in memory) to 1).
 
     Raises:
         CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported;
@@ -919,7 +922,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             self.target: Any = storage.location(path)
             kwargs.setdefault("overwrite", False)
             kwargs.setdefault("sync_files", False)
-            kwargs.setdefault("thread_count", 1)  # one object per rank, as DCP's FsspecWriter
+            kwargs.setdefault("thread_count", 1)  # objects in memory at once (see ChecksumFileSystemWriter)
             super().__init__(self.target, **kwargs)
             self.fs, self.path = storage.dcp_filesystem(self.target)
             return
@@ -995,7 +998,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def finish(self, metadata: Metadata, results: list) -> None:
-        if self.remote:  # .metadata (DCP: a PUT of .metadata.tmp, then a server-side copy) was the commit
+        if self.remote:  # the PUT of .metadata (ChecksumFileSystemWriter.finish) is the commit
             super().finish(metadata, results)
             return
         staging, target = Path(self.path), self.target
