@@ -20,6 +20,7 @@ that a future ``dcp.load`` might misread.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import shutil
@@ -599,7 +600,7 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         files, workers = max(1, self.thread_count), max(1, self.thread_count)
         write = self._write_file
         if storage.is_url(str(self.path)):  # objects of at most about OBJECT_BYTES, thread_count uploads at once
-            files = max(files, -(-sum(_item_bytes(it) for it in plan.items) // storage.OBJECT_BYTES))
+            files = max(files, -(-sum(_item_bytes(it, chunk=True) for it in plan.items) // storage.OBJECT_BYTES))
             write = self._write_object
         jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(files, plan.items))]
         if write is self._write_object:
@@ -729,12 +730,14 @@ class _Whole:
         return iter([payload(tensor)])
 
 
-def _item_bytes(item: Any) -> int:
-    """Payload bytes of a write item (0 for a bytes entry)."""
+def _item_bytes(item: Any, *, chunk: bool = False) -> int:
+    """Payload bytes of a write item's tensor (0 for a bytes entry): of the whole tensor, as DCP's
+    ``_split_by_size_and_type`` weighs items (torch 2.13 ``filesystem._item_size``), or with
+    ``chunk`` of the chunk the item writes."""
     td = item.tensor_data
     if td is None:
         return 0
-    return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
+    return math.prod(td.chunk.sizes if chunk else td.size) * torch.empty((), dtype=td.properties.dtype).element_size()
 
 
 def _bytes_first(items: list) -> list:
