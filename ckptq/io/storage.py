@@ -233,10 +233,12 @@ def read_range(path: PathLike, start: int, end: int) -> io.BytesIO:
     return _Range(data, start)
 
 
-def put_object(url: str, data: bytearray) -> None:
-    """Upload ``data`` as the whole object ``url`` (the file system's ``pipe_file``; s3fs: one PUT,
-    or a multipart upload of concurrent parts for large objects). The object appears when the
-    upload completes, or not at all (a failed multipart upload is aborted).
+def put_object(url: str, data: bytes) -> None:
+    """Upload ``data`` as the whole object ``url`` (the file system's ``pipe_file``; s3fs 2026.9:
+    one PUT below 100 MiB, else a multipart upload of 50 MiB parts, 10 at once). The object
+    appears when the upload completes, or not at all (s3fs aborts a failed multipart upload).
+    ``bytes``, not a ``bytearray`` or ``memoryview``: botocore 1.43 refuses a memoryview body and
+    sent a bytearray slower than bytes (a 66 MB PUT to moto, 1.4-1.8 s against 1.0-1.4 s).
 
     Raises:
         OSError: the object store refused or failed the upload."""
