@@ -241,6 +241,43 @@ def test_save_spreads_a_rank_over_objects(s3, monkeypatch):
             _assert_same_state(out, sd)
 
 
+def test_te_checkpoint_in_a_bucket_reads_as_locally(s3, tmp_path):
+    """A checkpoint whose records are pickled TransformerEngine tensors (the tests' stand-in, saved
+    by stock ``dcp.save``) read from s3://: the first bytes of its plain entries' records, fetched
+    together (``storage.read_ranges``), reveal the same TE tensors as the local read, and they
+    load (dequantized) bit-exact with the local loads."""
+    from _te import standin
+
+    from ckptq.inspect import inspect_checkpoint
+
+    te = standin()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g)
+    sd = {
+        "a": te.make_te_tensor(x, "mxfp8", flavor="2974"),
+        "b": te.make_te_tensor(x, "nvfp4", flavor="main"),
+        "bias": torch.randn(64, generator=g),
+    }
+    local, url = tmp_path / "te", _url("ckptq-src")
+    dcp.save(sd, checkpoint_id=str(local))
+    s3.put(str(local), url[5:], recursive=True)
+    here = read_metadata(local)
+    with _Requests(s3) as calls:
+        there = read_metadata(url)
+    assert there.state_dict_metadata == here.state_dict_metadata and there.storage_data == here.storage_data
+    assert there.planner_data == here.planner_data
+    # .metadata, the three entries' first bytes (one GET: their records lie together), then each TE
+    # tensor's first record whole (the adapters read its pickle)
+    assert calls["GetObject"] == 4, calls
+    a, b = inspect_checkpoint(local), inspect_checkpoint(url)
+    assert a["tensors"] == b["tensors"] and {r["fqn"]: r["format"] for r in b["tensors"]}["a"] == "mxfp8"
+    out_here, out_there = ({k: torch.zeros(v.shape) for k, v in sd.items()} for _ in range(2))  # dequantized
+    for path, out in ((local, out_here), (url, out_there)):
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
+    for k in sd:
+        assert torch.equal(out_here[k].view(torch.uint8), out_there[k].view(torch.uint8)), k
+
+
 def test_range_prefetcher_reads_across_windows(s3):
     """:class:`ckptq.io.storage.RangePrefetcher` covers ranges with windows (neighbours within
     ``gap`` together, long ranges split) and serves any read in ascending order from them: reads
