@@ -11,18 +11,24 @@ server and the bucket of ``--bucket``, which must exist. Steps, in one process, 
 
 1. ckptq: ``dcp.save`` of a state dict of MXFP8 tensors (``--mb`` MB of payload in all, 8 tensors)
    with ``AtomicFileSystemWriter("s3://...", overwrite=True)`` and ``QuantizedSavePlanner``, then
-   ``dcp.load`` into a fresh state dict with ``SafeFileSystemReader`` and ``QuantizedLoadPlanner``
-   (checksums checked); the load is checked bit-exact against what was saved.
-2. plain s3fs: ``pipe_file`` of the bytes of the data object step 1 wrote (from memory; s3fs uploads
-   it in parts of its block size), then ``cat_file`` of it back.
+   ``dcp.load`` into a fresh state dict (its allocation timed with the load) with
+   ``SafeFileSystemReader`` and ``QuantizedLoadPlanner`` (checksums checked); the load is checked
+   bit-exact against what was saved.
+2. plain s3fs: ``pipe_file`` of the bytes of each data object step 1 wrote, one after another
+   (from memory; s3fs 2026.9: one PUT below 100 MiB, else a multipart upload of 50 MiB parts, 10
+   at once), then ``cat_file`` of each back (a HEAD, then ranged GETs of 50 MiB, 10 at once).
 
 GB/s = bytes of the data objects / seconds (GB = 1e9 bytes); the round trip is save + load. The
-JSON (``--out``) holds every run's seconds, the medians, the machine and the date.
+S3 requests of each step are counted by operation (botocore's ``before-call`` event on the one
+s3fs client every step uses). The JSON (``--out``) holds every run's seconds and requests, the
+medians, the ratio of the round trips' throughputs, the load average before and after, the
+machine and the date.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -114,18 +120,30 @@ def run(args, endpoint: str) -> dict:
     fs = s3fs.S3FileSystem()
     if args.endpoint is None:
         fs.mkdir(args.bucket)
+    load_before = os.getloadavg()
+    calls: collections.Counter = collections.Counter()
+    fs.s3.meta.events.register("before-call.s3", lambda model, **_: calls.update([model.name]))
+    requests: dict[str, list[dict]] = {"ckptq_save": [], "ckptq_load": [], "s3fs_put": [], "s3fs_get": []}
+
+    def taken(step: str) -> None:
+        requests[step].append(dict(sorted(calls.items())))
+        calls.clear()
+
     sd = _state(args.mb)
     prefix = f"{args.bucket}/{uuid.uuid4().hex[:8]}"
     url = f"s3://{prefix}/ck"
     runs: dict[str, list[float]] = {"ckptq_save": [], "ckptq_load": [], "s3fs_put": [], "s3fs_get": []}
-    nbytes = 0
+    nbytes = objects = 0
     for _ in range(args.runs):
+        calls.clear()
         t0 = time.perf_counter()
         dcp.save(sd, storage_writer=AtomicFileSystemWriter(url, overwrite=True), planner=ckptq.QuantizedSavePlanner())
         t1 = time.perf_counter()
-        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        taken("ckptq_save")
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}  # in the load's time, as cat_file's buffers
         dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
         t2 = time.perf_counter()
+        taken("ckptq_load")
         for k, v in sd.items():
             for name, c in v.components().items():
                 if not torch.equal(out[k].components()[name].view(torch.uint8), c.view(torch.uint8)):
@@ -133,13 +151,16 @@ def run(args, endpoint: str) -> dict:
         del out
         data = [p for p in fs.ls(f"{prefix}/ck", refresh=True) if p.endswith(".distcp")]
         blobs = [fs.cat_file(p) for p in data]  # the same bytes, for the plain copy (not timed)
-        nbytes = sum(len(b) for b in blobs)
+        nbytes, objects = sum(len(b) for b in blobs), len(blobs)
+        calls.clear()
         t3 = time.perf_counter()
         for i, b in enumerate(blobs):
             fs.pipe_file(f"{prefix}/plain/{i}.bin", b)
         t4 = time.perf_counter()
+        taken("s3fs_put")
         back = [fs.cat_file(f"{prefix}/plain/{i}.bin") for i in range(len(blobs))]
         t5 = time.perf_counter()
+        taken("s3fs_get")
         assert back == blobs
         del blobs, back
         fs.rm(f"{prefix}/plain", recursive=True)
@@ -155,9 +176,15 @@ def run(args, endpoint: str) -> dict:
         "what": "dcp.save + dcp.load via ckptq to s3:// vs s3fs pipe_file + cat_file of the same bytes",
         "server": "moto (python -m moto.server) on 127.0.0.1" if args.endpoint is None else "given endpoint",
         "bytes": nbytes,
+        "objects": objects,
         "runs": args.runs,
         "seconds": runs,
+        "requests": requests,
         "median_s": med,
+        "round_trip_ratio": round(
+            (med["s3fs_put"] + med["s3fs_get"]) / (med["ckptq_save"] + med["ckptq_load"]), 3
+        ),  # ckptq's round-trip throughput / the plain copy's
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "GBps": {
             "ckptq_save": gbps(med["ckptq_save"]),
             "ckptq_load": gbps(med["ckptq_load"]),

@@ -6,6 +6,7 @@ against the same runs on local folders; a two-process reshard bucket -> bucket u
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -127,17 +128,24 @@ def _no_secrets(*texts: str) -> None:
 def test_dcp_save_load_round_trip(s3, tmp_path):
     """``dcp.save`` with AtomicFileSystemWriter to s3:// and ``dcp.load`` with SafeFileSystemReader
     and QuantizedLoadPlanner: bit-exact; the data object is the local save's file byte for byte;
-    saving over it is refused without ``overwrite``."""
+    DCP's own ``FsspecReader`` (``torch.load`` of each record) reads it too; saving over it is
+    refused without ``overwrite``."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
     sd, url = _state(1), _url("ckptq-src")
     dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
     assert _names(s3, url) == [".metadata", "__0_0.distcp"]  # the temporary .metadata.tmp is gone
-    # against DCP's own local writer (one file per rank): ckptq's local writer spreads a rank's
-    # records over thread_count files, each record's .data/serialization_id its own (ckptq.io.records)
-    dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner())
+    # against ckptq's local writer with one file per rank (its records are torch.save's byte for byte
+    # but for .data/serialization_id: ckptq.io.records)
+    local = ckptq.io.ChecksumFileSystemWriter(tmp_path / "ck", thread_count=1)
+    dcp.save(sd, storage_writer=local, planner=ckptq.QuantizedSavePlanner())
     assert s3.cat_file(f"{url[5:]}/__0_0.distcp") == (tmp_path / "ck" / "__0_0.distcp").read_bytes()
 
     out = _zeros(sd)
     dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+    _assert_same_state(out, sd)
+    out = _zeros(sd)
+    dcp.load(out, storage_reader=FsspecReader(url), planner=ckptq.QuantizedLoadPlanner())
     _assert_same_state(out, sd)
     view = CheckpointView(url)
     assert view.local is False and view.files == [f"{url}/__0_0.distcp"]
@@ -152,6 +160,150 @@ def test_dcp_save_load_round_trip(s3, tmp_path):
     out = _zeros(sd)
     dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
     _assert_same_state(out, _state(2))
+
+
+class _Requests:
+    """Counts the S3 API calls of the s3fs client (botocore's ``before-call`` event, by operation
+    name) while the block runs: what the moto server is asked, request by request."""
+
+    def __init__(self, fs) -> None:
+        self.client, self.calls = fs.s3, collections.Counter()
+
+    def _count(self, model, **_) -> None:
+        self.calls[model.name] += 1
+
+    def __enter__(self) -> collections.Counter:
+        self.client.meta.events.register("before-call.s3", self._count)
+        return self.calls
+
+    def __exit__(self, *exc) -> None:
+        self.client.meta.events.unregister("before-call.s3", self._count)
+
+
+def _quantized(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": ckptq.quantize(torch.randn(64, 256, generator=g), "mxfp8") for i in range(n)}
+
+
+def test_requests_of_a_save_and_a_load(s3, monkeypatch):
+    """``dcp.save`` uploads the rank's data object with one PUT and ``.metadata`` with one more (no
+    ``.metadata.tmp`` copied and deleted); ``dcp.load`` fetches ``.metadata`` and then the records
+    of the data object together: one ranged GET per window of records next to each other
+    (``READ_WINDOW`` bytes at most), never one per record."""
+    from ckptq.io import storage
+
+    sd, url = _quantized(6), _url("ckptq-src")
+    with _Requests(s3) as calls:
+        dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
+    assert calls["PutObject"] == 2 and not calls.keys() & {"CopyObject", "CreateMultipartUpload", "UploadPart"}, calls
+    assert _names(s3, url) == [".metadata", "__0_0.distcp"]
+    size = s3.info(f"{url[5:]}/__0_0.distcp")["size"]
+    records = len(read_metadata(url).storage_data)
+    assert records == 12  # 6 entries of 2 components each
+    for window, gets in ((storage.READ_WINDOW, 1), (size // 5, 6)):  # 6: the last window is the rest
+        monkeypatch.setattr(storage, "READ_WINDOW", window)
+        out = _zeros(sd)
+        with _Requests(s3) as calls:
+            dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+        _assert_same_state(out, sd)
+        assert calls["GetObject"] == 1 + gets, (window, calls)  # .metadata, then the windows
+
+    # Plain (unquantized) entries: the first bytes of each one's record are looked at for another
+    # library's pickled tensor (ckptq.io.foreign), all in one GET when their records lie together.
+    monkeypatch.undo()
+    sd, url = _state(1), _url("ckptq-src")
+    dcp.save(sd, storage_writer=AtomicFileSystemWriter(url), planner=ckptq.QuantizedSavePlanner())
+    out = _zeros(sd)
+    with _Requests(s3) as calls:
+        dcp.load(out, storage_reader=SafeFileSystemReader(url), planner=ckptq.QuantizedLoadPlanner())
+    _assert_same_state(out, sd)
+    assert calls["GetObject"] == 3, calls  # .metadata, the two plain entries' first bytes, the records
+
+
+def test_save_spreads_a_rank_over_objects(s3, monkeypatch):
+    """A rank's records larger than ``OBJECT_BYTES`` are spread over several objects (uploaded by
+    ``thread_count`` threads at once), each built and uploaded whole; ckptq's reader and DCP's own
+    ``FsspecReader`` read them bit-exact."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from ckptq.io import storage
+
+    sd = _quantized(5, seed=1)
+    monkeypatch.setattr(storage, "OBJECT_BYTES", 40_000)  # each tensor: 16 KiB of fp8 + 512 B of scales
+    for threads in (1, 2):
+        url = _url("ckptq-src")
+        writer = AtomicFileSystemWriter(url, thread_count=threads)
+        dcp.save(sd, storage_writer=writer, planner=ckptq.QuantizedSavePlanner())
+        assert _names(s3, url) == [".metadata", "__0_0.distcp", "__0_1.distcp", "__0_2.distcp"]
+        for reader in (SafeFileSystemReader(url), FsspecReader(url)):
+            out = _zeros(sd)
+            dcp.load(out, storage_reader=reader, planner=ckptq.QuantizedLoadPlanner())
+            _assert_same_state(out, sd)
+
+
+def test_te_checkpoint_in_a_bucket_reads_as_locally(s3, tmp_path):
+    """A checkpoint whose records are pickled TransformerEngine tensors (the tests' stand-in, saved
+    by stock ``dcp.save``) read from s3://: the first bytes of its plain entries' records, fetched
+    together (``storage.read_ranges``), reveal the same TE tensors as the local read, and they
+    load (dequantized) bit-exact with the local loads."""
+    from _te import standin
+
+    from ckptq.inspect import inspect_checkpoint
+
+    te = standin()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g)
+    sd = {
+        "a": te.make_te_tensor(x, "mxfp8", flavor="2974"),
+        "b": te.make_te_tensor(x, "nvfp4", flavor="main"),
+        "bias": torch.randn(64, generator=g),
+    }
+    local, url = tmp_path / "te", _url("ckptq-src")
+    dcp.save(sd, checkpoint_id=str(local))
+    s3.put(str(local), url[5:], recursive=True)
+    here = read_metadata(local)
+    with _Requests(s3) as calls:
+        there = read_metadata(url)
+    assert there.state_dict_metadata == here.state_dict_metadata and there.storage_data == here.storage_data
+    assert there.planner_data == here.planner_data
+    # .metadata, the three entries' first bytes (one GET: their records lie together), then each TE
+    # tensor's first record whole (the adapters read its pickle)
+    assert calls["GetObject"] == 4, calls
+    a, b = inspect_checkpoint(local), inspect_checkpoint(url)
+    assert a["tensors"] == b["tensors"] and {r["fqn"]: r["format"] for r in b["tensors"]}["a"] == "mxfp8"
+    out_here, out_there = ({k: torch.zeros(v.shape) for k, v in sd.items()} for _ in range(2))  # dequantized
+    for path, out in ((local, out_here), (url, out_there)):
+        dcp.load(out, storage_reader=SafeFileSystemReader(path), planner=ckptq.QuantizedLoadPlanner())
+    for k in sd:
+        assert torch.equal(out_here[k].view(torch.uint8), out_there[k].view(torch.uint8)), k
+
+
+def test_range_prefetcher_reads_across_windows(s3):
+    """:class:`ckptq.io.storage.RangePrefetcher` covers ranges with windows (neighbours within
+    ``gap`` together, long ranges split) and serves any read in ascending order from them: reads
+    that cross windows, skip windows, fall outside every window, or run past the object's end."""
+    from ckptq.io.storage import RangePrefetcher
+
+    data = bytes(range(256)) * 400  # 102400 bytes
+    key = f"ckptq-src/{uuid.uuid4().hex[:8]}/blob"
+    s3.pipe_file(key, data)
+    ranges = [(0, 1000), (1100, 5000), (20_000, 50_000), (90_000, 102_400)]
+    with _Requests(s3) as calls:
+        src = RangePrefetcher(f"s3://{key}", ranges, window=16_384, ahead=2, gap=200)
+        assert src.windows == [(0, 5000), (20_000, 36_384), (36_384, 50_000), (90_000, 102_400)]
+        buf = bytearray(4000)
+        assert src.readinto(buf, 500) == 4000 and buf == data[500:4500]
+        assert src.pread(20_000, 30_000) == data[30_000:50_000]  # across two windows
+        assert src.pread(10, 60_000) == data[60_000:60_010]  # in no window: fetched by itself
+        assert src.pread(1000, 102_000) == data[102_000:]  # the object ends first
+        src.close()
+    # the four windows, the read outside them, and the rest of the read past the end (refused: 416;
+    # a HEAD then tells that the object ended)
+    assert calls["GetObject"] == 6 and calls["HeadObject"] == 1, calls
+
+    src = RangePrefetcher(f"s3://{key}", ranges, window=16_384, ahead=1, gap=200)
+    assert src.pread(100, 95_000) == data[95_000:95_100]  # windows before it skipped
+    src.close()
 
 
 def test_tools_on_buckets_match_local_runs(s3, tmp_path):

@@ -252,7 +252,9 @@ class RecordReader:
     the disk keeps a request queued. Call :meth:`close` when done (or on error: it stops the thread).
 
     Args:
-        path: the file, or an open descriptor of it (read through a duplicate: the caller's stays open).
+        path: the file, or an open descriptor of it (read through a duplicate: the caller's stays
+            open), or an object's :class:`ckptq.io.storage.RangePrefetcher` (read through its
+            ``pread`` / ``readinto``; closed by :meth:`close`).
         fadvise: tell the kernel the file is read sequentially (``POSIX_FADV_SEQUENTIAL``) and fetch ahead.
     """
 
@@ -272,7 +274,11 @@ class RecordReader:
 
         self.device = torch.cuda.current_device() if pin else None  # the caller's, for the pinned buffers
         self.streams = {self.device: torch.cuda.current_stream()} if pin else {}
-        self.fd = os.dup(path) if isinstance(path, int) else os.open(path, os.O_RDONLY)
+        self.source = path if hasattr(path, "readinto") else None  # an object store's ranges
+        if self.source is not None:
+            self.fd, fadvise = -1, False
+        else:
+            self.fd = os.dup(path) if isinstance(path, int) else os.open(path, os.O_RDONLY)
         self.fadvise = fadvise and hasattr(os, "posix_fadvise")
         if self.fadvise:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -320,7 +326,8 @@ class RecordReader:
             for i, (start, _length, header, nbytes) in enumerate(self.records):
                 self._wait_turn(i)
                 self._advise(start)
-                head = os.pread(self.fd, len(header), start)
+                src = self.source
+                head = os.pread(self.fd, len(header), start) if src is None else src.pread(len(header), start)
                 if head != header:
                     self._queue.put((False, 0, 0))
                     continue
@@ -336,7 +343,10 @@ class RecordReader:
                     else:
                         buf = self.pool.take()
                         part = buf[:want]
-                    n = pread_into(self.fd, part.numpy(), pos + got)
+                    if src is None:
+                        n = pread_into(self.fd, part.numpy(), pos + got)
+                    else:
+                        n = src.readinto(part.numpy(), pos + got)
                     part = part[:n]
                     if self.hashed and n:
                         value = checksum(part.numpy(), value)
@@ -381,4 +391,7 @@ class RecordReader:
         self.pool.cancel()
         if self._thread is not None:
             self._thread.join()
-        os.close(self.fd)
+        if self.source is not None:
+            self.source.close()
+        else:
+            os.close(self.fd)

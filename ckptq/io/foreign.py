@@ -210,6 +210,12 @@ def _swap_globals(globs: list):
         ser.add_safe_globals(saved)
 
 
+def _is_span(info: Any) -> bool:
+    """A storage location of int offset and length, both >= 0."""
+    off, length = getattr(info, "offset", None), getattr(info, "length", None)
+    return type(off) is int and type(length) is int and off >= 0 and length >= 0
+
+
 def _read_bytes(root: Path, info: Any, length: int | None = None) -> bytes:
     """The bytes of a record (its first ``length`` bytes), never reading past its file's end (one
     ranged read: :func:`ckptq.io.storage.read_range`): a location beyond the file is a
@@ -319,11 +325,21 @@ def virtualize(metadata: Metadata, root: Path) -> Metadata:
             if info is not None and hasattr(info, "relative_path"):
                 yield fqn, md, info
 
+    heads: dict[str, bytes] = {}
+    if is_url(root):  # the first bytes of every candidate at once: records next to each other share a GET
+        from .storage import read_ranges
+
+        cands = [(fqn, info) for fqn, _, info in first_records() if _is_span(info)]
+        spans = [(str(i.relative_path), int(i.offset), int(i.offset) + min(_PEEK, int(i.length))) for _, i in cands]
+        heads = {fqn: h for (fqn, _), h in zip(cands, read_ranges(str(root), spans), strict=True) if h is not None}
+
     def load_first(item) -> Any:
         """The unpickled first record of a tensor whose first bytes name a producer, else None."""
         fqn, _, info = item
         try:
-            head = _read_bytes(root, info, _PEEK)
+            head = heads.pop(fqn, None)
+            if head is None:
+                head = _read_bytes(root, info, _PEEK)
         except (OSError, CheckpointFormatError):
             return None  # a missing or short data file: the storage check names it
         if not any(m in head for m in markers):

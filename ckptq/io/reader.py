@@ -50,7 +50,18 @@ from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
 from .safe_pickle import load_pickled_object, safe_load
-from .storage import dcp_filesystem, file_size, is_url, join, list_names, location, name_of, parent_of, read_range
+from .storage import (
+    RangePrefetcher,
+    dcp_filesystem,
+    file_size,
+    is_url,
+    join,
+    list_names,
+    location,
+    name_of,
+    parent_of,
+    read_range,
+)
 
 __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries", "load_entries", "dcp_failure"]
 
@@ -115,8 +126,10 @@ class SafeFileSystemReader(FileSystemReader):
     calling thread compares each record's checksum and commits it (a record whose checksum then
     fails has been copied by that time; the load fails as usual). Any other record (another
     torch's framing, stream transforms, bytes entries) is read and checked through
-    ``torch.load(weights_only=True)`` as described above. The records of a URL's data objects
-    are fetched one ranged GET each and read that second way.
+    ``torch.load(weights_only=True)`` as described above. The records of a URL's data object are
+    read the same two ways, their bytes fetched ahead in file order, records next to each other in
+    one ranged GET of up to :data:`ckptq.io.storage.READ_WINDOW` bytes
+    (:class:`ckptq.io.storage.RangePrefetcher`; a record read the second way is fetched by itself).
 
     Raises (from :meth:`read_metadata`):
         CheckpointFormatError: the metadata file is missing, truncated, or not DCP ``Metadata``, or
@@ -366,13 +379,13 @@ class SafeFileSystemReader(FileSystemReader):
     def _plan_file(self, rel: str, file: Any, size: int, reqs: list, planner: Any) -> Any:
         """A function that starts the reading of the records of ``reqs`` that are read fast (see
         the class docstring) and returns ``(fast records, RecordReader or None, destinations)``.
-        Local files only: a URL's records are fetched by ranged GETs (:meth:`_open_data`)."""
+        A URL's records are fetched ahead, together, in ranged GETs (:class:`~ckptq.io.storage.RangePrefetcher`)."""
         from .fileio import READ_AHEAD_BUFFERS, RecordReader
         from .records import tensor_record
 
         fast: dict[MetadataIndex, Any] = {}
         by_index: dict[MetadataIndex, list] = {}
-        for req in () if is_url(str(file)) else reqs:
+        for req in reqs:
             index = req.storage_index
             by_index.setdefault(index, []).append(req)
             info = self.storage_data[index]
@@ -420,9 +433,11 @@ class SafeFileSystemReader(FileSystemReader):
         def start() -> tuple:
             if not records:
                 return fast, None, state
-            pinned = self._pinned.get(rel)  # the file opened with the metadata (read through a duplicate)
+            source = self._pinned.get(rel)  # the file opened with the metadata (read through a duplicate)
+            if is_url(str(file)):
+                source = RangePrefetcher(str(file), [(r[0], r[0] + r[1]) for r in records])
             reader = RecordReader(
-                file if pinned is None else pinned,
+                file if source is None else source,
                 records,
                 prepare,
                 hashed=self._verifying,

@@ -20,6 +20,7 @@ that a future ``dcp.load`` might misread.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import shutil
@@ -498,10 +499,13 @@ class ChecksumFileSystemWriter(FileSystemWriter):
     through two pinned buffers of ``buffer_bytes`` per thread (:class:`ckptq.io.fileio.Staging`),
     and each file's write-back started every ``sync_every`` bytes (:class:`ckptq.io.fileio.Flusher`).
     ``dcp.async_save`` stages the state dict into pinned host memory kept for the next save of
-    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). With DCP's
-    stream transforms (``_extensions``), another ``serialization_format``,
-    ``single_file_per_rank=False`` or a URL path (:class:`AtomicFileSystemWriter`) it writes
-    through ``FileSystemWriter`` itself (with checksums).
+    the same tensors (``cache_staging``; one non-blocking copy per tensor, one wait). For a URL
+    path (:class:`AtomicFileSystemWriter`) the same records make each data object, joined once in
+    memory from the tensors' bytes and uploaded whole (:func:`ckptq.io.storage.put_object`), a
+    rank's records spread over objects of at most about :data:`ckptq.io.storage.OBJECT_BYTES`,
+    ``thread_count`` of them built and uploaded at once; ``.metadata`` is one PUT. With DCP's
+    stream transforms (``_extensions``), another ``serialization_format`` or
+    ``single_file_per_rank=False`` it writes through ``FileSystemWriter`` itself (with checksums).
 
     Args:
         path: the checkpoint directory.
@@ -539,12 +543,10 @@ class ChecksumFileSystemWriter(FileSystemWriter):
         self._staged_key: Any = None
 
     def _streams_records(self) -> bool:
-        """Whether this writer writes the records itself (else through ``FileSystemWriter``):
-        local directories only (a URL is written through DCP's fsspec file system)."""
+        """Whether this writer writes the records itself (else through ``FileSystemWriter``)."""
         fmt = getattr(self, "serialization_format", None)
         return (
-            not storage.is_url(str(self.path))
-            and self.single_file_per_rank
+            self.single_file_per_rank
             and not getattr(getattr(self, "transforms", None), "extensions", ())
             and (fmt is None or getattr(fmt, "value", None) == "torch_save")
         )
@@ -595,56 +597,94 @@ class ChecksumFileSystemWriter(FileSystemWriter):
 
         prefix = plan.storage_data.prefix
         device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(max(1, self.thread_count), plan.items))]
-        if len(jobs) == 1:
-            return self._write_file(*jobs[0], planner, None)
-        with cf.ThreadPoolExecutor(len(jobs), thread_name_prefix="ckptq-write") as pool:
-            futures = [pool.submit(self._write_file, name, items, planner, device) for name, items in jobs]
+        files, workers = max(1, self.thread_count), max(1, self.thread_count)
+        write = self._write_file
+        if storage.is_url(str(self.path)):  # objects of at most about OBJECT_BYTES, thread_count uploads at once
+            files = max(files, -(-sum(_item_bytes(it, chunk=True) for it in plan.items) // storage.OBJECT_BYTES))
+            write = self._write_object
+        jobs = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(files, plan.items))]
+        if write is self._write_object:
+            jobs = [job for job in jobs if job[1]]  # no empty objects
+        if len(jobs) == 1 or workers == 1:
+            return [r for name, items in jobs for r in write(name, items, planner, None)]
+        with cf.ThreadPoolExecutor(min(workers, len(jobs)), thread_name_prefix="ckptq-write") as pool:
+            futures = [pool.submit(write, name, items, planner, device) for name, items in jobs]
             return [r for f in futures for r in f.result()]
 
     def _write_file(self, name: str, items: list, planner: Any, device: int | None) -> list:
         """Write ``items`` (bytes entries first, as DCP does) as the records of data file ``name``
         (on a thread of its own: ``device`` is the calling thread's current CUDA device)."""
-        if device is not None:
-            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
-        import zlib
+        from .fileio import Flusher, pwrite_all
 
-        from torch.distributed.checkpoint.planner import WriteItemType
-
-        from .fileio import Flusher, Staging, pwrite_all
-        from .records import tensor_record
-
-        storage_info, _ = check_dcp_version()
         fd = os.open(self.fs.concat_path(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        flusher = Flusher(fd, self.sync_every if self.sync_files else 0)
-        staging, pos, out, ok = Staging(self.buffer_bytes), 0, [], False
-        ordered = [it for it in items if it.type == WriteItemType.BYTE_IO]
-        ordered += [it for it in items if it.type != WriteItemType.BYTE_IO]
+        flusher, ok = Flusher(fd, self.sync_every if self.sync_files else 0), False
+
+        def put(parts: list, pos: int) -> int:
+            n = pwrite_all(fd, parts, pos)
+            flusher.wrote(n)
+            return n
+
         try:
-            for item in ordered:
-                data, start = planner.resolve_data(item), pos
-                if item.type == WriteItemType.BYTE_IO:
-                    buf = data.getbuffer()
-                    pos += pwrite_all(fd, [buf], pos)
-                    sum_ = checksum(buf)
-                else:
-                    t = data.detach()
-                    record = tensor_record(t.dtype, tuple(t.shape))
-                    pending, sum_, crc = [record.header], 0, 0
-                    for piece in staging.pieces(t):
-                        sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
-                        n = pwrite_all(fd, pending + [piece], pos)
-                        pos, pending = pos + n, []
-                        flusher.wrote(n)
-                    pos += pwrite_all(fd, pending + [record.trailer_for(crc)], pos)
-                info = storage_info(name, start, pos - start)
-                out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
+            out = self._encode(name, items, planner, device, put)
             ok = True
         finally:
             try:
                 flusher.close(fsync=ok and self.sync_files)
             finally:
                 os.close(fd)
+        return out
+
+    def _write_object(self, name: str, items: list, planner: Any, device: int | None) -> list:
+        """Make the records of ``items`` (as :meth:`_write_file`) and upload them as the data
+        object ``name`` (:func:`ckptq.io.storage.put_object`: it appears whole when its upload
+        completes, or not at all). The object's bytes are joined once in memory, from the
+        tensors' own memory (a CUDA tensor's through one copy to the host)."""
+        parts: list = []
+
+        def put(pieces: list, pos: int) -> int:
+            pieces = [memoryview(p).cast("B") for p in pieces]
+            parts.extend(pieces)
+            return sum(len(p) for p in pieces)
+
+        out = self._encode(name, items, planner, device, put, _Whole())
+        data = b"".join(parts)
+        parts.clear()  # the tensors are no longer held
+        storage.put_object(str(self.fs.concat_path(self.path, name)), data)
+        return out
+
+    def _encode(self, name: str, items: list, planner: Any, device: int | None, put: Any, staging: Any = None) -> list:
+        """Write the records of ``items`` (bytes entries first, as DCP does) one after another from
+        byte 0 with ``put(parts, pos)`` (bytes-like ``parts`` at byte ``pos`` of file ``name``;
+        returns the bytes written), each hashed; returns their write results. ``staging``: what
+        gives a tensor's bytes (default :class:`ckptq.io.fileio.Staging`); ``device``: as for
+        :meth:`_write_file`."""
+        if device is not None:
+            torch.cuda.set_device(device)  # resolve_data may run kernels (high precision) on it
+        import zlib
+
+        from torch.distributed.checkpoint.planner import WriteItemType
+
+        from .fileio import Staging
+        from .records import tensor_record
+
+        storage_info, _ = check_dcp_version()
+        staging, pos, out = staging or Staging(self.buffer_bytes), 0, []
+        for item in _bytes_first(items):
+            data, start = planner.resolve_data(item), pos
+            if item.type == WriteItemType.BYTE_IO:
+                buf = data.getbuffer()
+                pos += put([buf], pos)
+                sum_ = checksum(buf)
+            else:
+                t = data.detach()
+                record = tensor_record(t.dtype, tuple(t.shape))
+                pending, sum_, crc = [record.header], 0, 0
+                for piece in staging.pieces(t):
+                    sum_, crc = checksum(piece, sum_), zlib.crc32(piece, crc)
+                    pos, pending = pos + put(pending + [piece], pos), []
+                pos += put(pending + [record.trailer_for(crc)], pos)
+            info = storage_info(name, start, pos - start)
+            out.append(WriteResult(index=item.index, size_in_bytes=pos - start, storage_data=_Checked(info, sum_)))
         return out
 
     def finish(self, metadata: Metadata, results: list) -> None:
@@ -667,7 +707,46 @@ class ChecksumFileSystemWriter(FileSystemWriter):
             # names it) with these same locations: the union of the ranks' write results, as it sets them.
             metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
             write_index(Path(self.path), metadata)
+        if storage.is_url(str(self.path)) and getattr(self, "use_collectives", True):
+            # One PUT of .metadata (DCP's finish PUTs .metadata.tmp and "renames" it: on an object store
+            # a copy and deletes, six requests more): the checkpoint appears whole, last, or not at all.
+            # What FileSystemWriter.finish (torch 2.13) sets before it pickles the metadata:
+            metadata.version = check_dcp_version()[1]
+            metadata.storage_data = {r.index: r.storage_data for rank_results in plain for r in rank_results}
+            metadata.storage_meta = self.storage_meta()
+            storage.put_object(str(storage.join(str(self.path), METADATA_FILE)), pickle.dumps(metadata))
+            return
         super().finish(metadata, plain)
+
+
+class _Whole:
+    """A tensor's bytes in one piece that stays valid (a CPU tensor's own memory; a CUDA tensor
+    copied to the host): for records kept until an object is uploaded."""
+
+    @staticmethod
+    def pieces(tensor: torch.Tensor) -> Any:
+        from ..checksums import payload
+
+        return iter([payload(tensor)])
+
+
+def _item_bytes(item: Any, *, chunk: bool = False) -> int:
+    """Payload bytes of a write item's tensor (0 for a bytes entry): of the whole tensor, as DCP's
+    ``_split_by_size_and_type`` weighs items (torch 2.13 ``filesystem._item_size``), or with
+    ``chunk`` of the chunk the item writes."""
+    td = item.tensor_data
+    if td is None:
+        return 0
+    return math.prod(td.chunk.sizes if chunk else td.size) * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def _bytes_first(items: list) -> list:
+    """``items`` with the bytes entries first, as DCP's writer orders a file's records."""
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    return [it for it in items if it.type == WriteItemType.BYTE_IO] + [
+        it for it in items if it.type != WriteItemType.BYTE_IO
+    ]
 
 
 def _bins(count: int, items: list) -> list[list]:
@@ -684,14 +763,10 @@ def _bins(count: int, items: list) -> list[list]:
     for i, it in enumerate(byte_items):
         out[i % count].append(it)
 
-    def nbytes(it: Any) -> int:
-        td = it.tensor_data
-        return td.size.numel() * torch.empty((), dtype=td.properties.dtype).element_size()
-
-    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=nbytes, reverse=True):
+    for it in sorted((it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True):
         i = sizes.index(min(sizes))
         out[i].append(it)
-        sizes[i] += nbytes(it)
+        sizes[i] += _item_bytes(it)
     return out
 
 
@@ -820,10 +895,10 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
     the next save into ``path`` empties. The directory must be on a file system every rank shares
     (as for ``FileSystemWriter``).
 
-    ``path`` may be an fsspec URL (``s3://bucket/prefix``), written through DCP's own fsspec file
-    system (as ``FsspecWriter``): object stores cannot rename, so the data objects are written
-    under the final prefix and ``.metadata`` last (readers see no checkpoint before it exists; a
-    save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
+    ``path`` may be an fsspec URL (``s3://bucket/prefix``), with DCP's own fsspec file system (as
+    ``FsspecWriter``) as its ``fs``: object stores cannot rename, so the data objects are uploaded
+    whole under the final prefix and ``.metadata`` last, in one PUT (readers see no checkpoint
+    before it exists; a save killed midway leaves none). An existing checkpoint there is refused (a CkptqError, wrapped
     in DCP's ``CheckpointException``: :func:`ckptq.io.dcp_failure`) unless ``overwrite=True``, which deletes
     its ``.metadata`` first and its other objects next, before any rank writes: from then until the
     new ``.metadata`` is written there is no checkpoint at that prefix (save versions under new
@@ -834,8 +909,8 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         path: the checkpoint directory, or an fsspec URL.
         **kwargs: passed to :class:`ChecksumFileSystemWriter` (``thread_count``, ``sync_files``,
             ...; for URLs ``overwrite`` defaults to False, ``sync_files`` to False (an upload is
-            durable once it completes) and ``thread_count`` to 1 (one object per rank, as DCP's
-            ``FsspecWriter``)).
+            durable once it completes) and ``thread_count`` (objects built and uploaded at once,
+            each holding its bytes in memory) to 1).
 
     Raises:
         CkptqError: ``use_collectives=False`` saves (one metadata file per rank) are not supported;
@@ -850,7 +925,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
             self.target: Any = storage.location(path)
             kwargs.setdefault("overwrite", False)
             kwargs.setdefault("sync_files", False)
-            kwargs.setdefault("thread_count", 1)  # one object per rank, as DCP's FsspecWriter
+            kwargs.setdefault("thread_count", 1)  # objects in memory at once (see ChecksumFileSystemWriter)
             super().__init__(self.target, **kwargs)
             self.fs, self.path = storage.dcp_filesystem(self.target)
             return
@@ -926,7 +1001,7 @@ class AtomicFileSystemWriter(ChecksumFileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def finish(self, metadata: Metadata, results: list) -> None:
-        if self.remote:  # .metadata (DCP: a PUT of .metadata.tmp, then a server-side copy) was the commit
+        if self.remote:  # the PUT of .metadata (ChecksumFileSystemWriter.finish) is the commit
             super().finish(metadata, results)
             return
         staging, target = Path(self.path), self.target
