@@ -138,3 +138,12 @@ def test_bench_scaleout_runs(tmp_path):
     assert run["read_bytes"] == r["source"]["bytes"] > 8 * 256 * 256 and run["written_bytes"] > 8 * 256 * 256
     assert run["gbps"] > 0 and r["disk"]["write_gbps"] > 0 and r["disk"]["read_gbps"] > 0
     assert not (tmp_path / "w" / "src").exists()  # the source is removed at the end
+
+
+def test_bench_load_one_gpu_runs(tmp_path):
+    out = _run_script(
+        "bench_load_one_gpu.py", "--layers", "1", "--divide", "16", "--repeat", "1", "--dir", str(tmp_path / "d")
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| ") and ("disk" in line or "page cache" in line)]
+    assert len(rows) == 10, out  # five cases, each from the disk and from the page cache
+    assert "native, SafeFileSystemReader" in out and "tottime" in out
