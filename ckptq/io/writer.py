@@ -23,6 +23,7 @@ import dataclasses
 import os
 import pickle
 import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Union
@@ -376,15 +377,22 @@ class CheckpointDirWriter:
         records' checksums; returns it."""
         self.close_local()
         self._check_files()
-        planner_data = with_checksums(planner_data, self._sums)
+        # One order and one string object per name, whatever the processes that wrote the records
+        # (merge_local): pickle shares objects by identity, so .metadata is then the same bytes.
+        planner_data = _canonical(with_checksums(planner_data, dict(sorted(self._sums.items(), key=_order))))
         for md in self._md.values():
             if isinstance(md, TensorStorageMetadata):
                 md.chunks.sort(key=lambda c: tuple(c.offsets))
+        located = {}
+        for index, info in sorted(self._storage.items(), key=lambda kv: _order((checksum_key(kv[0]), 0))):
+            object.__setattr__(index, "fqn", sys.intern(index.fqn))  # equal value: its hash is unchanged
+            info.relative_path = sys.intern(info.relative_path)
+            located[index] = info
         metadata = with_digest(
             Metadata(
-                state_dict_metadata=self._md,
+                state_dict_metadata={sys.intern(k): self._md[k] for k in sorted(self._md)},
                 planner_data=planner_data,
-                storage_data=self._storage,
+                storage_data=located,
                 storage_meta=StorageMeta(),
             )
         )
@@ -442,6 +450,24 @@ class CheckpointDirWriter:
         for f in self._files.values():
             storage.discard(f)  # an unfinished upload is aborted, never completed
         self._files.clear()
+
+
+def _order(item: tuple) -> tuple:
+    """Sort key of ``((fqn, offsets), value)`` by the chunk's ``(fqn, offsets)`` (offsets None for a bytes entry)."""
+    (fqn, offsets), _ = item
+    return fqn, offsets or ()
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` (builtins: dicts, lists, tuples, strings, numbers) rebuilt with no container shared
+    and one (interned) object per distinct string: its pickle then depends only on its contents."""
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return {_canonical(k): _canonical(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_canonical(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

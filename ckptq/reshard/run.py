@@ -231,11 +231,10 @@ class _Run:
             writer.merge_local(shard)
             state.merge(st)
         descriptors = {k: state.descriptors[k] for k in sorted(state.descriptors)}
+        mappings = {k: state.mappings[k] for k in sorted(state.mappings)}  # one order, however split
         plan = self.plan
         try:
-            writer.finish(
-                {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
-            )
+            writer.finish({**mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))})
             commit_dir(tmp, self.dst)
         except OSError as e:
             raise write_error(self.dst, e) from e
