@@ -307,6 +307,7 @@ def test_processes_plan_only_their_files_and_write_the_one_process_checkpoint(in
     from ckptq.io.index import INDEX_FILE
     from ckptq.parse import parse_mesh, parse_placement_rules
     from ckptq.reshard import ReshardOptions, plan_reshard
+    from ckptq.reshard.run import _job_records, _src_key
 
     if options["plan"] == "FILE":
         options = {**options, "plan": _plan_file(tmp_path)}
@@ -337,16 +338,19 @@ def test_processes_plan_only_their_files_and_write_the_one_process_checkpoint(in
         ranks = tuple(file_share(mesh.world_size, processes, p)[0])
         assert [ranks_ for ranks_, _ in plans] == [ranks], (p, plans)
         assert plans[0][1] == sorted((j.fqn, r) for j in whole.jobs for r, _ in j.owners if r in ranks)
-        jobs = [
-            j
-            for j in whole.jobs
-            if j.fqn in whole_fqns or (j.fqn not in transformed and any(r in ranks for r, _ in j.owners))
-        ]
-        jobs += [j for j in whole.jobs if j.out == "bytes" and 0 in ranks]  # its record's length
-        keys = {k for j in jobs for s in j.sources for k in (*s.keys.values(), s.fqn)} & set(view.index.names)
+        keys = set()  # the source entries of its records (copied), of the tensors it computes, of its bytes records
+        for j in whole.jobs:
+            if j.fqn in whole_fqns:
+                keys |= {k for s in j.sources for k in (*s.keys.values(), s.fqn)}
+            elif j.out == "bytes" and 0 in ranks:  # read for its record's length
+                keys.add(j.sources[0].fqn)
+            elif j.fqn not in transformed:
+                keys |= {_src_key(j, o) for o in _job_records(view, j) if o.rank in ranks}
+        keys &= set(view.index.names)
         assert rows == sorted(keys), p
-    if "to" not in options and "grouped" not in options:  # the norm (replicated: rank 0's file) is read by one
-        assert sum("norm.weight" in r[3] for r in results) == 1
+    if "to" not in options and "grouped" not in options:  # rank 0's file alone holds these: one process reads them
+        for key in ("norm.weight", "layers.0.q_proj.weight.scale_inv", "layers.0.o_proj.weight.amax"):
+            assert sum(key in r[3] for r in results) == 1, key
 
 
 @pytest.mark.slow

@@ -209,7 +209,7 @@ class _Run:
             if group is None:
                 jobs = [j for j in plan.jobs if not j.problem]
                 file_map = _file_map(view, jobs)
-                work = [(j, outs, _copy_source(view, j)) for j, outs in zip(jobs, file_map, strict=True)]
+                work = [(j, outs, _copy_source(view, j, outs)) for j, outs in zip(jobs, file_map, strict=True)]
             else:
                 work = _share(view, plan, group)
             total = sum(o.nbytes for _, outs, _ in work for o in outs)
@@ -313,10 +313,11 @@ def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[
     copied job in its files (processes sharing one file split its copied jobs by cost). A
     transformed job (read whole, computed) is computed by one process for all its files: the
     processes send each other, in one gather, the cost of each transformed job in their files, the
-    bytes they copy and where each such job's records start in each of their files; every process
-    then assigns the transformed jobs alike (:func:`~ckptq.distributed.assign`, largest first, on
-    top of the copying), and plans its own for every rank (:meth:`ReshardPlan.whole_jobs`), their
-    records placed at those starts. No process plans or reads more than its files and its jobs.
+    bytes they copy and where each such job's records start in each of their files
+    (:func:`_lay_out`); every process then assigns the transformed jobs alike
+    (:func:`~ckptq.distributed.assign`, largest first, on top of the copying), and plans its own for
+    every rank (:meth:`ReshardPlan.whole_jobs`), their records placed at those starts. No process
+    plans or reads more than its files and its jobs.
     """
     ranks, part, parts = file_share(plan.mesh.world_size, group.size, group.rank)
     if plan.ranks is not None and not set(ranks) <= set(plan.ranks):
@@ -324,36 +325,24 @@ def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[
             f"process {group.rank} of {group.size} writes target ranks {ranks.start}..{ranks.stop - 1}, "
             f"its plan holds ranks {list(plan.ranks)[:8]}: plan them (ckptq.distributed.file_share) or every rank"
         )
-    mine = set(ranks)
-    jobs = [j for j in plan.jobs if not j.problem and any(r in mine for r, _ in j.owners)]
-    file_map = [[o for o in outs if o.rank in mine] for outs in (_job_records(view, j) for j in jobs)]
-    assign_offsets(file_map)
-    copies = [_copy_source(view, j) for j in jobs]
-    copied = assign({i: _cost(file_map[i], True) for i, c in enumerate(copies) if c}, parts)[part]
-    work = [(jobs[i], file_map[i], True) for i in sorted(copied)]
-    # what the others need: transformed jobs' costs and starts in this process's files (one process per file)
-    names, costs, starts = [], [], []
-    if part == 0:
-        for i, (job, outs) in enumerate(zip(jobs, file_map, strict=True)):
-            if not copies[i]:
-                names.append(job.fqn)
-                costs.append(_cost(outs, False))
-                first: dict[int, int] = {}
-                for o in outs:
-                    first.setdefault(o.rank, o.at)
-                starts += [(len(names) - 1, r, at) for r, at in first.items()]
-    loads = sum(_cost(outs, True) for _, outs, _ in work)
-    got = group.gather_ok((loads, names, np.asarray(costs, dtype=np.int64), np.asarray(starts, dtype=np.int64)))
+    work, summary = _lay_out(view, plan, ranks, part, parts)
+    got = group.gather_ok(summary)
     total: dict[str, int] = {}
-    for _, n, c, _ in got:
-        for fqn, cost in zip(n, c.tolist(), strict=True):
+    for _, names, costs, _ in got:
+        for fqn, cost in zip(names, costs.tolist(), strict=True):
             total[fqn] = total.get(fqn, 0) + cost
     computed = group.assign(total, [g[0] for g in got])
+    mixed = sorted({job.fqn for job, _, _ in work} & total.keys())
+    if mixed:  # another process could not read its part of these by byte range (a view from the index checks its own)
+        raise CheckpointFormatError(
+            f"{view.path}: the saved chunks of {mixed[:4]} can be read by byte range in some target files' "
+            f"parts and not in others; run it in one process"
+        )
     at: dict[tuple[str, int], int] = {}
-    for _, n, _, st in got:
-        for k, r, pos in st.reshape(-1, 3).tolist():
-            if n[k] in computed:
-                at[(n[k], r)] = pos
+    for _, names, _, starts in got:
+        if names:
+            rows = starts[np.array([f in computed for f in names])[starts[:, 0]]]
+            at.update(((names[k], r), pos) for k, r, pos in rows.tolist())
     for job in plan.whole_jobs(view, computed):
         outs = _job_records(view, job)
         ends: dict[int, int] = {}
@@ -366,16 +355,45 @@ def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[
     return work
 
 
+def _lay_out(view, plan: ReshardPlan, ranks: range, part: int, parts: int) -> tuple[list, tuple]:
+    """Target files ``ranks`` laid out from ``plan`` (which holds them) by process ``part`` of the
+    ``parts`` that share them: ``(work, summary)``, ``work`` its copied jobs (:func:`_share`),
+    ``summary`` what the other processes need from it: ``(bytes it copies, [FQN of each transformed
+    job with records in these files], their costs (int64), int64 rows (job number in that list,
+    target rank, byte where the job's records start in that rank's file))`` (the lists empty unless
+    ``part`` is 0: one process speaks for a file)."""
+    mine = set(ranks)
+    jobs = [j for j in plan.jobs if not j.problem and any(r in mine for r, _ in j.owners)]
+    file_map = [[o for o in outs if o.rank in mine] for outs in (_job_records(view, j) for j in jobs)]
+    assign_offsets(file_map)
+    copies = [_copy_source(view, j, outs) for j, outs in zip(jobs, file_map, strict=True)]
+    copied = assign({i: _cost(file_map[i], True) for i, c in enumerate(copies) if c}, parts)[part]
+    work = [(jobs[i], file_map[i], True) for i in sorted(copied)]
+    names, costs, starts = [], [], []
+    for i, (job, outs) in enumerate(zip(jobs, file_map, strict=True)):
+        if part == 0 and not copies[i]:
+            names.append(job.fqn)
+            costs.append(_cost(outs, False))
+            first: dict[int, int] = {}
+            for o in outs:
+                first.setdefault(o.rank, o.at)
+            starts += [(len(names) - 1, r, at) for r, at in first.items()]
+    loads = sum(_cost(outs, True) for _, outs, _ in work)
+    summary = (loads, names, np.asarray(costs, dtype=np.int64), np.asarray(starts, dtype=np.int64).reshape(-1, 3))
+    return work, summary
+
+
 # ------------------------------------------------------------------------------ copied jobs
-def _copy_source(view, job: TensorJob) -> bool:
+def _copy_source(view, job: TensorJob, outs: list[RecordSlot]) -> bool:
     """Whether ``job``'s bytes are the source's unchanged (same format and recipe, or a plain tensor
-    of the same dtype) and readable by byte range, so its chunks are copied, not computed."""
+    of the same dtype) and the saved chunks its records ``outs`` read are readable by byte range
+    (:meth:`~ckptq.checkpoint.CheckpointView.saved_chunks_for`), so they are copied, not computed."""
     if (
         job.out == "bytes"
         or len(job.sources) != 1
         or job.member is not None
         or job.problem
-        or not hasattr(view, "saved_chunks")
+        or not hasattr(view, "saved_chunks_for")
     ):
         return False
     src = job.sources[0]
@@ -387,7 +405,7 @@ def _copy_source(view, job: TensorJob) -> bool:
             return False
     elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
         return False
-    return all(view.saved_chunks(key) is not None for key in src.keys.values())
+    return all(view.saved_chunks_for(_src_key(job, o), o.box) is not None for o in outs)
 
 
 def _src_key(job: TensorJob, o: RecordSlot) -> str:
