@@ -308,12 +308,12 @@ class CheckpointView(EntryTable):
         """The saved chunks of ``key`` a read of ``box`` needs (here: :meth:`saved_chunks`, all of them)."""
         return self.saved_chunks(key)
 
-    def saved_chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
-        """:meth:`saved_chunks` as far as a read of ``box`` of ``key`` needs them: all of the entry's
+    def saved_chunks_for(self, key: str, boxes: list[chunks.Box]) -> list[SavedChunk] | None:
+        """:meth:`saved_chunks` as far as reads of ``boxes`` of ``key`` need them: all of the entry's
         chunks (each record checked), or in a view opened from the chunk index only those that
-        overlap ``box`` (so a process reading a few boxes checks only their records). None as
+        overlap the boxes (so a process reading a few boxes checks only their records). None as
         :meth:`saved_chunks`: some chunk cannot be read by byte range. Raises as it does."""
-        return self._chunks_for(key, box)
+        return self.saved_chunks(key)
 
     def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> tuple[int, int] | None:
         """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
@@ -734,7 +734,10 @@ class IndexedCheckpointView(CheckpointView):
         return super().saved_chunks(key)
 
     def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
-        self.need({key: [box]})
+        return self.saved_chunks_for(key, [box])
+
+    def saved_chunks_for(self, key: str, boxes: list[chunks.Box]) -> list[SavedChunk] | None:
+        self.need({key: boxes})
         return super().saved_chunks(key)
 
     def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:

@@ -361,7 +361,7 @@ elif {ranks!r} is not None:
     kw["ranks"] = {ranks!r}
 plan = plan_reshard(view, mesh, rules, **kw)
 t, c = stage("plan", t, c)
-if {indexed!r}:  # the chunk rows of what the planned ranks read, checked (a full open checked them all)
+if {indexed!r} and not {share!r}:  # the chunk rows of what the planned ranks read (a full open checks them all)
     wanted = {{}}
     for j in plan.jobs:
         for k, boxes in j.source_boxes().items():
@@ -381,7 +381,8 @@ if {share!r}:  # what run_reshard does next: lay out its files, decide copied / 
     work, summary = run._lay_out(view, plan, ranks, part, parts)
     out["layout_records"] = sum(len(outs) for _, outs, _ in work)
     out["summary_bytes"], out["transformed_here"] = len(pickle.dumps(summary)), len(summary[1])
-    out["rows_entries"] = len(view._rows)
+    out["rows_entries"], out["rows_read"] = len(view._rows), sum(len(r) for r in view._rows.values())
+    out["chunks_made"] = int(sum(m.sum() for m in view._made.values()))
     t, c = stage("layout", t, c)
 out.update(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0)
 per_rank = plan.bytes_per_rank()

@@ -405,7 +405,10 @@ def _copy_source(view, job: TensorJob, outs: list[RecordSlot]) -> bool:
             return False
     elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
         return False
-    return all(view.saved_chunks_for(_src_key(job, o), o.box) is not None for o in outs)
+    boxes: dict[str, list] = {}
+    for o in outs:
+        boxes.setdefault(_src_key(job, o), []).append(o.box)
+    return all(view.saved_chunks_for(key, b) is not None for key, b in boxes.items())
 
 
 def _src_key(job: TensorJob, o: RecordSlot) -> str:
