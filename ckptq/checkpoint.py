@@ -694,11 +694,14 @@ class IndexedCheckpointView(CheckpointView):
             want = np.ones(len(rows), dtype=bool)
         else:
             nd = len(md.size)
-            lo, hi = rows[:, :nd], rows[:, :nd] + rows[:, maxnd : maxnd + nd]
+            lo, hi = rows[:, None, :nd], rows[:, None, :nd] + rows[:, None, maxnd : maxnd + nd]
             want = np.zeros(len(rows), dtype=bool)
-            for off, size in boxes:
-                b_lo, b_hi = np.array(off, dtype=np.int64), np.array(off, dtype=np.int64) + np.array(size)
-                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=1)
+            boxes = list(dict.fromkeys(boxes))
+            step = max(1, (1 << 22) // max(1, len(rows) * nd))  # rows x boxes x dims compared at once
+            for i in range(0, len(boxes), step):
+                b_lo = np.array([off for off, _ in boxes[i : i + step]], dtype=np.int64).reshape(1, -1, nd)
+                b_hi = b_lo + np.array([size for _, size in boxes[i : i + step]], dtype=np.int64).reshape(1, -1, nd)
+                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=2).any(axis=1)
         new = want & ~made
         if not new.any():
             return

@@ -209,7 +209,7 @@ class _Run:
             if group is None:
                 jobs = [j for j in plan.jobs if not j.problem]
                 file_map = _file_map(view, jobs)
-                work = [(j, outs, _copy_source(view, j, outs)) for j, outs in zip(jobs, file_map, strict=True)]
+                work = list(zip(jobs, file_map, _copies(view, jobs, file_map), strict=True))
             else:
                 work = _share(view, plan, group)
             total = sum(o.nbytes for _, outs, _ in work for o in outs)
@@ -366,7 +366,7 @@ def _lay_out(view, plan: ReshardPlan, ranks: range, part: int, parts: int) -> tu
     jobs = [j for j in plan.jobs if not j.problem and any(r in mine for r, _ in j.owners)]
     file_map = [[o for o in outs if o.rank in mine] for outs in (_job_records(view, j) for j in jobs)]
     assign_offsets(file_map)
-    copies = [_copy_source(view, j, outs) for j, outs in zip(jobs, file_map, strict=True)]
+    copies = _copies(view, jobs, file_map)
     copied = assign({i: _cost(file_map[i], True) for i, c in enumerate(copies) if c}, parts)[part]
     work = [(jobs[i], file_map[i], True) for i in sorted(copied)]
     names, costs, starts = [], [], []
@@ -384,31 +384,44 @@ def _lay_out(view, plan: ReshardPlan, ranks: range, part: int, parts: int) -> tu
 
 
 # ------------------------------------------------------------------------------ copied jobs
-def _copy_source(view, job: TensorJob, outs: list[RecordSlot]) -> bool:
-    """Whether ``job``'s bytes are the source's unchanged (same format and recipe, or a plain tensor
-    of the same dtype) and the saved chunks its records ``outs`` read are readable by byte range
-    (:meth:`~ckptq.checkpoint.CheckpointView.saved_chunks_for`), so they are copied, not computed."""
-    if (
-        job.out == "bytes"
-        or len(job.sources) != 1
-        or job.member is not None
-        or job.problem
-        or not hasattr(view, "saved_chunks_for")
-    ):
+def _copies(view, jobs: list[TensorJob], file_map: list[list[RecordSlot]]) -> list[bool]:
+    """Per job: whether its bytes are the source's unchanged (same format and recipe, or a plain
+    tensor of the same dtype) and the saved chunks its records (``file_map``) read are readable by
+    byte range (:meth:`~ckptq.checkpoint.CheckpointView.saved_chunks_for`), so that they are copied,
+    not computed. A view opened from the chunk index reads the rows of all those entries at once."""
+    if not hasattr(view, "saved_chunks_for"):
+        return [False] * len(jobs)
+    wanted: list[dict[str, list]] = []
+    for job, outs in zip(jobs, file_map, strict=True):
+        boxes: dict[str, list] = {}
+        if _same_bytes(job):
+            for o in outs:
+                boxes.setdefault(_src_key(job, o), []).append(o.box)
+        wanted.append(boxes)
+    if hasattr(view, "need"):  # one pass over all the rows (one call each costs far more)
+        everything: dict[str, list] = {}
+        for boxes in wanted:
+            for key, b in boxes.items():
+                everything.setdefault(key, []).extend(b)
+        view.need(everything)
+    return [
+        _same_bytes(job) and all(view.saved_chunks_for(key, b) is not None for key, b in boxes.items())
+        for job, boxes in zip(jobs, wanted, strict=True)
+    ]
+
+
+def _same_bytes(job: TensorJob) -> bool:
+    """Whether ``job`` writes its one source's bytes unchanged (same format, recipe and dtype, or a
+    plain tensor of the same dtype): from the plan alone."""
+    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem:
         return False
     src = job.sources[0]
     if job.out == "quantized":
         if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
             return False
         cls = format_class(job.out_format)
-        if cls._recipe_from_json(src.descriptor.recipe) != cls._recipe_from_json(job.out_recipe):
-            return False
-    elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
-        return False
-    boxes: dict[str, list] = {}
-    for o in outs:
-        boxes.setdefault(_src_key(job, o), []).append(o.box)
-    return all(view.saved_chunks_for(key, b) is not None for key, b in boxes.items())
+        return cls._recipe_from_json(src.descriptor.recipe) == cls._recipe_from_json(job.out_recipe)
+    return job.out == "tensor" and src.kind == "tensor" and src.dtype == job.out_dtype
 
 
 def _src_key(job: TensorJob, o: RecordSlot) -> str:
@@ -441,7 +454,7 @@ def _execute(
     device: torch.device,
 ) -> None:
     """Write ``work`` (``[(job, its record slots, copied)]``): the jobs whose chunks are copied by
-    byte range (:func:`_copy_source`) first; then the others, computed on ``device`` while the next
+    byte range (:func:`_copies`) first; then the others, computed on ``device`` while the next
     one's source is read."""
     copied, computed = [], []
     biggest = 0
