@@ -608,6 +608,7 @@ class IndexedCheckpointView(CheckpointView):
         self._checksums = {}
         self._rows: dict[str, Any] = {}  # key -> its chunk rows (numpy), checked
         self._made: dict[str, Any] = {}  # key -> bool mask of its rows made into chunks
+        self._boxes_made: dict[str, set] = {}  # key -> the boxes its made rows cover
 
     @property
     def files(self) -> list[Any]:
@@ -696,7 +697,9 @@ class IndexedCheckpointView(CheckpointView):
             nd = len(md.size)
             lo, hi = rows[:, None, :nd], rows[:, None, :nd] + rows[:, None, maxnd : maxnd + nd]
             want = np.zeros(len(rows), dtype=bool)
-            boxes = list(dict.fromkeys(boxes))
+            done = self._boxes_made.setdefault(key, set())  # boxes whose rows were made already
+            boxes = [b for b in dict.fromkeys(boxes) if b not in done]
+            done.update(boxes)
             step = max(1, (1 << 22) // max(1, len(rows) * nd))  # rows x boxes x dims compared at once
             for i in range(0, len(boxes), step):
                 b_lo = np.array([off for off, _ in boxes[i : i + step]], dtype=np.int64).reshape(1, -1, nd)
