@@ -43,6 +43,25 @@ def test_assign_balances_bytes():
     assert assign({0: 10, 1: 10, 2: 10, 3: 10}, 2) == [{0, 2}, {1, 3}]
     assert assign({0: 100, 1: 10, 2: 10, 3: 10}, 2) == [{0}, {1, 2, 3}]
     assert assign({0: 5}, 3) == [{0}, set(), set()]
+    assert assign({"a": 4, "b": 3}, 2, loads=[5, 0]) == [set(), {"a", "b"}]  # on top of the work they have
+
+
+def test_file_share_gives_every_target_file_to_its_processes():
+    """Every target rank goes to exactly one process (contiguous runs, sizes differing by at most
+    one) when there are at least as many files as processes; with fewer, each file to a group of
+    processes that numbers its members 0.. (they split the file's work)."""
+    from ckptq.distributed import file_share
+
+    for files, processes in ((4, 2), (5, 3), (2048, 64), (7, 7), (1, 3), (2, 3), (3, 8)):
+        shares = [file_share(files, processes, p) for p in range(processes)]
+        if files >= processes:
+            ranks = [r for rs, _, _ in shares for r in rs]
+            assert ranks == list(range(files)) and all((part, parts) == (0, 1) for _, part, parts in shares)
+            assert max(len(rs) for rs, _, _ in shares) - min(len(rs) for rs, _, _ in shares) <= 1
+        else:
+            for r in range(files):
+                group = [(part, parts) for rs, part, parts in shares if list(rs) == [r]]
+                assert sorted(group) == [(i, len(group)) for i in range(len(group))] and group, (files, processes, r)
 
 
 def _worker(rank, world_size, command, src, dst, options, fail_rank):
