@@ -395,3 +395,27 @@ def test_damaged_index_is_a_ckptq_error_and_changes_no_file(indexed, tmp_path):
         assert {f: (indexed / f).read_bytes() for f in os.listdir(indexed)} == before
     (indexed / INDEX_FILE).write_bytes(raw)
     reshard_checkpoint(indexed, tmp_path / "ok", mesh="2", plan="fsdp2")  # the same source, mended
+
+
+def _split_decision_worker(rank, world_size, src, dst, key):
+    """Process 1 finds ``key``'s chunks not readable by byte range; process 0 finds them readable."""
+    from ckptq.checkpoint import CheckpointView, IndexedCheckpointView
+
+    if rank == 1:
+        for cls in (CheckpointView, IndexedCheckpointView):
+            real = cls.saved_chunks_for
+            cls.saved_chunks_for = lambda self, k, boxes, real=real: None if k == key else real(self, k, boxes)
+    try:
+        reshard_checkpoint(src, dst, distributed=True, mesh="2", plan="fsdp2")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.slow
+def test_processes_disagreeing_on_a_copy_stop_the_run(indexed, tmp_path):
+    """A tensor whose chunks one process can copy by byte range and another cannot (it would compute
+    it for every file, the first copy its own): refused on every process, nothing written."""
+    results = run_distributed(2, _split_decision_worker, str(indexed), str(tmp_path / "dst"), "norm.weight")
+    assert all(r[0] == "CheckpointFormatError" and "some target files" in r[1] for r in results), results
+    assert sorted(os.listdir(tmp_path)) == ["src"]

@@ -334,10 +334,7 @@ def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[
     computed = group.assign(total, [g[0] for g in got])
     mixed = sorted({job.fqn for job, _, _ in work} & total.keys())
     if mixed:  # another process could not read its part of these by byte range (a view from the index checks its own)
-        raise CheckpointFormatError(
-            f"{view.path}: the saved chunks of {mixed[:4]} can be read by byte range in some target files' "
-            f"parts and not in others; run it in one process"
-        )
+        raise _split_decision(view, mixed)
     at: dict[tuple[str, int], int] = {}
     for _, names, _, starts in got:
         if names:
@@ -347,12 +344,20 @@ def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[
         outs = _job_records(view, job)
         ends: dict[int, int] = {}
         for o in outs:  # a job's records in one file are contiguous from its start (assign_offsets)
-            if (job.fqn, o.rank) not in at:
-                raise CkptqError(f"internal error: no process laid out '{job.fqn}' in rank {o.rank}'s file; report it")
+            if (job.fqn, o.rank) not in at:  # that file's process copies it
+                raise _split_decision(view, [job.fqn])
             o.at = ends.get(o.rank, at[(job.fqn, o.rank)])
             ends[o.rank] = o.at + o.length
         work.append((job, outs, False))
     return work
+
+
+def _split_decision(view, fqns: list[str]) -> CheckpointFormatError:
+    """The error of tensors that some processes copy and another computes (:func:`_share`)."""
+    return CheckpointFormatError(
+        f"{view.path}: the saved chunks of {fqns[:4]} can be read by byte range in some target files' "
+        f"parts and not in others (records of another kind among them); run it in one process"
+    )
 
 
 def _lay_out(view, plan: ReshardPlan, ranks: range, part: int, parts: int) -> tuple[list, tuple]:
