@@ -19,7 +19,9 @@ that a future ``dcp.load`` might misread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import os
 import pickle
 import shutil
@@ -379,18 +381,21 @@ class CheckpointDirWriter:
         self._check_files()
         # One order and one string object per name, whatever the processes that wrote the records
         # (merge_local): pickle shares objects by identity, so .metadata is then the same bytes.
-        planner_data = _canonical(with_checksums(planner_data, dict(sorted(self._sums.items(), key=_order))))
-        for md in self._md.values():
-            if isinstance(md, TensorStorageMetadata):
-                md.chunks.sort(key=lambda c: tuple(c.offsets))
-        located = {}
-        for index, info in sorted(self._storage.items(), key=lambda kv: _order((checksum_key(kv[0]), 0))):
-            object.__setattr__(index, "fqn", sys.intern(index.fqn))  # equal value: its hash is unchanged
-            info.relative_path = sys.intern(info.relative_path)
-            located[index] = info
+        with _gc_paused():  # ~1M small objects: the cyclic GC's passes over them would cost more
+            sums = {(sys.intern(f), o): v for (f, o), v in sorted(self._sums.items(), key=_order)}
+            planner_data = with_checksums(_canonical(planner_data), sums)
+            for md in self._md.values():
+                if isinstance(md, TensorStorageMetadata):
+                    md.chunks.sort(key=lambda c: tuple(c.offsets))
+            entries = {sys.intern(k): self._md[k] for k in sorted(self._md)}
+            located = {}  # in file order (records never overlap: a unique key)
+            for index, info in sorted(self._storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+                object.__setattr__(index, "fqn", sys.intern(index.fqn))  # an equal value: its hash is unchanged
+                info.relative_path = sys.intern(info.relative_path)
+                located[index] = info
         metadata = with_digest(
             Metadata(
-                state_dict_metadata={sys.intern(k): self._md[k] for k in sorted(self._md)},
+                state_dict_metadata=entries,
                 planner_data=planner_data,
                 storage_data=located,
                 storage_meta=StorageMeta(),
@@ -452,10 +457,22 @@ class CheckpointDirWriter:
         self._files.clear()
 
 
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _order(item: tuple) -> tuple:
-    """Sort key of ``((fqn, offsets), value)`` by the chunk's ``(fqn, offsets)`` (offsets None for a bytes entry)."""
-    (fqn, offsets), _ = item
-    return fqn, offsets or ()
+    """Sort key of a checksum ``((fqn, offsets), value)``: the chunk's ``(fqn, offsets)`` (offsets
+    None for a bytes entry)."""
+    return item[0][0], item[0][1] or ()
 
 
 def _canonical(value: Any) -> Any:
