@@ -308,6 +308,13 @@ class CheckpointView(EntryTable):
         """The saved chunks of ``key`` a read of ``box`` needs (here: :meth:`saved_chunks`, all of them)."""
         return self.saved_chunks(key)
 
+    def saved_chunks_for(self, key: str, boxes: list[chunks.Box]) -> list[SavedChunk] | None:
+        """:meth:`saved_chunks` as far as reads of ``boxes`` of ``key`` need them: all of the entry's
+        chunks (each record checked), or in a view opened from the chunk index only those that
+        overlap the boxes (so a process reading a few boxes checks only their records). None as
+        :meth:`saved_chunks`: some chunk cannot be read by byte range. Raises as it does."""
+        return self.saved_chunks(key)
+
     def read_box(self, key: str, box: chunks.Box, out: torch.Tensor) -> tuple[int, int] | None:
         """Fill ``out`` (a contiguous CPU tensor of ``box``'s sizes and the entry's stored dtype)
         with the elements of tensor entry ``key`` at ``box``, copied from the byte ranges of the
@@ -601,6 +608,7 @@ class IndexedCheckpointView(CheckpointView):
         self._checksums = {}
         self._rows: dict[str, Any] = {}  # key -> its chunk rows (numpy), checked
         self._made: dict[str, Any] = {}  # key -> bool mask of its rows made into chunks
+        self._boxes_made: dict[str, set] = {}  # key -> the boxes its made rows cover
 
     @property
     def files(self) -> list[Any]:
@@ -697,11 +705,16 @@ class IndexedCheckpointView(CheckpointView):
             want = np.ones(len(rows), dtype=bool)
         else:
             nd = len(md.size)
-            lo, hi = rows[:, :nd], rows[:, :nd] + rows[:, maxnd : maxnd + nd]
+            lo, hi = rows[:, None, :nd], rows[:, None, :nd] + rows[:, None, maxnd : maxnd + nd]
             want = np.zeros(len(rows), dtype=bool)
-            for off, size in boxes:
-                b_lo, b_hi = np.array(off, dtype=np.int64), np.array(off, dtype=np.int64) + np.array(size)
-                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=1)
+            done = self._boxes_made.setdefault(key, set())  # boxes whose rows were made already
+            boxes = [b for b in dict.fromkeys(boxes) if b not in done]
+            done.update(boxes)
+            step = max(1, (1 << 22) // max(1, len(rows) * nd))  # rows x boxes x dims compared at once
+            for i in range(0, len(boxes), step):
+                b_lo = np.array([off for off, _ in boxes[i : i + step]], dtype=np.int64).reshape(1, -1, nd)
+                b_hi = b_lo + np.array([size for _, size in boxes[i : i + step]], dtype=np.int64).reshape(1, -1, nd)
+                want |= ((lo < b_hi) & (hi > b_lo)).all(axis=2).any(axis=1)
         new = want & ~made
         if not new.any():
             return
@@ -742,7 +755,10 @@ class IndexedCheckpointView(CheckpointView):
         return super().saved_chunks(key)
 
     def _chunks_for(self, key: str, box: chunks.Box) -> list[SavedChunk] | None:
-        self.need({key: [box]})
+        return self.saved_chunks_for(key, [box])
+
+    def saved_chunks_for(self, key: str, boxes: list[chunks.Box]) -> list[SavedChunk] | None:
+        self.need({key: boxes})
         return super().saved_chunks(key)
 
     def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:

@@ -28,6 +28,7 @@ __all__ = [
     "ComponentSpec",
     "Box",
     "component_box",
+    "writes_component_chunk",
     "check_aligned",
     "is_aligned",
     "expand_to_aligned",
@@ -181,6 +182,23 @@ def component_box(
         c_off.append(off // d.divisor)
         c_size.append(cdiv(end, d.divisor) - off // d.divisor)
     return tuple(c_off), tuple(c_size)
+
+
+def writes_component_chunk(spec: ComponentSpec, box: Box) -> bool:
+    """Whether the chunk of component ``spec`` that logical ``box`` maps to (:func:`component_box`)
+    is written with this box: the one owner rule for a component chunk that several boxes share.
+
+    Boxes of one tensor that differ only along logical dims ``spec`` does not follow map to the same
+    chunk (a per-tensor ``scale_inv`` or ``amax``: every box; a per-member scale of a grouped 3-D
+    tensor: the boxes of one member range); of those, the box at offset 0 along every such dim
+    writes it. Boxes cut along a followed dim at block boundaries (:func:`check_aligned`) map to
+    disjoint chunks, so that is the only sharing; the boxes of a sharded tensor are a grid (each
+    dim cut on its own), so the box at offset 0 exists for every chunk. A box decides alone, with
+    no other box at hand: a process that plans some target ranks writes exactly the shared chunks
+    the whole plan gives those ranks, and every process agrees on who writes which.
+    """
+    followed = {d.logical_dim for d in spec.dims}
+    return all(off == 0 for d, off in enumerate(box[0]) if d not in followed)
 
 
 def expand_to_aligned(align: Sequence[int], logical_shape: Sequence[int], box: Box) -> Box:

@@ -10,7 +10,8 @@ ranks and their errors) and leaves no complete-looking output. :func:`prepare_wr
 that protocol, with or without a group.
 
 :func:`assign` is the work split: items (tensors) by estimated cost, largest first onto the process
-with the least so far (LPT), the same on every process.
+with the least so far (LPT), the same on every process. :func:`file_share` is the split of an
+output's target files (ranks) over the processes, for tools that plan per target rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ from typing import Any, TypeVar
 
 from .errors import CkptqError
 
-__all__ = ["Group", "assign", "expect_shared_dir", "prepare_write_commit", "torchrun_world_size"]
+__all__ = [
+    "Group",
+    "assign",
+    "expect_shared_dir",
+    "file_share",
+    "prepare_write_commit",
+    "process_rank_size",
+    "torchrun_world_size",
+]
 
 P = TypeVar("P")
 R = TypeVar("R")
@@ -41,15 +50,44 @@ def torchrun_world_size() -> int:
         return 1
 
 
-def assign(costs: dict[int, int], processes: int) -> list[set[int]]:
-    """Split items (``{item id: cost}``) over ``processes``: the costliest first, each to the
-    process with the least cost so far (ties: the lower rank). Deterministic.
+def process_rank_size() -> tuple[int, int]:
+    """(rank, number of processes) of this process in the ``torch.distributed`` job: of the default
+    process group when it is initialized, else from the launcher's ``RANK`` / ``WORLD_SIZE``
+    (torchrun sets them); ``(0, 1)`` when run on its own."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        return int(os.environ.get("RANK", "0")), torchrun_world_size()
+    except ValueError:
+        return 0, 1
+
+
+def file_share(files: int, processes: int, rank: int) -> tuple[range, int, int]:
+    """Which of an output's ``files`` target files (target ranks ``0..files-1``) process ``rank`` of
+    ``processes`` plans and writes: ``(ranks, part, parts)``. With at least as many files as
+    processes, a contiguous run of ranks of its own (``files // processes`` or one more;
+    ``part, parts = 0, 1``); with fewer, one rank that ``parts`` processes share, this one being
+    ``part`` of them (they split that file's work between them). The same on every process.
+    """
+    if files >= processes:
+        return range(rank * files // processes, (rank + 1) * files // processes), 0, 1
+    r = rank * files // processes
+    sharing = [p for p in range(processes) if p * files // processes == r]
+    return range(r, r + 1), sharing.index(rank), len(sharing)
+
+
+def assign(costs: dict, processes: int, loads: list[int] | None = None) -> list[set]:
+    """Split items (``{item id: cost}``, ids sortable) over ``processes``: the costliest first, each
+    to the process with the least cost so far (ties: the lower rank), starting from ``loads`` (the
+    work each process has already; None: none). Deterministic.
 
     Returns:
         ``[set of item ids]`` per process (some may be empty when there are fewer items).
     """
-    loads = [0] * processes
-    out: list[set[int]] = [set() for _ in range(processes)]
+    loads = list(loads) if loads is not None else [0] * processes
+    out: list[set] = [set() for _ in range(processes)]
     for f, b in sorted(costs.items(), key=lambda kv: (-kv[1], kv[0])):
         p = min(range(processes), key=lambda i: (loads[i], i))
         out[p].add(f)
@@ -113,9 +151,9 @@ class Group:
         self._collective(dist.broadcast_object_list, box, src=0, group=self.pg)
         return box[0]
 
-    def assign(self, costs: dict[int, int]) -> set[int]:
+    def assign(self, costs: dict, loads: list[int] | None = None) -> set:
         """This process's items (:func:`assign`)."""
-        return assign(costs, self.size)[self.rank]
+        return assign(costs, self.size, loads)[self.rank]
 
     def gather_ok(self, payload: Any = None, *, to_root: bool = False) -> list[Any] | None:
         """Every process's ``payload``, in rank order: on every process, or with ``to_root`` on

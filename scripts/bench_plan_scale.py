@@ -356,11 +356,17 @@ rules = PlacementRules(mesh, "file", {{
     "*": P("S(0)", "S(0)", "R"),
 }})
 kw = {{"grouped": "stack", "grouped_glob": "*.experts.*"}} if {stack!r} else {{}}
-if {ranks!r} is not None:
+if {to!r}:
+    kw["to"] = {to!r}
+if {share!r}:  # process p of P: the target ranks it writes under torchrun
+    from ckptq.distributed import file_share
+    ranks, part, parts = file_share(mesh.world_size, {share!r}[1], {share!r}[0])
+    kw["ranks"] = ranks
+elif {ranks!r} is not None:
     kw["ranks"] = {ranks!r}
 plan = plan_reshard(view, mesh, rules, **kw)
 t, c = stage("plan", t, c)
-if {indexed!r}:  # the chunk rows of what the planned ranks read, checked (a full open checked them all)
+if {indexed!r} and not {share!r}:  # the chunk rows of what the planned ranks read (a full open checks them all)
     wanted = {{}}
     for j in plan.jobs:
         for k, boxes in j.source_boxes().items():
@@ -370,7 +376,19 @@ if {indexed!r}:  # the chunk rows of what the planned ranks read, checked (a ful
     sdm = view.metadata.state_dict_metadata
     out["rows_keys"], out["rows_chunks"] = len(keys), sum(len(getattr(sdm[k], "chunks", ())) for k in keys)
     out["rows_read"] = sum(len(view._rows[k]) for k in keys if k in view._rows)
-    stage("rows", t, c)
+    t, c = stage("rows", t, c)
+if {share!r}:  # what run_reshard does next: lay out its files, decide copied / computed, its summary for the others
+    import pickle
+    import ckptq.reshard.run as run
+    # the synthetic data files hold no records: the record headers a copied job's chunks are
+    # located by are not read (its rows are: stage rows); the rest of the copy decision runs
+    run.CheckpointView.saved_chunks = lambda self, key: [] if key in self._rows else None
+    work, summary = run._lay_out(view, plan, ranks, part, parts)
+    out["layout_records"] = sum(len(outs) for _, outs, _ in work)
+    out["summary_bytes"], out["transformed_here"] = len(pickle.dumps(summary)), len(summary[1])
+    out["rows_entries"], out["rows_read"] = len(view._rows), sum(len(r) for r in view._rows.values())
+    out["chunks_made"] = int(sum(m.sum() for m in view._made.values()))
+    t, c = stage("layout", t, c)
 out.update(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0)
 per_rank = plan.bytes_per_rank()
 out.update(jobs=len(plan.jobs), boxes=sum(len(j.owners) for j in plan.jobs), problems=len(plan.problems),
@@ -380,12 +398,24 @@ print(json.dumps(out))
 
 
 def measure(
-    path: Path, mesh: tuple, stack: bool, ranks: list[int] | None, env: dict, root=ROOT, indexed: bool = False
+    path: Path,
+    mesh: tuple,
+    stack: bool,
+    ranks: list[int] | None,
+    env: dict,
+    root=ROOT,
+    indexed: bool = False,
+    share: tuple[int, int] | None = None,
+    to: str | None = None,
 ) -> dict:
     """One fresh process: import, open, plan (wall and CPU seconds, ``VmHWM`` MiB after each);
     ``indexed``: open from the chunk index (``open_indexed``) and, after planning, read and check
-    the chunk rows of the entries the plan reads (stage ``rows``)."""
-    code = MEASURE.format(root=str(root), path=str(path), mesh=tuple(mesh), stack=stack, ranks=ranks, indexed=indexed)
+    the chunk rows of the entries the plan reads (stage ``rows``); ``share`` ``(p, P)``: plan the
+    target ranks process p of P writes under torchrun (``ckptq.distributed.file_share``) and lay
+    its files out as ``run_reshard`` does before writing (stage ``layout``); ``to``: convert."""
+    code = MEASURE.format(
+        root=str(root), path=str(path), mesh=tuple(mesh), stack=stack, ranks=ranks, indexed=indexed, share=share, to=to
+    )
     t0 = time.perf_counter()
     cmd = [sys.executable, "-c", code]
     if os.environ.get("BENCH_ONE_CORE", "1") == "1" and hasattr(os, "sched_getaffinity"):
@@ -432,6 +462,13 @@ def main() -> None:
         help="comma list of cases built as the chunk index alone (numpy, fast; a stand-in .metadata): "
         "only the index path is measured",
     )
+    ap.add_argument(
+        "--processes",
+        default="",
+        help="comma list of process counts P: also measure process P/2 of P under torchrun (its target "
+        "ranks planned and laid out, from the index)",
+    )
+    ap.add_argument("--to", default=None, help="with --processes: convert to this format (transformed jobs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
     args = ap.parse_args()
@@ -457,6 +494,10 @@ def main() -> None:
         if args.index or index_only:
             row["indexed"] = measure(d, target, not grouped, [rank], env, indexed=True)
             row["indexed"]["rank"] = rank
+        for n in filter(None, args.processes.split(",")):
+            share = (int(n) // 2, int(n))
+            row[f"process-{n}"] = measure(d, target, not grouped, None, env, indexed=True, share=share, to=args.to)
+            print(json.dumps({n: row[f"process-{n}"]}), file=sys.stderr)
         if index_only:
             results.append(row)
             print(json.dumps(row), file=sys.stderr)

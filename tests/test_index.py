@@ -179,11 +179,12 @@ def test_checkpoint_without_index_reads_as_before(src, tmp_path):
 
 
 def test_reshard_through_the_index_writes_the_same_bytes(src, tmp_path):
-    """``reshard_checkpoint(..., index=True)`` (a grouped stack, boxes read by byte range): the
-    destination is byte for byte the one the full reader's run writes, index included."""
+    """``reshard_checkpoint`` through the index (the default; a grouped stack, boxes read by byte
+    range): the destination is byte for byte the one the full reader's run (``index=False``)
+    writes, index included."""
     kw = dict(mesh="dp_shard=2,tp=2", plan="fsdp2-tp", rules=RULES, grouped="stack", grouped_glob="*.weight")
-    ckptq.reshard_checkpoint(src, tmp_path / "a", **kw)
-    ckptq.reshard_checkpoint(src, tmp_path / "b", index=True, **kw)
+    ckptq.reshard_checkpoint(src, tmp_path / "a", index=False, **kw)
+    ckptq.reshard_checkpoint(src, tmp_path / "b", **kw)
     a, b = ({p.name: p.read_bytes() for p in sorted((tmp_path / d).iterdir())} for d in "ab")
     assert INDEX_FILE in a and a == b
 

@@ -285,6 +285,81 @@ def test_per_rank_plan_is_the_slice_of_the_whole_plan(src, mesh_text, preset, kw
     assert [(j.fqn, j.owners, j.bytes_per_rank, j.problem) for j in both.jobs] == [
         (j.fqn, j.owners, j.bytes_per_rank, j.problem) for j in whole.jobs
     ]
+
+
+def _first_owner_records(job):
+    """The records of ``job`` by the rule before ``chunks.writes_component_chunk``: a component chunk
+    several boxes share goes to the first owner in rank order (a whole-plan rule)."""
+    from ckptq import chunks
+    from ckptq.contract import component_fqn
+    from ckptq.formats import format_class
+
+    cls = format_class(job.out_format)
+    out, seen = [], set()
+    for rank, box in job.owners:
+        for spec in cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe)):
+            cbox = chunks.component_box(spec, job.shape, box)
+            key = component_fqn(job.fqn, spec.name)
+            if (key, cbox[0]) not in seen and 0 not in cbox[1]:
+                seen.add((key, cbox[0]))
+                out.append((rank, key, cbox))
+    return out
+
+
+@pytest.mark.parametrize(
+    "mesh_text,preset,kw",
+    [
+        ("dp_shard=2,tp=2", "fsdp2-tp", {"grouped": "stack"}),  # 3-D experts: per-member scale_inv
+        ("dp_shard=2,tp=2", "fsdp2-tp", {"to": "nvfp4"}),  # per-tensor amax on every box
+        ("tp=4", "file", {}),  # Shard(1): per-tensor scalars shared along the columns
+        ("5", "fsdp2", {"grouped": "stack", "misaligned": "high_precision"}),
+        ("2", "replicate", {}),
+    ],
+)
+def test_processes_lay_out_their_files_as_the_whole_plan(src, tmp_path, mesh_text, preset, kw):
+    """Each of P processes plans only its target files (``file_share``) and lays them out alone:
+    together they hold every record of the whole plan's file map once, at the same place, and a
+    shared component chunk (per-tensor ``scale_inv`` / ``amax``, per-member scale) is written by one
+    box, the one the whole plan's first owner rule named."""
+    from ckptq.distributed import file_share
+    from ckptq.io.pipeline import assign_offsets
+    from ckptq.reshard.run import _file_map, _job_records
+
+    path, _ = src
+    mesh = parse_mesh(mesh_text)
+    if preset == "file":
+        preset = tmp_path / "plan.json"
+        preset.write_text(
+            json.dumps({"*proj.weight": ["Shard(1)"], "*mlp.weight": ["Shard(1)"], "*weight?": ["Shard(1)"]})
+        )
+    rules = parse_placement_rules(mesh, preset, ["*.q_proj.weight=col"] if "tp" in str(preset) else [])
+    view = CheckpointView(path)
+    whole = plan_reshard(view, mesh, rules, **kw)
+    jobs = [j for j in whole.jobs if not j.problem]
+    records = _file_map(view, jobs)
+    for job, outs in zip(jobs, records, strict=True):
+        if job.out == "quantized":
+            assert [(o.rank, o.key, o.box) for o in outs] == _first_owner_records(job), job.fqn
+    want = sorted((o.rank, o.key, o.box, o.at, o.length) for outs in records for o in outs)
+    assert len(want) == len(set(want))
+    shared = {  # components some boxes of a tensor do not write (another box writes their chunk)
+        o.part
+        for j, outs in zip(jobs, records, strict=True)
+        for o in outs
+        if sum(p.part == o.part for p in outs) < len(j.owners)
+    }
+    assert shared & {"scale_inv", "amax"} or preset == "replicate", shared
+    for processes in (2, 3, 7):
+        got = []
+        for p in range(processes):
+            ranks, part, _ = file_share(mesh.world_size, processes, p)
+            if part:  # a file shared by processes is laid out alike by each; counted once
+                continue
+            plan = plan_reshard(view, mesh, rules, ranks=ranks, **kw)
+            mine = [[o for o in _job_records(view, j) if o.rank in ranks] for j in plan.jobs if not j.problem]
+            assign_offsets(mine)
+            got += [(o.rank, o.key, o.box, o.at, o.length) for outs in mine for o in outs]
+        assert sorted(got) == want, processes
     with pytest.raises(ckptq.UnsupportedFormatError, match="ranks"):
         plan_reshard(view, mesh, rules, ranks=[mesh.world_size], **kw)
 

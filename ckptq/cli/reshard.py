@@ -183,7 +183,8 @@ def reshard(
 ) -> None:
     """Lay a checkpoint out for a target mesh: one storage file per target rank, streaming tensor by tensor.
 
-    Under torchrun (more than one process) the tensors are split over the processes.
+    Under torchrun (more than one process) each process plans and writes its share of the target files
+    (a tensor that is converted: computed by one process).
     """
     from ..reshard import ReshardOptions
 
@@ -258,7 +259,8 @@ def convert(
     """Write every quantized tensor of a checkpoint natively, in another format, or in high precision
     (streaming), optionally resharding.
 
-    Under torchrun (more than one process) the tensors are split over the processes.
+    Under torchrun (more than one process) each process plans and writes its share of the target files
+    (a tensor that is converted: computed by one process).
     """
     from ..reshard import ReshardOptions
 

@@ -19,11 +19,14 @@ that a future ``dcp.load`` might misread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import os
 import pickle
 import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Union
@@ -377,15 +380,25 @@ class CheckpointDirWriter:
         records' checksums; returns it."""
         self.close_local()
         self._check_files()
-        planner_data = with_checksums(planner_data, self._sums)
-        for md in self._md.values():
-            if isinstance(md, TensorStorageMetadata):
-                md.chunks.sort(key=lambda c: tuple(c.offsets))
+        # One order and one string object per name, whatever the processes that wrote the records
+        # (merge_local): pickle shares objects by identity, so .metadata is then the same bytes.
+        with _gc_paused():  # ~1M small objects: the cyclic GC's passes over them would cost more
+            sums = {(sys.intern(f), o): v for (f, o), v in sorted(self._sums.items(), key=_order)}
+            planner_data = with_checksums(_canonical(planner_data), sums)
+            for md in self._md.values():
+                if isinstance(md, TensorStorageMetadata):
+                    md.chunks.sort(key=lambda c: tuple(c.offsets))
+            entries = {sys.intern(k): self._md[k] for k in sorted(self._md)}
+            located = {}  # in file order (records never overlap: a unique key)
+            for index, info in sorted(self._storage.items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+                object.__setattr__(index, "fqn", sys.intern(index.fqn))  # an equal value: its hash is unchanged
+                info.relative_path = sys.intern(info.relative_path)
+                located[index] = info
         metadata = with_digest(
             Metadata(
-                state_dict_metadata=self._md,
+                state_dict_metadata=entries,
                 planner_data=planner_data,
-                storage_data=self._storage,
+                storage_data=located,
                 storage_meta=StorageMeta(),
             )
         )
@@ -443,6 +456,36 @@ class CheckpointDirWriter:
         for f in self._files.values():
             storage.discard(f)  # an unfinished upload is aborted, never completed
         self._files.clear()
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _order(item: tuple) -> tuple:
+    """Sort key of a checksum ``((fqn, offsets), value)``: the chunk's ``(fqn, offsets)`` (offsets
+    None for a bytes entry)."""
+    return item[0][0], item[0][1] or ()
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` (builtins: dicts, lists, tuples, strings, numbers) rebuilt with no container shared
+    and one (interned) object per distinct string: its pickle then depends only on its contents."""
+    if isinstance(value, str):
+        return sys.intern(value)
+    if isinstance(value, dict):
+        return {_canonical(k): _canonical(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_canonical(v) for v in value)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 from .. import parse
 from ..checkpoint import open_checkpoint, open_indexed
 from ..contract import MODES, NATIVE
+from ..distributed import file_share, process_rank_size
 from ..errors import UsageError
 from ..parse import HP_DTYPES
 from ..placement import MeshSpec, PlacementRules
@@ -65,9 +66,12 @@ class ReshardOptions:
         device: where re-encoding and dequantizing run: ``"auto"`` (a CUDA device when one is there
             and ckptq's CUDA kernels are built, else the CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``
             (the CLI's ``--device``; :func:`ckptq.io.device.resolve_device`). The same bytes either way.
-        index: open the source from its chunk index when it has one (:func:`ckptq.checkpoint.open_indexed`:
-            no unpickling of ``.metadata``; an entry's chunk rows are read and checked when it is
-            read). The same bytes either way.
+        index: open the source from its chunk index when it has a valid one (the default;
+            :func:`ckptq.checkpoint.open_indexed`: no unpickling of ``.metadata``; an entry's chunk rows
+            are read and checked when it is read), else through ``.metadata``; a damaged index is a
+            :class:`~ckptq.errors.CheckpointFormatError`. ``False``: always through ``.metadata``. The
+            same bytes either way. ``distributed``: each process plans only the target ranks it
+            writes (:func:`ckptq.distributed.file_share`).
     """
 
     mesh: str | MeshSpec = "1"
@@ -91,7 +95,7 @@ class ReshardOptions:
     progress: bool | Callable[[int], None] | None = None
     distributed: bool = False
     device: str | torch.device | None = "auto"
-    index: bool = False
+    index: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", tuple(self.rules or ()))
@@ -157,11 +161,14 @@ def reshard_checkpoint(
     placement_rules = parse.parse_placement_rules(mesh, o.plan, o.rules)
     view = (open_indexed(src) if o.index else None) or open_checkpoint(src)
     unmatched = parse.check_rules(placement_rules, [e.fqn for e in view.entries()], allow_unmatched=o.allow_unmatched)
-    plan = plan_reshard(view, mesh, placement_rules, **planning)
-    summary = {**plan.summary(), "unmatched_rules": unmatched}
+    ranks = None
+    if o.distributed and not o.dry_run:  # this process's target ranks only
+        rank, processes = process_rank_size()
+        ranks = file_share(mesh.world_size, processes, rank)[0]
+    plan = plan_reshard(view, mesh, placement_rules, ranks=ranks, **planning)
     if o.dry_run:
-        return {"plan": summary}
+        return {"plan": {**plan.summary(), "unmatched_rules": unmatched}}
     report = run_reshard(
         view, plan, dst, overwrite=o.overwrite, progress=o.progress, distributed=o.distributed, device=o.device
     )
-    return {**report, "plan": summary}
+    return {**report, "plan": {**report["plan"], "unmatched_rules": unmatched}}

@@ -30,7 +30,7 @@ from ..formats.base import dtype_to_str
 from ..parse import HP_DTYPES
 from ..placement import MeshSpec, PlacementRules, dim_intervals, first_owner_boxes, format_placements, rank_boxes
 
-__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "MISALIGNED", "GROUPED"]
+__all__ = ["TensorJob", "ReshardPlan", "plan_reshard", "merge_summaries", "MISALIGNED", "GROUPED"]
 
 #: What ``misaligned`` may say: stop (write nothing) or write those tensors dequantized.
 MISALIGNED = ("error", HIGH_PRECISION)
@@ -100,12 +100,26 @@ class ReshardPlan:
     ``ranks`` None: the whole plan (every target rank). Else the part of the target ranks
     ``ranks`` (increasing): the jobs with a box those ranks write, each with only those owners and
     bytes -- the corresponding slice of the whole plan -- plus every job with a problem (decided
-    on every rank's boxes, as in the whole plan), so that :attr:`problems` is the whole plan's."""
+    on every rank's boxes, as in the whole plan), so that :attr:`problems` is the whole plan's.
+    ``placement_rules`` and ``options`` (the keyword arguments of :func:`plan_reshard`) are what it
+    was planned with, so that :meth:`whole_jobs` can plan chosen jobs for every rank."""
 
     src: Path
     mesh: MeshSpec
     jobs: list[TensorJob]
     ranks: tuple[int, ...] | None = None
+    placement_rules: PlacementRules | None = None
+    options: dict = dataclasses.field(default_factory=dict)
+
+    def whole_jobs(self, view: CheckpointView, fqns: Collection[str]) -> list[TensorJob]:
+        """The jobs of output entries ``fqns`` with every target rank's boxes (plan order): this
+        plan's own when it is whole, else planned again from ``view`` for those entries alone."""
+        wanted = set(fqns)
+        if not wanted:
+            return []
+        if self.ranks is None:
+            return [j for j in self.jobs if j.fqn in wanted]
+        return plan_reshard(view, self.mesh, self.placement_rules, **self.options, fqns=wanted).jobs
 
     @property
     def problems(self) -> list[str]:
@@ -148,6 +162,19 @@ class ReshardPlan:
             ],
             "problems": self.problems,
         }
+
+
+def merge_summaries(summaries: list[dict]) -> dict:
+    """The whole plan's :meth:`ReshardPlan.summary` from those of per-rank plans of one plan that
+    together cover every target rank (a rank or tensor in several of them is the same row in each):
+    ranks in rank order, tensors in plan order (by output FQN)."""
+    ranks = {r["rank"]: r for s in summaries for r in s["ranks"]}
+    tensors = {t["fqn"]: t for s in summaries for t in s["tensors"]}
+    return {
+        **summaries[0],
+        "ranks": [ranks[r] for r in sorted(ranks)],
+        "tensors": [tensors[f] for f in sorted(tensors)],
+    }
 
 
 # --------------------------------------------------------------------------------------- planning
@@ -200,6 +227,7 @@ def plan_reshard(
     grouped_glob: str = "*weight",
     misaligned: str = "error",
     ranks: Collection[int] | None = None,
+    fqns: Collection[str] | None = None,
 ) -> ReshardPlan:
     """Plan a reshard/convert of ``view`` onto ``mesh`` with ``placement_rules`` (reads metadata only).
 
@@ -217,6 +245,7 @@ def plan_reshard(
         ranks: plan only what these target ranks write (their files): the slice of the whole plan
             with their boxes (:attr:`ReshardPlan.ranks`), each rank's box computed alone
             (:func:`~ckptq.placement.first_owner_boxes`) rather than every rank's. None: every rank.
+        fqns: plan only these output entries (after grouped stack/split; None: all of them).
 
     Raises:
         UnsupportedFormatError: bad options or a rank outside the mesh. CheckpointFormatError:
@@ -253,13 +282,24 @@ def plan_reshard(
 
     if grouped == "stack" and not stacked:
         raise UnsupportedFormatError(f"--grouped stack: no entries X0..X(N-1) with stem matching '{grouped_glob}'")
+    options = dict(
+        mode=mode,
+        hp_dtype=hp_dtype,
+        to=to,
+        to_recipe=to_recipe,
+        grouped=grouped,
+        grouped_glob=grouped_glob,
+        misaligned=misaligned,
+    )
+    if fqns is not None:
+        units = [u for u in units if u[0] in fqns]
     jobs = [
         _plan_job(fqn, sources, member, mesh, placement_rules, mode, hp_dtype, to, to_recipe, misaligned, ranks)
         for fqn, sources, member in units
     ]
     if ranks is not None:  # the jobs these ranks write, and every problem (a run stops on any)
         jobs = [j for j in jobs if j.owners or j.problem]
-    return ReshardPlan(view.path, mesh, jobs, ranks)
+    return ReshardPlan(view.path, mesh, jobs, ranks, placement_rules, options)
 
 
 def _plan_job(

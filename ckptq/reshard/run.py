@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import chunks
@@ -35,8 +36,8 @@ from ..contract import (
     make_record,
     native_descriptor,
 )
-from ..distributed import Group, expect_shared_dir, prepare_write_commit
-from ..errors import CheckpointFormatError, CkptqError, ShardingError
+from ..distributed import Group, assign, expect_shared_dir, file_share, prepare_write_commit
+from ..errors import CheckpointFormatError, CkptqError, ShardingError, UsageError
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
 from ..io import storage
@@ -44,7 +45,7 @@ from ..io.device import PrefetchStats, device_scope, prefetch, resolve_device, t
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir, write_error
 from . import transform
-from .plan import ReshardPlan, TensorJob
+from .plan import ReshardPlan, TensorJob, merge_summaries
 
 __all__ = ["run_reshard"]
 
@@ -76,13 +77,14 @@ def run_reshard(
         progress: called with the bytes of each chunk as it is queued for writing, or ``True`` for a
             tqdm bar on stderr (bytes and bytes/s; rank 0's share when distributed).
         distributed: split the work over the processes of the default ``torch.distributed`` process
-            group (initialized from torchrun's environment with gloo if it is not yet): every
-            record's file and offset is fixed first (the file map), the same on every process; each process
-            computes and writes the tensors :func:`ckptq.distributed.assign` gives it (balanced by
-            estimated work, so a requantized tensor is computed once) at their places in the
-            target files of one staging directory; rank 0 writes ``.metadata`` and renames it into
-            place once every process reported success. The output is the same bytes as one
-            process's. Every process must call this with the same arguments.
+            group (initialized from torchrun's environment with gloo if it is not yet): each process
+            lays out and writes the target files :func:`ckptq.distributed.file_share` gives it, and
+            ``plan`` need only hold those ranks (``plan_reshard(..., ranks=...)``; or every rank);
+            tensors that are transformed are computed once, each by one process, for all their files
+            (:func:`_share`); all write into one staging directory; rank 0 writes ``.metadata``
+            from the processes' records and renames it into place once every process reported
+            success. The output is the same bytes as one process's. Every process must call this
+            with the same arguments (its own plan).
         device: where tensors that are re-encoded or dequantized are computed: ``"cpu"``,
             ``"cuda"`` / ``"cuda:N"``, or ``"auto"`` (CUDA when a device and ckptq's CUDA kernels are
             there, else the CPU; :func:`ckptq.io.device.resolve_device`). Their sources are read on a
@@ -92,8 +94,9 @@ def run_reshard(
 
     Returns:
         ``{"path", "world_size", "bytes_per_rank", "tensors", "requantized": {fqn: sqnr_db},
-        "processes", "process_rank", "device"}`` (in distributed mode: of the whole checkpoint, on every
-        process; ``processes`` is 1 and ``process_rank`` 0 otherwise). ``seconds``: ``total`` (this
+        "processes", "process_rank", "device", "plan"}`` (in distributed mode: of the whole checkpoint, on every
+        process; ``processes`` is 1 and ``process_rank`` 0 otherwise; ``plan``: the whole plan's
+        :meth:`~ckptq.reshard.plan.ReshardPlan.summary`, merged from the processes' plans). ``seconds``: ``total`` (this
         call), ``transform`` (the kernels: re-encoding, dequantizing, SQNR of whole tensors) and
         ``whole_reads`` (reading those tensors, on the reader thread, overlapped with the kernels),
         both summed over processes; the rest of ``total``
@@ -101,7 +104,8 @@ def run_reshard(
 
     Raises:
         ShardingError: the plan has alignment problems (nothing is written).
-        UsageError: ``device`` names a device that cannot be used.
+        UsageError: ``device`` names a device that cannot be used; ``plan`` lacks ranks this
+            process writes.
         CkptqError: ``dst`` exists (without ``overwrite``) or overlaps the source; in distributed
             mode, on every process, when any process failed (naming the ranks and their errors).
     """
@@ -117,12 +121,13 @@ def run_reshard(
     finally:
         if group is not None:
             group.close()
-    bytes_per_rank, requantized, transform_s, whole_read_s = totals
+    bytes_per_rank, requantized, transform_s, whole_read_s, summary = totals
     return {
         "path": str(dst),
         "world_size": plan.mesh.world_size,
         "bytes_per_rank": bytes_per_rank,
-        "tensors": len(plan.jobs),
+        "tensors": len(summary["tensors"]),
+        "plan": summary,
         "requantized": requantized,
         "processes": 1 if group is None else group.size,
         "process_rank": 0 if group is None else group.rank,
@@ -178,6 +183,11 @@ class _Run:
         """Check the destination and the plan; make the staging directory (rank 0)."""
         check_destination(self.view.path, self.dst, self.overwrite)
         plan = self.plan
+        if self.group is None and plan.ranks is not None and len(plan.ranks) < plan.mesh.world_size:
+            raise UsageError(
+                f"the plan holds target ranks {list(plan.ranks)[:8]} of {plan.mesh.world_size}: one process writes "
+                f"every rank's file (plan them all, ranks=None), or run distributed (each process its ranks)"
+            )
         if plan.problems:
             raise ShardingError(
                 f"{len(plan.problems)} tensor(s) cannot be laid out natively on mesh {plan.mesh}:\n  "
@@ -190,19 +200,22 @@ class _Run:
             raise write_error(self.dst, e) from e
 
     def write(self, tmp: Path) -> tuple:
-        """Lay every record out, write this process's jobs' records into ``tmp``; returns what
-        :meth:`commit` needs from this process."""
+        """Lay this process's records out and write them into ``tmp``; returns what :meth:`commit`
+        needs from this process (its writer's part, its :class:`_RunState`, its plan's summary)."""
         view, plan, group = self.view, self.plan, self.group
         expect_shared_dir(tmp, group)
         self.writer = CheckpointDirWriter(tmp, part=0 if group is None else group.rank)
         try:
-            file_map = _file_map(view, plan)
-            copies = [_copy_source(view, job) for job in plan.jobs]
-            mine = set(range(len(plan.jobs))) if group is None else group.assign(_job_costs(file_map, copies))
-            total = sum(o.nbytes for i in mine for o in file_map[i])
+            if group is None:
+                jobs = [j for j in plan.jobs if not j.problem]
+                file_map = _file_map(view, jobs)
+                work = list(zip(jobs, file_map, _copies(view, jobs, file_map), strict=True))
+            else:
+                work = _share(view, plan, group)
+            total = sum(o.nbytes for _, outs, _ in work for o in outs)
             with _progress(self.progress, total, show=group is None or group.rank == 0) as update:
-                _execute(view, plan, file_map, copies, mine, self.writer, self.state, update, self.device)
-            return self.writer.close_local(), self.state
+                _execute(view, work, self.writer, self.state, update, self.device)
+            return self.writer.close_local(), self.state, plan.summary()
         except OSError as e:
             raise write_error(self.dst, e) from e
         finally:
@@ -211,21 +224,22 @@ class _Run:
 
     def commit(self, tmp: Path, parts: list) -> tuple:
         """Merge the other processes' parts into this writer, write ``.metadata``, rename ``tmp``
-        into place (rank 0); returns the run's totals."""
+        into place (rank 0); returns the run's totals and the whole plan's summary (merged from the
+        processes' summaries: :func:`~ckptq.reshard.plan.merge_summaries`)."""
         writer, state = self.writer, self.state
-        for shard, st in parts[1:]:  # parts[0] is this process's own
+        for shard, st, _ in parts[1:]:  # parts[0] is this process's own
             writer.merge_local(shard)
             state.merge(st)
         descriptors = {k: state.descriptors[k] for k in sorted(state.descriptors)}
+        mappings = {k: state.mappings[k] for k in sorted(state.mappings)}  # one order, however split
         plan = self.plan
         try:
-            writer.finish(
-                {**state.mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))}
-            )
+            writer.finish({**mappings, CKPTQ_KEY: make_record(descriptors, plan.mesh.world_size, mesh=str(plan.mesh))})
             commit_dir(tmp, self.dst)
         except OSError as e:
             raise write_error(self.dst, e) from e
-        return writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s
+        summary = merge_summaries([s for _, _, s in parts])
+        return writer.bytes_per_rank, state.requantized, state.transform_s, state.whole_read_s, summary
 
     def abort(self) -> None:
         if self.writer is not None:
@@ -251,9 +265,9 @@ def _progress(progress: bool | Callable[[int], None] | None, total: int, *, show
 # ------------------------------------------------------------------------------ file map
 def _job_records(view, job: TensorJob) -> list[RecordSlot]:
     """The records ``job`` writes, in the order it writes them: per owner box, per component; a
-    component chunk that several boxes hold (a per-tensor scalar) goes to the first; empty
-    component chunks are not written. The one place these are decided: :func:`_write_job` writes
-    exactly these."""
+    component chunk that several boxes hold (a per-tensor scalar) goes to the one box
+    :func:`ckptq.chunks.writes_component_chunk` names; empty component chunks are not written. The
+    one place these are decided: :func:`_write_job` writes exactly these."""
     if job.out == "bytes":  # small records (step counters, TE extra state): read for their length, not kept
         record, _ = view.read_raw_bytes(job.sources[0].fqn)
         return [RecordSlot.raw(0, job.fqn, len(record))]
@@ -262,59 +276,157 @@ def _job_records(view, job: TensorJob) -> list[RecordSlot]:
     cls = format_class(job.out_format)
     specs = cls.component_specs(job.shape, cls._recipe_from_json(job.out_recipe))
     outs: list[RecordSlot] = []
-    seen: set = set()
     for rank, box in job.owners:
         for spec in specs:
-            cbox = chunks.component_box(spec, job.shape, box, fqn=job.fqn, fmt=job.out_format)
-            key = component_fqn(job.fqn, spec.name)
-            if (key, cbox[0]) in seen or math.prod(cbox[1]) == 0:
+            if not chunks.writes_component_chunk(spec, box):
                 continue
-            seen.add((key, cbox[0]))
+            cbox = chunks.component_box(spec, job.shape, box, fqn=job.fqn, fmt=job.out_format)
+            if math.prod(cbox[1]) == 0:
+                continue
+            key = component_fqn(job.fqn, spec.name)
             outs.append(RecordSlot.tensor(rank, key, spec.name, spec.shape(job.shape), cbox, spec.dtype, box))
     return outs
 
 
-def _file_map(view, plan: ReshardPlan) -> list[list[RecordSlot]]:
+def _file_map(view, jobs: list[TensorJob]) -> list[list[RecordSlot]]:
     """The file map: every job's records with their slots in the target files
-    (:func:`~ckptq.io.pipeline.assign_offsets`, job after job in plan order); jobs with a problem have none."""
-    file_map = [_job_records(view, job) if not job.problem else [] for job in plan.jobs]
+    (:func:`~ckptq.io.pipeline.assign_offsets`, job after job in plan order). The slots of a file
+    depend only on the jobs with records in it: those of a per-rank plan's files are the whole plan's."""
+    file_map = [_job_records(view, job) for job in jobs]
     assign_offsets(file_map)
     return file_map
 
 
-def _job_costs(file_map: list[list[RecordSlot]], copies: list[bool]) -> dict[int, int]:
-    """Estimated work of each job for splitting jobs over processes: its payload bytes, times 4
-    for a job whose bytes are transformed (``copies[i]`` False: read whole, re-encoded, SQNR: the
-    convert benchmark in docs/benchmarks.md spends about 4x the copy's time per byte there); bytes
-    entries count 1."""
-    return {
-        i: max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
-        for i, (outs, copy) in enumerate(zip(file_map, copies, strict=False))
-    }
+def _cost(outs: list[RecordSlot], copy: bool) -> int:
+    """Estimated work of writing records ``outs`` for splitting jobs over processes: their payload
+    bytes, times 4 for a job whose bytes are transformed (``copy`` False: read whole, re-encoded,
+    SQNR: the convert benchmark in docs/benchmarks.md spends about 4x the copy's time per byte
+    there); at least 1 (a bytes entry)."""
+    return max(1, sum(o.nbytes for o in outs) * (1 if copy else 4))
+
+
+def _share(view, plan: ReshardPlan, group: Group) -> list[tuple[TensorJob, list[RecordSlot], bool]]:
+    """This process's work when the jobs are split over ``group``: ``[(job, its records here, copied)]``.
+
+    Each process lays out and writes the target files :func:`~ckptq.distributed.file_share` gives
+    it (``plan`` need only hold those ranks: ``plan_reshard(..., ranks=...)``): every record of a
+    copied job in its files (processes sharing one file split its copied jobs by cost). A
+    transformed job (read whole, computed) is computed by one process for all its files: the
+    processes send each other, in one gather, the cost of each transformed job in their files, the
+    bytes they copy and where each such job's records start in each of their files
+    (:func:`_lay_out`); every process then assigns the transformed jobs alike
+    (:func:`~ckptq.distributed.assign`, largest first, on top of the copying), and plans its own for
+    every rank (:meth:`ReshardPlan.whole_jobs`), their records placed at those starts. No process
+    plans or reads more than its files and its jobs.
+    """
+    ranks, part, parts = file_share(plan.mesh.world_size, group.size, group.rank)
+    if plan.ranks is not None and not set(ranks) <= set(plan.ranks):
+        raise UsageError(
+            f"process {group.rank} of {group.size} writes target ranks {ranks.start}..{ranks.stop - 1}, "
+            f"its plan holds ranks {list(plan.ranks)[:8]}: plan them (ckptq.distributed.file_share) or every rank"
+        )
+    work, summary = _lay_out(view, plan, ranks, part, parts)
+    got = group.gather_ok(summary)
+    total: dict[str, int] = {}
+    for _, names, costs, _ in got:
+        for fqn, cost in zip(names, costs.tolist(), strict=True):
+            total[fqn] = total.get(fqn, 0) + cost
+    computed = group.assign(total, [g[0] for g in got])
+    mixed = sorted({job.fqn for job, _, _ in work} & total.keys())
+    if mixed:  # another process could not read its part of these by byte range (a view from the index checks its own)
+        raise _split_decision(view, mixed)
+    at: dict[tuple[str, int], int] = {}
+    for _, names, _, starts in got:
+        if names:
+            rows = starts[np.array([f in computed for f in names])[starts[:, 0]]]
+            at.update(((names[k], r), pos) for k, r, pos in rows.tolist())
+    for job in plan.whole_jobs(view, computed):
+        outs = _job_records(view, job)
+        ends: dict[int, int] = {}
+        for o in outs:  # a job's records in one file are contiguous from its start (assign_offsets)
+            if (job.fqn, o.rank) not in at:  # that file's process copies it
+                raise _split_decision(view, [job.fqn])
+            o.at = ends.get(o.rank, at[(job.fqn, o.rank)])
+            ends[o.rank] = o.at + o.length
+        work.append((job, outs, False))
+    return work
+
+
+def _split_decision(view, fqns: list[str]) -> CheckpointFormatError:
+    """The error of tensors that some processes copy and another computes (:func:`_share`)."""
+    return CheckpointFormatError(
+        f"{view.path}: the saved chunks of {fqns[:4]} can be read by byte range in some target files' "
+        f"parts and not in others (records of another kind among them); run it in one process"
+    )
+
+
+def _lay_out(view, plan: ReshardPlan, ranks: range, part: int, parts: int) -> tuple[list, tuple]:
+    """Target files ``ranks`` laid out from ``plan`` (which holds them) by process ``part`` of the
+    ``parts`` that share them: ``(work, summary)``, ``work`` its copied jobs (:func:`_share`),
+    ``summary`` what the other processes need from it: ``(bytes it copies, [FQN of each transformed
+    job with records in these files], their costs (int64), int64 rows (job number in that list,
+    target rank, byte where the job's records start in that rank's file))`` (the lists empty unless
+    ``part`` is 0: one process speaks for a file)."""
+    mine = set(ranks)
+    jobs = [j for j in plan.jobs if not j.problem and any(r in mine for r, _ in j.owners)]
+    file_map = [[o for o in outs if o.rank in mine] for outs in (_job_records(view, j) for j in jobs)]
+    assign_offsets(file_map)
+    copies = _copies(view, jobs, file_map)
+    copied = assign({i: _cost(file_map[i], True) for i, c in enumerate(copies) if c}, parts)[part]
+    work = [(jobs[i], file_map[i], True) for i in sorted(copied)]
+    names, costs, starts = [], [], []
+    for i, (job, outs) in enumerate(zip(jobs, file_map, strict=True)):
+        if part == 0 and not copies[i]:
+            names.append(job.fqn)
+            costs.append(_cost(outs, False))
+            first: dict[int, int] = {}
+            for o in outs:
+                first.setdefault(o.rank, o.at)
+            starts += [(len(names) - 1, r, at) for r, at in first.items()]
+    loads = sum(_cost(outs, True) for _, outs, _ in work)
+    summary = (loads, names, np.asarray(costs, dtype=np.int64), np.asarray(starts, dtype=np.int64).reshape(-1, 3))
+    return work, summary
 
 
 # ------------------------------------------------------------------------------ copied jobs
-def _copy_source(view, job: TensorJob) -> bool:
-    """Whether ``job``'s bytes are the source's unchanged (same format and recipe, or a plain tensor
-    of the same dtype) and readable by byte range, so its chunks are copied, not computed."""
-    if (
-        job.out == "bytes"
-        or len(job.sources) != 1
-        or job.member is not None
-        or job.problem
-        or not hasattr(view, "saved_chunks")
-    ):
+def _copies(view, jobs: list[TensorJob], file_map: list[list[RecordSlot]]) -> list[bool]:
+    """Per job: whether its bytes are the source's unchanged (same format and recipe, or a plain
+    tensor of the same dtype) and the saved chunks its records (``file_map``) read are readable by
+    byte range (:meth:`~ckptq.checkpoint.CheckpointView.saved_chunks_for`), so that they are copied,
+    not computed. A view opened from the chunk index reads the rows of all those entries at once."""
+    if not hasattr(view, "saved_chunks_for"):
+        return [False] * len(jobs)
+    wanted: list[dict[str, list]] = []
+    for job, outs in zip(jobs, file_map, strict=True):
+        boxes: dict[str, list] = {}
+        if _same_bytes(job):
+            for o in outs:
+                boxes.setdefault(_src_key(job, o), []).append(o.box)
+        wanted.append(boxes)
+    if hasattr(view, "need"):  # one pass over all the rows (one call each costs far more)
+        everything: dict[str, list] = {}
+        for boxes in wanted:
+            for key, b in boxes.items():
+                everything.setdefault(key, []).extend(b)
+        view.need(everything)
+    return [
+        _same_bytes(job) and all(view.saved_chunks_for(key, b) is not None for key, b in boxes.items())
+        for job, boxes in zip(jobs, wanted, strict=True)
+    ]
+
+
+def _same_bytes(job: TensorJob) -> bool:
+    """Whether ``job`` writes its one source's bytes unchanged (same format, recipe and dtype, or a
+    plain tensor of the same dtype): from the plan alone."""
+    if job.out == "bytes" or len(job.sources) != 1 or job.member is not None or job.problem:
         return False
     src = job.sources[0]
     if job.out == "quantized":
         if src.kind != "quantized" or src.format != job.out_format or src.dtype != job.out_dtype:
             return False
         cls = format_class(job.out_format)
-        if cls._recipe_from_json(src.descriptor.recipe) != cls._recipe_from_json(job.out_recipe):
-            return False
-    elif job.out != "tensor" or src.kind != "tensor" or src.dtype != job.out_dtype:
-        return False
-    return all(view.saved_chunks(key) is not None for key in src.keys.values())
+        return cls._recipe_from_json(src.descriptor.recipe) == cls._recipe_from_json(job.out_recipe)
+    return job.out == "tensor" and src.kind == "tensor" and src.dtype == job.out_dtype
 
 
 def _src_key(job: TensorJob, o: RecordSlot) -> str:
@@ -340,23 +452,19 @@ def _copy_descriptor(job: TensorJob) -> Descriptor | None:
 # ------------------------------------------------------------------------------ writing
 def _execute(
     view,
-    plan: ReshardPlan,
-    file_map: list[list[RecordSlot]],
-    copies: list[bool],
-    mine: set,
+    work: list[tuple[TensorJob, list[RecordSlot], bool]],
     writer: CheckpointDirWriter,
     state: _RunState,
     progress: Callable[[int], None] | None,
     device: torch.device,
 ) -> None:
-    """Write the records of jobs ``mine`` (indices into ``plan.jobs``) in their slots in ``file_map``;
-    ``copies[i]``: job i's chunks are copied by byte range (:func:`_copy_source`), first; then the
-    others, computed on ``device`` while the next one's source is read."""
+    """Write ``work`` (``[(job, its record slots, copied)]``): the jobs whose chunks are copied by
+    byte range (:func:`_copies`) first; then the others, computed on ``device`` while the next
+    one's source is read."""
     copied, computed = [], []
     biggest = 0
     kernel_copy = getattr(view, "local", False) and not writer.remote  # copy_file_range needs two local files
-    for i in sorted(mine):
-        job, outs, copy = plan.jobs[i], file_map[i], copies[i]
+    for job, outs, copy in work:
         if copy:
             biggest = max(
                 [biggest]
