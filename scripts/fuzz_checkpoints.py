@@ -1029,12 +1029,11 @@ def has_record(ck: Path) -> bool | None:
     """Whether ``ck/.metadata`` (read through ckptq's allow-list unpickler) holds a ckptq record;
     None when it cannot be read that way (every path then fails on it too)."""
     from ckptq.contract import has_record as _has
-    from ckptq.io.metadata import check_pickle_memo
     from ckptq.io.safe_pickle import safe_loads
 
     try:
         data = (ck / ".metadata").read_bytes()
-        check_pickle_memo(data, str(ck))  # as the reader does: no allocation of a corrupt length
+        # safe_loads first checks memo indices and data lengths: no allocation of a corrupt length
         return bool(_has(safe_loads(data, source=str(ck)).planner_data))
     except Exception:  # noqa: BLE001 - unreadable: judged by the paths
         return None

@@ -339,3 +339,21 @@ def test_trainer_state_globals_are_data_only():
     for bad in ("builtins.eval", "builtins.exec", "builtins.getattr", "os.system", "numpy.load", "pickle.loads"):
         assert bad not in names
     assert not any(name.startswith(("subprocess.", "posix.", "nt.", "importlib.")) for name in names)
+
+
+def test_safe_loads_refuses_a_declared_length_past_the_end_before_unpickling():
+    """The public ``safe_loads`` runs the same length check as the ``.metadata`` reader: a
+    ``BYTEARRAY8`` that declares 2**50 bytes in a short pickle is a CheckpointFormatError naming the
+    source, not a 1 PiB allocation (MemoryError)."""
+    import pickle
+
+    from ckptq.errors import CheckpointFormatError
+    from ckptq.io.safe_pickle import safe_loads
+
+    good = pickle.dumps({"a": 1}, protocol=4)
+    assert safe_loads(good) == {"a": 1}
+    bad = good[:2] + b"\x96" + (2**50).to_bytes(8, "little") + good[2:]
+    with pytest.raises(
+        CheckpointFormatError, match=r"x\.pkl: the pickle is truncated or corrupt .* declares 1125899906842624 bytes"
+    ):
+        safe_loads(bad, source="x.pkl")

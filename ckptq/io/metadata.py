@@ -1,7 +1,7 @@
 """The DCP ``.metadata`` of a checkpoint, checked against itself and its files before anything trusts it.
 
 :class:`~ckptq.io.SafeFileSystemReader` reads the file and unpickles it through the allow-list
-(:mod:`ckptq.io.safe_pickle`; :func:`check_pickle_memo` first refuses a pickle whose memo or data
+(:mod:`ckptq.io.safe_pickle`; :func:`~ckptq.io.safe_pickle.check_pickle_memo` first refuses a pickle whose memo or data
 lengths would allocate gigabytes), then :func:`validate_metadata` makes the checks of :func:`check_storage`
 (structure, chunk geometry, storage locations, record sizes, data files), presents the entries of
 tensors another library pickled through the ckptq contract (:func:`ckptq.io.foreign.virtualize`)
@@ -49,7 +49,6 @@ from .storage import file_size, is_url, join
 
 __all__ = [
     "METADATA_FILE",
-    "check_pickle_memo",
     "validate_metadata",
     "check_storage",
     "check_file_name",
@@ -130,81 +129,6 @@ def validate_metadata(
         check_checksum_coverage(metadata.planner_data, records, where=root)
     mark_verified(metadata)
     return metadata, entries
-
-
-def _pickle_arg_lengths() -> dict[int, int]:
-    import pickletools
-
-    return {ord(op.code): 0 if op.arg is None else op.arg.n for op in pickletools.opcodes}
-
-
-_PICKLE_ARGS = _pickle_arg_lengths()
-
-
-def check_pickle_memo(data: bytes, source: str) -> None:
-    """Refuse a pickle whose memo indices or data lengths exceed its length before the C unpickler
-    sees it.
-
-    The C unpickler grows its memo array to twice a ``LONG_BINPUT``/``PUT`` index and zero-fills
-    it: one flipped byte in ``.metadata`` can ask for gigabytes (a hang, then an allocation
-    failure). A real pickle stores at most one memo entry per opcode, so an index >= its length
-    is corrupt. Likewise the opcodes that carry a length (``BINBYTES8``, ``BYTEARRAY8``,
-    ``BINUNICODE8``, ``BINBYTES`` ...) make the C unpickler allocate that many bytes before it
-    reads them (CPython 3.11 / 3.12 ``Modules/_pickle.c``), so a flipped byte that turns an opcode
-    into ``BYTEARRAY8`` asks for up to 2^64 bytes; a length past the end of the pickle is refused
-    here. (A failed ``bytearray`` allocation there also makes CPython print a spurious
-    ``SystemError: deallocated bytearray object has exported buffers``: ``PyByteArray_FromStringAndSize``
-    frees the half-made object before setting its export count; see docs/testing.md.) Walks the
-    opcodes without building anything; stops at the first unknown opcode or STOP (the unpickler
-    then reports what it finds).
-    """
-    n, i, args = len(data), 0, _PICKLE_ARGS
-    frm = int.from_bytes
-    while i < n:
-        code = data[i]
-        i += 1
-        k = args.get(code)
-        if k is None or code == 0x2E:  # unknown opcode, or STOP
-            return
-        if k >= 0:
-            if code == 0x72 and frm(data[i : i + 4], "little") >= n:  # LONG_BINPUT
-                raise CheckpointFormatError(
-                    f"{source}: the DCP metadata file is corrupt (a pickle memo index "
-                    f"{frm(data[i : i + 4], 'little')} in a {n}-byte file); restore the file or re-save the checkpoint"
-                )
-            i += k
-        elif k == -1:  # up to a newline; GLOBAL and INST take two lines
-            end = data.find(b"\n", i)
-            if end < 0:
-                return
-            if code == 0x70:  # PUT
-                try:
-                    idx = int(data[i:end])
-                except ValueError:
-                    return
-                if idx >= n:
-                    raise CheckpointFormatError(
-                        f"{source}: the DCP metadata file is corrupt (a pickle memo index {idx} in a "
-                        f"{n}-byte file); restore the file or re-save the checkpoint"
-                    )
-            if code in (0x63, 0x69):
-                end = data.find(b"\n", end + 1)
-                if end < 0:
-                    return
-            i = end + 1
-        elif k in (-2, -3, -4, -5):  # a length (1, 4 or 8 bytes), then that many bytes
-            width = 1 if k == -2 else 8 if k == -5 else 4
-            length = frm(data[i : i + width], "little", signed=(k == -3))
-            if length < 0:
-                return
-            if i + width + length > n:
-                raise CheckpointFormatError(
-                    f"{source}: the DCP metadata file is truncated or corrupt (a pickle opcode at byte {i - 1} "
-                    f"declares {length} bytes of data in a {n}-byte file); restore the file or re-save the checkpoint"
-                )
-            i += width + length
-        else:
-            return
 
 
 def _check_locations_inside(metadata: Metadata, root: Any, source: str) -> None:

@@ -47,9 +47,9 @@ from ..checksums import check, checksum_key
 from ..contract import Entry, read_checksums
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .foreign import ForeignLocation, read_foreign_items
-from .metadata import METADATA_FILE, check_pickle_memo, describe_non_dcp, validate_metadata
+from .metadata import METADATA_FILE, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
-from .safe_pickle import load_pickled_object, safe_load
+from .safe_pickle import load_pickled_object, safe_loads
 from .storage import (
     RangePrefetcher,
     dcp_filesystem,
@@ -271,8 +271,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
-            check_pickle_memo(data, str(path))
-            metadata = safe_load(io.BytesIO(data), source=str(path))
+            metadata = safe_loads(data, source=str(path), what="the DCP metadata file")
             del data  # the file's bytes: not kept while the metadata is checked
         except CkptqError:
             raise

@@ -48,7 +48,7 @@ from typing import IO, Any
 
 import torch
 
-from ..errors import UnsafeCheckpointError, UnsafePickledObjectError
+from ..errors import CheckpointFormatError, UnsafeCheckpointError, UnsafePickledObjectError
 
 __all__ = [
     "SafeUnpickler",
@@ -57,6 +57,7 @@ __all__ = [
     "ALLOWED_GLOBALS",
     "trainer_state_globals",
     "load_pickled_object",
+    "check_pickle_memo",
 ]
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -196,6 +197,85 @@ def _check_classes_untouched(before: list[dict], source: str) -> None:
         )
 
 
+def _pickle_arg_lengths() -> dict[int, int]:
+    import pickletools
+
+    return {ord(op.code): 0 if op.arg is None else op.arg.n for op in pickletools.opcodes}
+
+
+_PICKLE_ARGS = _pickle_arg_lengths()
+
+
+def check_pickle_memo(data: bytes, source: str, what: str = "the DCP metadata file") -> None:
+    """Refuse a pickle whose memo indices or data lengths exceed its length before the C unpickler
+    sees it.
+
+    The C unpickler grows its memo array to twice a ``LONG_BINPUT``/``PUT`` index and zero-fills
+    it: one flipped byte in ``.metadata`` can ask for gigabytes (a hang, then an allocation
+    failure). A real pickle stores at most one memo entry per opcode, so an index >= its length
+    is corrupt. Likewise the opcodes that carry a length (``BINBYTES8``, ``BYTEARRAY8``,
+    ``BINUNICODE8``, ``BINBYTES`` ...) make the C unpickler allocate that many bytes before it
+    reads them (CPython 3.11 / 3.12 ``Modules/_pickle.c``), so a flipped byte that turns an opcode
+    into ``BYTEARRAY8`` asks for up to 2^64 bytes; a length past the end of the pickle is refused
+    here. (A failed ``bytearray`` allocation there also makes CPython print a spurious
+    ``SystemError: deallocated bytearray object has exported buffers``: ``PyByteArray_FromStringAndSize``
+    frees the half-made object before setting its export count; see docs/testing.md.) Walks the
+    opcodes without building anything; stops at the first unknown opcode or STOP (the unpickler
+    then reports what it finds).
+
+    Raises:
+        CheckpointFormatError: naming ``source`` and ``what`` (the file's role), the byte and the
+            declared size.
+    """
+    n, i, args = len(data), 0, _PICKLE_ARGS
+    frm = int.from_bytes
+    while i < n:
+        code = data[i]
+        i += 1
+        k = args.get(code)
+        if k is None or code == 0x2E:  # unknown opcode, or STOP
+            return
+        if k >= 0:
+            if code == 0x72 and frm(data[i : i + 4], "little") >= n:  # LONG_BINPUT
+                raise CheckpointFormatError(
+                    f"{source}: {what} is corrupt (a pickle memo index "
+                    f"{frm(data[i : i + 4], 'little')} in a {n}-byte file); restore the file or re-save the checkpoint"
+                )
+            i += k
+        elif k == -1:  # up to a newline; GLOBAL and INST take two lines
+            end = data.find(b"\n", i)
+            if end < 0:
+                return
+            if code == 0x70:  # PUT
+                try:
+                    idx = int(data[i:end])
+                except ValueError:
+                    return
+                if idx >= n:
+                    raise CheckpointFormatError(
+                        f"{source}: {what} is corrupt (a pickle memo index {idx} in a "
+                        f"{n}-byte file); restore the file or re-save the checkpoint"
+                    )
+            if code in (0x63, 0x69):
+                end = data.find(b"\n", end + 1)
+                if end < 0:
+                    return
+            i = end + 1
+        elif k in (-2, -3, -4, -5):  # a length (1, 4 or 8 bytes), then that many bytes
+            width = 1 if k == -2 else 8 if k == -5 else 4
+            length = frm(data[i : i + width], "little", signed=(k == -3))
+            if length < 0:
+                return
+            if i + width + length > n:
+                raise CheckpointFormatError(
+                    f"{source}: {what} is truncated or corrupt (a pickle opcode at byte {i - 1} "
+                    f"declares {length} bytes of data in a {n}-byte file); restore the file or re-save the checkpoint"
+                )
+            i += width + length
+        else:
+            return
+
+
 def safe_load(file: IO[bytes], *, source: str = "<pickle>") -> Any:
     """Unpickle one object from a binary file with :class:`SafeUnpickler`.
 
@@ -207,8 +287,11 @@ def safe_load(file: IO[bytes], *, source: str = "<pickle>") -> Any:
     return SafeUnpickler(file, source=source).load()
 
 
-def safe_loads(data: bytes, *, source: str = "<pickle>") -> Any:
-    """:func:`safe_load` from bytes."""
+def safe_loads(data: bytes, *, source: str = "<pickle>", what: str = "the pickle") -> Any:
+    """:func:`safe_load` from bytes, after :func:`check_pickle_memo` (no memo index or declared data
+    length past the end of ``data`` reaches the C unpickler; ``what`` names the bytes' role in its
+    error). Raises what :func:`safe_load` raises, and ``CheckpointFormatError`` from that check."""
+    check_pickle_memo(data, source, what)
     return safe_load(io.BytesIO(data), source=source)
 
 
