@@ -14,9 +14,7 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -27,6 +25,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from . import chunks
+from ._gc import gc_paused
 from .checksums import check as check_checksum
 from .checksums import checksum
 from .contract import CKPTQ_KEY, Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
@@ -623,7 +622,7 @@ class IndexedCheckpointView(CheckpointView):
         Raises:
             CheckpointFormatError: a check fails.
         """
-        with _gc_paused():
+        with gc_paused():
             self._read_rows([k for k in wanted if k not in self._rows and k in self.index.names])
             for key, boxes in wanted.items():
                 if key in self._rows:
@@ -787,26 +786,12 @@ def open_indexed(path: PathLike) -> IndexedCheckpointView | None:
     p = p.parent if p.name == METADATA_FILE else p
     if not (p / INDEX_FILE).is_file() or not (p / METADATA_FILE).is_file():
         return None
-    with _gc_paused():
+    with gc_paused():
         index = ChunkIndex(p)
         if not index.named_by_metadata():  # a stale index (.metadata of a later save), or another checkpoint's
             return None
         view = IndexedCheckpointView(p, index)
         return None if view.has_foreign_records() else view
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off meanwhile: building many small acyclic objects (the
-    entry table, chunk lists) otherwise triggers full collections that cost several times the
-    building itself (measured: 0.47 s against 0.12 s for a 7,800-entry table)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

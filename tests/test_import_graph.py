@@ -22,7 +22,7 @@ PACKAGE = ROOT / "ckptq"
 #: layer -> the modules in it, as in docs/design.md's "Layers" list. ``name.*`` is a package with
 #: everything inside it. A module that no entry covers fails :func:`test_every_module_has_a_layer`.
 LAYERS: dict[int, tuple[str, ...]] = {
-    1: ("ckptq._version", "ckptq.errors", "ckptq.chunks", "ckptq.numerics"),
+    1: ("ckptq._version", "ckptq._gc", "ckptq.errors", "ckptq.chunks", "ckptq.numerics"),
     2: ("ckptq.ops.*",),
     3: ("ckptq.formats.*", "ckptq.placement", "ckptq.metrics", "ckptq.checksums"),
     4: ("ckptq.contract", "ckptq.adapters.*"),

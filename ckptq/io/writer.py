@@ -19,9 +19,7 @@ that a future ``dcp.load`` might misread.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import math
 import os
 import pickle
@@ -45,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .._gc import gc_paused
 from ..checksums import Hasher, checksum, checksum_key
 from ..contract import sidecar_ranks, with_checksums, with_digest
 from ..errors import CkptqError
@@ -382,7 +381,7 @@ class CheckpointDirWriter:
         self._check_files()
         # One order and one string object per name, whatever the processes that wrote the records
         # (merge_local): pickle shares objects by identity, so .metadata is then the same bytes.
-        with _gc_paused():  # ~1M small objects: the cyclic GC's passes over them would cost more
+        with gc_paused():  # ~1M small objects: the cyclic GC's passes over them would cost more
             sums = {(sys.intern(f), o): v for (f, o), v in sorted(self._sums.items(), key=_order)}
             planner_data = with_checksums(_canonical(planner_data), sums)
             for md in self._md.values():
@@ -456,18 +455,6 @@ class CheckpointDirWriter:
         for f in self._files.values():
             storage.discard(f)  # an unfinished upload is aborted, never completed
         self._files.clear()
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off meanwhile."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _order(item: tuple) -> tuple:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from .. import chunks
-from ..checkpoint import CheckpointView, _gc_paused
+from .._gc import gc_paused
+from ..checkpoint import CheckpointView
 from ..contract import HIGH_PRECISION, MODES, NATIVE, Entry
 from ..errors import CheckpointFormatError, ShardingError, UnsupportedFormatError
 from ..formats import FORMATS, format_class
@@ -213,7 +214,7 @@ def _groups_to_stack(view: CheckpointView, glob: str) -> dict[str, list[Entry]]:
     return groups
 
 
-@_gc_paused()  # many small acyclic objects; the GC's passes over an opened table cost more than planning
+@gc_paused()  # many small acyclic objects; the GC's passes over an opened table cost more than planning
 def plan_reshard(
     view: CheckpointView,
     mesh: MeshSpec,
