@@ -117,13 +117,16 @@ def _chunked_checkpoint(path, full: torch.Tensor, boxes) -> None:
     w.finish({})
 
 
+@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float8_e4m3fn])
-def test_read_box_is_the_slice(tmp_path, dtype, monkeypatch):
+def test_read_box_is_the_slice(tmp_path, dtype, hold, monkeypatch):
     """Uneven row and column chunks; boxes inside one chunk, across several, strided on both
-    sides, whole chunks; a staging buffer small enough to need several bands."""
+    sides, whole chunks; a staging buffer small enough to need several bands; parts of a chunk
+    served from the chunk read whole (``hold``) or read part by part."""
     import ckptq.checkpoint as cp
 
     monkeypatch.setattr(cp, "STAGING_BYTES", 256)
+    monkeypatch.setattr(cp, "HOLD_BYTES", cp.HOLD_BYTES if hold else 0)
     full = _sample(dtype, (37, 20), seed=1)
     boxes = [((0, 0), (10, 20)), ((10, 0), (17, 7)), ((10, 7), (17, 13)), ((27, 0), (10, 20))]
     _chunked_checkpoint(tmp_path / "c", full, boxes)
