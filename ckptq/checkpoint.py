@@ -173,7 +173,8 @@ class CheckpointView(EntryTable):
         another library wrote, stream transforms) through DCP's reader, chunk by chunk.
 
         The records of an entry are read at once (several requests in flight), and each read asks
-        the kernel to fetch the records of the entries after it meanwhile (:meth:`will_read`).
+        the kernel to fetch the records of the entries after it meanwhile (in the order
+        :meth:`will_read` gave).
 
         Memory: the tensor plus at most one saved chunk (or a 1 MiB buffer).
         """
@@ -491,11 +492,12 @@ class CheckpointView(EntryTable):
         return sums
 
     def will_read(self, fqns: list[str]) -> None:
-        """Say in which order :meth:`read` will be asked for entries (default: :meth:`entries`' order,
-        the one the offline tools read in): each read asks the kernel to fetch the records of the
-        entries after it in this order (:data:`READ_AHEAD` bytes of them) while it runs. Advice
-        only: reads in another order are as correct."""
-        self._sequence = list(fqns)
+        """Say in which order :meth:`read` will be asked for entries (the offline tools say it for the
+        entries they read): each read then asks the kernel to fetch the records of the entries after
+        it in this order (:data:`READ_AHEAD` bytes of them) while it runs, so the disk reads the next
+        entries while this one is converted or written. Without it (or for an entry not in it) a read
+        asks for its own records only. Advice only: reads in another order are as correct."""
+        self._sequence = list(dict.fromkeys(fqns))
         self._order = {f: i for i, f in enumerate(self._sequence)}
         self._ahead.clear()
 
@@ -521,17 +523,13 @@ class CheckpointView(EntryTable):
 
     def _advise_entries(self, fqn: str) -> None:
         """Ask the kernel (on the advice thread: the read does not wait) to fetch the records of entry
-        ``fqn`` and of the entries after it in the read order (:meth:`will_read`), up to
+        ``fqn`` and of the entries after it in the order :meth:`will_read` gave, up to
         :data:`READ_AHEAD` bytes past it (at most 64 entries), those not asked for yet. Advice only."""
         if not hasattr(os, "posix_fadvise"):
             return
-        if self._order is None:
-            self.will_read([e.fqn for e in self.entries()])
-        place = self._order.get(fqn)
-        if place is None:
-            return
+        place = None if self._order is None else self._order.get(fqn)
         ahead = 0
-        for name in self._sequence[place : place + 65]:
+        for name in [fqn] if place is None else self._sequence[place : place + 65]:
             asked = self._ahead.get(name)
             if asked is None:
                 cap = None if name == fqn else READ_AHEAD - ahead

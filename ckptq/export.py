@@ -256,6 +256,8 @@ def _shard_values(view, shard: list[_ExportEntry], consumer: _Consumer, device):
     """Yield ``(it, tensors, metadata, info)`` (:func:`_values`) for each entry of ``shard`` in order,
     computed on ``device``; the next entry's source is read on a thread meanwhile
     (:func:`ckptq.io.device.prefetch`; closing this generator stops that thread)."""
+    if hasattr(view, "will_read"):  # the disk reads the next entries while this one is computed and written
+        view.will_read([it.fqn for it in shard])
     stream = prefetch(shard, lambda it: view.read(it.fqn), device=device, wants_device=_computes)
     try:
         for it, x in stream:

@@ -178,6 +178,33 @@ def test_read_by_byte_range_is_dcps_load(tmp_path):
     view.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_a_read_advises_the_next_entries_in_the_order_given(tmp_path, monkeypatch):
+    """With ``will_read``, a read asks for its own records and then those of the entries after it in
+    that order (not the file's), up to READ_AHEAD bytes; without it, its own only. Same tensors."""
+    import ckptq.checkpoint as cp
+
+    sd = {name: _sample(torch.float32, (32, 32), seed=i) for i, name in enumerate("abcd")}  # 4 KiB each
+    dcp.save(sd, checkpoint_id=str(tmp_path / "c"), planner=ckptq.QuantizedSavePlanner())
+    view = CheckpointView(tmp_path / "c")
+    asked: list = []
+    monkeypatch.setattr(view, "_advise", lambda rel, start, n: asked.append((start, n)))
+    monkeypatch.setattr(view, "_read_ahead", lambda rel, pos: None)  # the file window: not this test's
+    ranges = {f: [(start, n) for _, start, n in view._record_ranges(f)] for f in sd}
+    assert all(len(r) == 1 for r in ranges.values())
+    assert_same_bytes(view.read("c"), sd["c"], "c")
+    assert asked == ranges["c"]  # no order given: its own record only
+    asked.clear()
+    monkeypatch.setattr(cp, "READ_AHEAD", ranges["b"][0][1] + ranges["a"][0][1])
+    view.will_read(["d", "b", "a", "c"])
+    assert_same_bytes(view.read("d"), sd["d"], "d")
+    assert asked == ranges["d"] + ranges["b"] + ranges["a"]
+    asked.clear()
+    assert_same_bytes(view.read("b"), sd["b"], "b")
+    assert asked == ranges["c"]  # a was asked for already
+    view.close()
+
+
 def _flip_payload(path, key: str, offsets, at: float = 0.5) -> str:
     """Flip one bit of the payload of ``key``'s chunk at ``offsets``; returns the record's byte range text."""
     md = read_metadata(path)
