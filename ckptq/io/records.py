@@ -180,7 +180,7 @@ def _meta_offset(f: Any) -> int:
 
 #: A payload of two of these or more gets its CRC-32 from pieces hashed on :data:`CRC_THREADS`
 #: threads at once (``zlib.crc32`` releases the GIL), joined with :func:`crc32_combine`.
-CRC_PIECE = 8 << 20
+CRC_PIECE = 2 << 20
 CRC_THREADS = 4
 _crc_pool: Any = None
 
@@ -210,13 +210,19 @@ def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     of ``B``): CRC-32 is linear over GF(2), so appending ``len2`` bytes multiplies ``A``'s CRC by
     x^(8 len2) modulo the polynomial (the pre- and post-inversion of the register cancel out in the
     sum). The same result as ``zlib.crc32(A + B)`` (tests/test_checksums.py)."""
-    shift, n, k = 0x80000000, len2, 3  # x^0; 8 * len2 = len2 * 2^3
+    return _mul(_shift(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=64)
+def _shift(nbytes: int) -> int:
+    """x^(8 nbytes) modulo the polynomial (reflected), from the powers x^(2^k) of the bits of 8 nbytes."""
+    out, n, k = 0x80000000, nbytes, 3  # x^0; 8 * nbytes = nbytes * 2^3
     while n:
         if n & 1:
-            shift = _mul(_x_pow_2k(k), shift)
+            out = _mul(_x_pow_2k(k), out)
         n >>= 1
         k += 1
-    return _mul(shift, crc1) ^ crc2
+    return out
 
 
 def payload_crc32(payload: Any, value: int = 0) -> int:
