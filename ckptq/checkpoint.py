@@ -496,7 +496,8 @@ class CheckpointView(EntryTable):
         entries they read): each read then asks the kernel to fetch the records of the entries after
         it in this order (:data:`READ_AHEAD` bytes of them) while it runs, so the disk reads the next
         entries while this one is converted or written. Without it (or for an entry not in it) a read
-        asks for its own records only. Advice only: reads in another order are as correct."""
+        asks for its own records and the :data:`READ_AHEAD` bytes after them in the file. Advice
+        only: reads in another order are as correct."""
         self._sequence = list(dict.fromkeys(fqns))
         self._order = {f: i for i, f in enumerate(self._sequence)}
         self._ahead.clear()
@@ -528,6 +529,9 @@ class CheckpointView(EntryTable):
         if not hasattr(os, "posix_fadvise"):
             return
         place = None if self._order is None else self._order.get(fqn)
+        if place is None:  # no order: its own records, and the window ahead of them in the file
+            for rel, start, _ in self._record_ranges(fqn):
+                self._read_ahead(rel, start)
         ahead = 0
         for name in [fqn] if place is None else self._sequence[place : place + 65]:
             asked = self._ahead.get(name)

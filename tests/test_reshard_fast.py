@@ -181,7 +181,8 @@ def test_read_by_byte_range_is_dcps_load(tmp_path):
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
 def test_a_read_advises_the_next_entries_in_the_order_given(tmp_path, monkeypatch):
     """With ``will_read``, a read asks for its own records and then those of the entries after it in
-    that order (not the file's), up to READ_AHEAD bytes; without it, its own only. Same tensors."""
+    that order (not the file's), up to READ_AHEAD bytes; without it, its own (and the file window
+    after them, not checked here). Same tensors."""
     import ckptq.checkpoint as cp
 
     sd = {name: _sample(torch.float32, (32, 32), seed=i) for i, name in enumerate("abcd")}  # 4 KiB each
