@@ -63,7 +63,13 @@ READ_THREADS = 4
 #: window moved along as the reads go): the disk has requests queued while the bytes before are
 #: copied and hashed, and the next records' small framing reads find their pages in the cache.
 READ_AHEAD = 64 << 20
+
+#: A box that reads part of a saved chunk not checked yet reads the chunk whole when it is at most
+#: this long (checked from those bytes, and its other parts served from them: one read of the chunk
+#: instead of the part, then the chunk again to check it); longer chunks are read part by part.
+HOLD_BYTES = 64 << 20
 _read_pool: Any = None
+_advice_pool: Any = None
 
 
 @dataclasses.dataclass
@@ -128,7 +134,11 @@ class CheckpointView(EntryTable):
         self._saved: dict[str, list[SavedChunk] | None] = {}
         self._ranges = storage.RangeReader(self.path)
         self._advised: dict[str, int] = {}  # local data file -> end of the range asked for (READ_AHEAD)
+        self._order: dict[str, int] | None = None  # FQN -> place in the order reads come (will_read)
+        self._sequence: list[str] = []  # the FQNs in that order
+        self._ahead: dict[str, int] = {}  # FQN -> bytes of its records asked for (_advise_entries), in order
         self._staging: Any = None
+        self._held: tuple[SavedChunk | None, Any] = (None, None)  # a chunk read whole for parts of it (_hold)
         self._checksums: Any = False  # read on first use
 
     def _checksum_table(self) -> dict:
@@ -161,26 +171,34 @@ class CheckpointView(EntryTable):
         checksum checked, :meth:`read_box`) are read straight into the result; others (records
         another library wrote, stream transforms) through DCP's reader, chunk by chunk.
 
+        The records of an entry are read at once (several requests in flight), and each read asks
+        the kernel to fetch the records of the entries after it meanwhile (in the order
+        :meth:`will_read` gave).
+
         Memory: the tensor plus at most one saved chunk (or a 1 MiB buffer).
         """
         e = self.entry(fqn)
         if e.kind == "bytes":
             raise CheckpointFormatError(f"{self.path}: '{fqn}' is a non-tensor entry")
         keys = list(e.keys.values())
+        if self.local:  # the kernel fetches this entry's records and the next ones' meanwhile
+            self._advise_entries(fqn)
         if all(self.saved_chunks(k) is not None for k in keys):  # 4x faster than DCP's load per tensor
-            data = {}
+            data, runs = {}, []
             for k in keys:
                 md = self.metadata.state_dict_metadata[k]
                 size = tuple(md.size)
                 data[k] = torch.empty(size, dtype=md.properties.dtype)
-                self.read_box(k, ((0,) * len(size), size), data[k])
+                saved = self.saved_chunks(k)
+                if len(saved) == 1 and saved[0].box == ((0,) * len(size), size):  # one run: read with the others
+                    c = saved[0]
+                    runs.append((c, _bytes_of(data[k]), 0, c.checksum is not None and not c.verified))
+                else:
+                    self.read_box(k, ((0,) * len(size), size), data[k])
+            for (c, _, _, check), running in zip(runs, self._read_runs(runs), strict=True):
+                if check:
+                    self._verify(c, running)
         else:
-            if self.local:  # records another library wrote: the kernel fetches them (and what follows) meanwhile
-                for k in keys:
-                    for c in self.metadata.state_dict_metadata[k].chunks:
-                        info = (self.metadata.storage_data or {}).get(MetadataIndex(k, c.offsets))
-                        if getattr(info, "relative_path", None) is not None:
-                            self._read_ahead(str(info.relative_path), int(info.offset))
             data = self._one_foreign_shard(keys) or load_entries(self.reader, self.metadata, keys)
         if e.kind == "tensor":
             return data[fqn]
@@ -320,10 +338,12 @@ class CheckpointView(EntryTable):
         saved chunks it overlaps (no whole tensor is assembled). Reads go straight into ``out``
         where the bytes are contiguous on both sides, else through a 1 MiB buffer, a band of rows
         at a time. Each saved chunk the checkpoint records a checksum for is checked the first time
-        it is read from (once per view): from the bytes read when they are the whole chunk, else
-        by reading the chunk once more, in order.
+        it is read from (once per view): from the bytes read when they are the whole chunk; for
+        a part of a chunk of at most :data:`HOLD_BYTES`, the chunk is read whole, checked, and
+        kept for the next boxes that read parts of it; a longer one is read once more, in order.
 
-        Memory: ``out`` plus :data:`STAGING_BYTES` (or one row of a chunk, if larger).
+        Memory: ``out`` plus :data:`STAGING_BYTES` (or one row of a chunk, if larger), plus the
+        chunk kept (:data:`HOLD_BYTES` at most) until :meth:`close`.
 
         Returns:
             ``(checksum, crc32)`` when ``box`` is exactly one saved chunk whose bytes were verified
@@ -404,6 +424,7 @@ class CheckpointView(EntryTable):
         self._ranges.close()
         self._advised.clear()
         self._staging = None
+        self._held = (None, None)
 
     def _record_file(self, rel: str) -> Any:
         """A context manager giving data file ``rel`` open for reading (remote: the shared handle,
@@ -426,36 +447,134 @@ class CheckpointView(EntryTable):
 
     def _pread(self, c: SavedChunk, into: memoryview, at: int, hashed: bool = False) -> int | None:
         """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at``; with ``hashed``, return
-        their checksum (:func:`ckptq.checksums.checksum`). A long read is split into
-        :data:`READ_PIECE` pieces read at once on :data:`READ_THREADS` threads, each piece hashed
-        (in order) as soon as it is in while the later ones are still being read."""
+        their checksum (:func:`ckptq.checksums.checksum`). See :meth:`_read_runs`."""
+        return self._read_runs([(c, into, at, hashed)])[0]
+
+    def _read_runs(self, runs: list[tuple[SavedChunk, memoryview, int, bool]]) -> list[int | None]:
+        """Read runs ``(c, into, at, hashed)`` (``len(into)`` payload bytes of ``c`` from payload
+        offset ``at``) all at once, and return each one's checksum where ``hashed`` (else None).
+        Locally the runs go to :data:`READ_THREADS` threads together (a run of two
+        :data:`READ_PIECE` s or more in pieces), so the disk has several requests in flight from
+        the first run to the last, and each piece is hashed (in order) as soon as it is in while
+        the later ones are still being read (one short run: read on this thread); an object store
+        gets one ranged GET per run, in order."""
         global _read_pool
-        n = len(into)
-        if self.local:
-            self._read_ahead(c.file, c.payload + at)
-        if n < 2 * READ_PIECE or not self.local:  # object stores: one ranged GET
-            self._pread_range(c, into, at)
-            return checksum(into) if hashed else None
+        if not self.local or (len(runs) == 1 and len(runs[0][1]) < 2 * READ_PIECE):  # one GET / short read: here
+            sums = []
+            for c, into, at, hashed in runs:
+                if self.local:
+                    self._read_ahead(c.file, c.payload + at)
+                self._pread_range(c, into, at)
+                sums.append(checksum(into) if hashed else None)
+            return sums
         if _read_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptq-read")
-        self._fd(c.file)  # opened here, not by the threads at once
-        pieces = [(o, min(READ_PIECE, n - o)) for o in range(0, n, READ_PIECE)]
-        futures = [_read_pool.submit(self._pread_range, c, into[o : o + k], at + o) for o, k in pieces]
-        running = 0
+        jobs = []
+        for c, into, at, _ in runs:
+            self._read_ahead(c.file, c.payload + at)
+            self._fd(c.file)  # opened here, not by the threads at once
+            n = len(into)
+            step = READ_PIECE if n >= 2 * READ_PIECE else max(n, 1)
+            pieces = [(o, min(step, n - o)) for o in range(0, n, step)]
+            jobs.append([(o, k, _read_pool.submit(self._pread_range, c, into[o : o + k], at + o)) for o, k in pieces])
+        sums: list[int | None] = []
         try:
-            for (o, k), f in zip(pieces, futures, strict=True):
-                f.result()
-                if hashed:
-                    running = checksum(into[o : o + k], running)
+            for (_, into, _, hashed), pieces in zip(runs, jobs, strict=True):
+                running = 0
+                for o, k, f in pieces:
+                    f.result()
+                    if hashed:
+                        running = checksum(into[o : o + k], running)
+                sums.append(running if hashed else None)
         finally:
-            for f in futures:  # none may still write into ``into`` after an error
+            futures = [f for pieces in jobs for _, _, f in pieces]
+            for f in futures:  # none may still write into a buffer after an error
                 f.cancel()
             for f in futures:
                 if not f.cancelled():
                     f.exception()
-        return running if hashed else None
+        return sums
+
+    def will_read(self, fqns: list[str]) -> None:
+        """Say in which order :meth:`read` will be asked for entries (the offline tools say it for the
+        entries they read): each read then asks the kernel to fetch the records of the entries after
+        it in this order (:data:`READ_AHEAD` bytes of them) while it runs, so the disk reads the next
+        entries while this one is converted or written. Without it (or for an entry not in it) a read
+        asks for its own records and the :data:`READ_AHEAD` bytes after them in the file. Advice
+        only: reads in another order are as correct."""
+        self._sequence = list(dict.fromkeys(fqns))
+        self._order = {f: i for i, f in enumerate(self._sequence)}
+        self._ahead.clear()
+
+    def _record_ranges(self, fqn: str) -> list[tuple[str, int, int]]:
+        """``(data file, offset, length)`` of the records of entry ``fqn``, in file order, adjacent
+        records merged."""
+        storage_data = self.metadata.storage_data or {}
+        found = set()
+        for k in self.entry(fqn).keys.values():
+            md = self.metadata.state_dict_metadata.get(k)
+            for c in md.chunks if isinstance(md, TensorStorageMetadata) else [None]:
+                info = storage_data.get(MetadataIndex(k, c.offsets) if c is not None else MetadataIndex(k))
+                if getattr(info, "relative_path", None) is not None:
+                    found.add((str(info.relative_path), int(info.offset), int(info.length)))
+        merged: list[tuple[str, int, int]] = []
+        for rel, start, length in sorted(found):
+            last = merged[-1] if merged else None
+            if last is not None and last[0] == rel and start <= last[1] + last[2] + 4096:
+                merged[-1] = (rel, last[1], max(last[2], start + length - last[1]))
+            else:
+                merged.append((rel, start, length))
+        return merged
+
+    def _advise_entries(self, fqn: str) -> None:
+        """Ask the kernel (on the advice thread: the read does not wait) to fetch the records of entry
+        ``fqn`` and of the entries after it in the order :meth:`will_read` gave, up to
+        :data:`READ_AHEAD` bytes past it (at most 64 entries), those not asked for yet. Advice only."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        place = None if self._order is None else self._order.get(fqn)
+        if place is None:  # no order: its own records, and the window ahead of them in the file
+            for rel, start, _ in self._record_ranges(fqn):
+                self._read_ahead(rel, start)
+        ahead = 0
+        for name in [fqn] if place is None else self._sequence[place : place + 65]:
+            asked = self._ahead.get(name)
+            if asked is None:
+                cap = None if name == fqn else READ_AHEAD - ahead
+                asked, whole = 0, True
+                for rel, start, length in self._record_ranges(name):
+                    n = length if cap is None else min(length, cap - asked)
+                    if n <= 0:
+                        whole = False
+                        break
+                    self._advise(rel, start, n)
+                    asked += n
+                    whole = whole and n == length
+                if whole:  # a part asked for is asked again (with more) by the next read
+                    self._ahead[name] = asked
+            if name != fqn:
+                ahead += asked
+                if ahead >= READ_AHEAD:
+                    return
+
+    def _advise(self, rel: str, start: int, length: int) -> None:
+        """``posix_fadvise(WILLNEED)`` of ``length`` bytes of data file ``rel`` from ``start``, on the
+        advice thread (the kernel allocates the pages and queues the reads there, not on the reader's
+        thread). Errors are ignored: advice only."""
+        global _advice_pool
+        if _advice_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _advice_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptq-advise")
+        fd = self._fd(rel)
+
+        def advise() -> None:
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+
+        _advice_pool.submit(advise)
 
     def _advise_framing(self) -> None:
         """Ask the kernel to fetch the first and last 64 KiB of every record (the ``torch.save``
@@ -484,10 +603,7 @@ class CheckpointView(EntryTable):
         if not hasattr(os, "posix_fadvise") or pos + READ_AHEAD // 2 < end:
             return
         begin = max(pos, end)
-        try:
-            os.posix_fadvise(self._fd(rel), begin, pos + READ_AHEAD - begin, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            return
+        self._advise(rel, begin, pos + READ_AHEAD - begin)
         self._advised[rel] = pos + READ_AHEAD
 
     def _pread_range(self, c: SavedChunk, into: memoryview, at: int) -> None:
@@ -529,6 +645,13 @@ class CheckpointView(EntryTable):
         rel_dst = tuple(o - b for o, b in zip(ov[0], box[0], strict=False))
         rel_src = tuple(o - s for o, s in zip(ov[0], c.box[0], strict=False))
         dst = out_b[_slices(rel_dst, ov[1], item)]
+        nbytes = math.prod(c.box[1]) * item
+        if not whole and (check or self._held[0] is c) and nbytes <= HOLD_BYTES:
+            # part of a chunk: the chunk is read once (and checked), and the other parts of it the
+            # next boxes ask for (e.g. the row blocks of a reshard) come from memory
+            held = self._hold(c, nbytes, check).reshape(tuple(c.box[1][:-1]) + (c.box[1][-1] * item,))
+            dst[...] = held[_slices(rel_src, ov[1], item)]
+            return
         row = math.prod(c.box[1][1:]) * item  # bytes of one dim-0 slice of the chunk
         r0, nrows = rel_src[0], ov[1][0]
         if tuple(ov[1][1:]) == tuple(c.box[1][1:]) and dst.flags.c_contiguous:  # one run on both sides
@@ -560,6 +683,22 @@ class CheckpointView(EntryTable):
                 self._pread(c, buf, at)
                 running = checksum(buf, running)
             self._verify(c, running)
+
+    def _hold(self, c: SavedChunk, nbytes: int, check: bool) -> Any:
+        """The ``nbytes`` payload bytes of saved chunk ``c`` (a numpy uint8 array, valid until the next
+        call): read at once (:meth:`_read_runs`) and checked with ``check``, unless held already."""
+        if self._held[0] is not c:
+            self._held = (None, self._held[1])  # nothing held while the buffer is refilled
+            buf = self._held[1]
+            if buf is None or len(buf) < nbytes:
+                import numpy as np
+
+                buf = np.empty(nbytes, dtype=np.uint8)
+            (running,) = self._read_runs([(c, memoryview(buf[:nbytes]), 0, check)])
+            if check:
+                self._verify(c, running)
+            self._held = (c, buf)
+        return self._held[1][:nbytes]
 
     def _verify(self, c: SavedChunk, got: int) -> None:
         """``got``, the checksum of ``c``'s bytes as read (maybe hashed in bands), against the recorded one."""
@@ -763,6 +902,10 @@ class IndexedCheckpointView(CheckpointView):
     def read(self, fqn: str) -> QuantizedTensor | torch.Tensor:
         self.need(dict.fromkeys(self.entry(fqn).keys.values()))
         return super().read(fqn)
+
+    def _record_ranges(self, fqn: str) -> list[tuple[str, int, int]]:
+        self.need(dict.fromkeys(self.entry(fqn).keys.values()))
+        return super()._record_ranges(fqn)
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         self.need({fqn: None})

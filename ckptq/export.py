@@ -46,6 +46,7 @@ from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 from .io import storage
 from .io.device import device_scope, prefetch, resolve_device, to_host
+from .io.fileio import DEFAULT_SYNC_EVERY, Flusher
 from .io.writer import check_destination, commit_dir, staging_dir, write_error
 from .metrics import sqnr_db
 
@@ -255,6 +256,8 @@ def _shard_values(view, shard: list[_ExportEntry], consumer: _Consumer, device):
     """Yield ``(it, tensors, metadata, info)`` (:func:`_values`) for each entry of ``shard`` in order,
     computed on ``device``; the next entry's source is read on a thread meanwhile
     (:func:`ckptq.io.device.prefetch`; closing this generator stops that thread)."""
+    if hasattr(view, "will_read"):  # the disk reads the next entries while this one is computed and written
+        view.will_read([it.fqn for it in shard])
     stream = prefetch(shard, lambda it: view.read(it.fqn), device=device, wants_device=_computes)
     try:
         for it, x in stream:
@@ -649,14 +652,18 @@ def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer
     names: list[str] = []
     numerics: dict[str, int] = {}
     written = 0
-    with _open_out(path) as f, contextlib.closing(_shard_values(view, shard, consumer, device)) as values:
+    values = _shard_values(view, shard, consumer, device)
+    with _open_out(path) as f, _write_back(f, remote) as flusher, contextlib.closing(values):
         f.write(header)
         for it, tensors, meta, info in values:
             for name, dtype, shape in it.out_names:
                 t = tensors[name]
                 if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                     raise CkptqError(f"internal: '{name}' is {t.dtype} {tuple(t.shape)}, planned {dtype} {shape}")
-                written += _write_tensor(f, t)
+                n = _write_tensor(f, t)
+                written += n
+                if flusher is not None:
+                    flusher.wrote(n)
                 if not remote:
                     hasher.submit(name, t)
                 names.append(name)
@@ -673,9 +680,25 @@ def _write_shard(view, path: Any, shard: list[_ExportEntry], consumer: _Consumer
             if len(final) != len(header):
                 raise CkptqError("internal: shard header changed size")
             f.seek(0)
-            f.write(final)
-            os.fsync(f.fileno())
+            f.write(final)  # fsynced by _write_back
     return names, written, numerics, consumer.findings(since=before), size
+
+
+@contextlib.contextmanager
+def _write_back(f: Any, remote: bool):
+    """A :class:`~ckptq.io.fileio.Flusher` of local shard file ``f`` (None for an object store): the
+    write-back starts every :data:`~ckptq.io.fileio.DEFAULT_SYNC_EVERY` bytes written (on a thread),
+    so the disk writes the shard while the next sources are read instead of all of it at the end;
+    on a normal exit it waits for that and fsyncs the file, on an error it only waits."""
+    if remote:
+        yield None
+        return
+    flusher, ok = Flusher(f.fileno(), DEFAULT_SYNC_EVERY), False
+    try:
+        yield flusher
+        ok = True
+    finally:
+        flusher.close(fsync=ok)
 
 
 def _check_shard_file(path: Any, size: int) -> None:

@@ -10,7 +10,8 @@
    per-tensor FP8 with its transposed copy and MXFP8 with its columnwise copy and swizzled scales,
    4096 x 4096), and its ckptq-native conversion (``convert --to native``).
 3. Timed, each on every device of ``--devices`` (``cuda`` only where a CUDA device is there):
-   ``read``: ``open_checkpoint`` + ``read`` of every entry (CPU; the source read every tool does);
+   ``read``: ``open_checkpoint`` + ``read`` of every entry, their order given first (``will_read``,
+   as the tools give it; CPU; the source read every tool does);
    ``convert TE -> nvfp4``; ``convert TE -> native`` (no kernels: CPU only);
    ``export native -> modelopt nvfp4`` (every weight requantized); ``export native -> bf16``
    (compressed-tensors, every weight dequantized: ``ignore=["*"]``); ``reshard native -> mesh 2 + nvfp4``;
@@ -180,9 +181,11 @@ def main() -> None:
 
     def read(src):
         view = open_checkpoint(src)
-        for e in view.entries():
-            if e.kind != "bytes":
-                view.read(e.fqn)
+        fqns = [e.fqn for e in view.entries() if e.kind != "bytes"]
+        if hasattr(view, "will_read"):  # the order of the reads, as the tools give it
+            view.will_read(fqns)
+        for fqn in fqns:
+            view.read(fqn)
         if hasattr(view, "close"):
             view.close()
 

@@ -341,3 +341,20 @@ def test_the_kernels_split_and_combine_equal_crc32c_on_cpu():
         assert int(ops.crc32c(x)) == checksum(x)
         torch.library.opcheck(torch.ops.ckptq.crc32c.default, (buf[3:1000], 5, 64))  # schema, fake kernel
     assert ops.crc32c(buf) is None  # unforced, CPU tensors are left to the crc32c package
+
+
+def test_zip_crc32_in_pieces_is_zlibs(monkeypatch):
+    """``payload_crc32`` hashed in pieces on threads and joined by ``crc32_combine`` is
+    ``zlib.crc32`` of the whole (a running value continued too), at piece borders and off them."""
+    import zlib
+
+    from ckptq.io import records
+
+    g = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 256, (10_007,), dtype=torch.uint8, generator=g).numpy()
+    for a, b in [(0, 5), (5, 0), (1, 1), (3, 1000), (6000, 4007)]:
+        first, second = data[:a].tobytes(), data[a : a + b].tobytes()
+        assert records.crc32_combine(zlib.crc32(first), zlib.crc32(second), b) == zlib.crc32(first + second)
+    monkeypatch.setattr(records, "CRC_PIECE", 1000)  # 10 pieces, the last one short
+    for value in (0, 0x1234ABCD):
+        assert records.payload_crc32(data, value) == zlib.crc32(data.tobytes(), value)

@@ -117,13 +117,16 @@ def _chunked_checkpoint(path, full: torch.Tensor, boxes) -> None:
     w.finish({})
 
 
+@pytest.mark.parametrize("hold", [True, False])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float8_e4m3fn])
-def test_read_box_is_the_slice(tmp_path, dtype, monkeypatch):
+def test_read_box_is_the_slice(tmp_path, dtype, hold, monkeypatch):
     """Uneven row and column chunks; boxes inside one chunk, across several, strided on both
-    sides, whole chunks; a staging buffer small enough to need several bands."""
+    sides, whole chunks; a staging buffer small enough to need several bands; parts of a chunk
+    served from the chunk read whole (``hold``) or read part by part."""
     import ckptq.checkpoint as cp
 
     monkeypatch.setattr(cp, "STAGING_BYTES", 256)
+    monkeypatch.setattr(cp, "HOLD_BYTES", cp.HOLD_BYTES if hold else 0)
     full = _sample(dtype, (37, 20), seed=1)
     boxes = [((0, 0), (10, 20)), ((10, 0), (17, 7)), ((10, 7), (17, 13)), ((27, 0), (10, 20))]
     _chunked_checkpoint(tmp_path / "c", full, boxes)
@@ -172,6 +175,34 @@ def test_read_by_byte_range_is_dcps_load(tmp_path):
             assert set(got._components) == set(entry.keys)
             for name, key in entry.keys.items():
                 assert_same_bytes(got._components[name], ref[key], key)
+    view.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise")
+def test_a_read_advises_the_next_entries_in_the_order_given(tmp_path, monkeypatch):
+    """With ``will_read``, a read asks for its own records and then those of the entries after it in
+    that order (not the file's), up to READ_AHEAD bytes; without it, its own (and the file window
+    after them, not checked here). Same tensors."""
+    import ckptq.checkpoint as cp
+
+    sd = {name: _sample(torch.float32, (32, 32), seed=i) for i, name in enumerate("abcd")}  # 4 KiB each
+    dcp.save(sd, checkpoint_id=str(tmp_path / "c"), planner=ckptq.QuantizedSavePlanner())
+    view = CheckpointView(tmp_path / "c")
+    asked: list = []
+    monkeypatch.setattr(view, "_advise", lambda rel, start, n: asked.append((start, n)))
+    monkeypatch.setattr(view, "_read_ahead", lambda rel, pos: None)  # the file window: not this test's
+    ranges = {f: [(start, n) for _, start, n in view._record_ranges(f)] for f in sd}
+    assert all(len(r) == 1 for r in ranges.values())
+    assert_same_bytes(view.read("c"), sd["c"], "c")
+    assert asked == ranges["c"]  # no order given: its own record only
+    asked.clear()
+    monkeypatch.setattr(cp, "READ_AHEAD", ranges["b"][0][1] + ranges["a"][0][1])
+    view.will_read(["d", "b", "a", "c"])
+    assert_same_bytes(view.read("d"), sd["d"], "d")
+    assert asked == ranges["d"] + ranges["b"] + ranges["a"]
+    asked.clear()
+    assert_same_bytes(view.read("b"), sd["b"], "b")
+    assert asked == ranges["c"]  # a was asked for already
     view.close()
 
 

@@ -16,7 +16,8 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
 * :class:`RecordReader` / :class:`BufferPool`: the records of a file read in order, ahead of their
   use, on a background thread straight into their destinations (through a bounded set of pinned
   buffers into CUDA ones), hashed on that thread;
-* :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops.
+* :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops;
+  :func:`pread_pieces`: a long read in pieces on several threads at once.
 
 Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
 :data:`DEFAULT_BUFFER_BYTES` per staging or read buffer, :data:`DEFAULT_SYNC_EVERY` bytes between
@@ -44,6 +45,7 @@ __all__ = [
     "Staging",
     "pwrite_all",
     "pread_into",
+    "pread_pieces",
     "pinned_or_plain",
     "BufferPool",
     "RecordReader",
@@ -82,6 +84,45 @@ def pwrite_all(fd: int, parts: list, pos: int) -> int:
         if views and n:
             views[0] = views[0][n:]
     return total
+
+
+#: A read of two of these or more is split by :func:`pread_pieces` into pieces of this size, read at
+#: once on :data:`PIECE_THREADS` threads (the disk gets several requests in flight, as one
+#: sequential stream's readahead alone does not give it: ``docs/benchmarks.md``).
+PIECE_BYTES = 8 << 20
+PIECE_THREADS = 4
+_piece_pool: cf.ThreadPoolExecutor | None = None
+_piece_lock = threading.Lock()
+
+
+def pread_pieces(fd: int, buf: Any, pos: int) -> int:
+    """:func:`pread_into` of the writable bytes-like ``buf`` from byte ``pos`` of ``fd``, a read of two
+    :data:`PIECE_BYTES` or more in pieces read at once on :data:`PIECE_THREADS` threads (shared by
+    all callers). Returns the bytes read: fewer only at the end of the file."""
+    global _piece_pool
+    view = memoryview(buf).cast("B")
+    n = len(view)
+    if n < 2 * PIECE_BYTES:
+        return pread_into(fd, view, pos)
+    with _piece_lock:
+        if _piece_pool is None:
+            _piece_pool = cf.ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="ckptq-pread")
+    pieces = [(o, min(PIECE_BYTES, n - o)) for o in range(0, n, PIECE_BYTES)]
+    futures = [_piece_pool.submit(pread_into, fd, view[o : o + k], pos + o) for o, k in pieces]
+    done = 0
+    try:
+        for (_, k), f in zip(pieces, futures, strict=True):
+            got = f.result()
+            done += got
+            if got < k:  # the end of the file: the bytes after are not read
+                break
+    finally:
+        for f in futures:  # none may still write into ``buf`` after this returns
+            f.cancel()
+        for f in futures:
+            if not f.cancelled():
+                f.exception()
+    return done
 
 
 def pread_into(fd: int, buf: Any, pos: int) -> int:

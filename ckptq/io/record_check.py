@@ -14,7 +14,6 @@ Used by :class:`~ckptq.io.SafeFileSystemReader` (every record it reads), :mod:`c
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from typing import Any
 
@@ -70,7 +69,9 @@ class Window(ReadView):
         n = max(0, min(len(b), self.size - self.pos))
         fd = self._fileno()
         if fd is not None and n:  # straight into ``b`` (torch.load reads storages this way): one copy
-            got = os.preadv(fd, [memoryview(b).cast("B")[:n]], self._start + self.pos)
+            from .fileio import pread_pieces
+
+            got = pread_pieces(fd, memoryview(b).cast("B")[:n], self._start + self.pos)
             self.pos += got
             return got
         self._base.seek(self._start + self.pos)

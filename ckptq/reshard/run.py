@@ -489,6 +489,8 @@ def _execute(
                     progress(o.nbytes)
             state.add_output(view, job, _copy_descriptor(job))
         # the rest: the next job's source is read on a thread while this one is computed (on `device`)
+        if hasattr(view, "will_read"):  # and the disk reads the ones after it meanwhile
+            view.will_read([e.fqn for job, _ in computed for e in job.sources])
         stats = PrefetchStats()
         stream = prefetch(
             computed,
