@@ -14,6 +14,7 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -430,8 +431,6 @@ class CheckpointView(EntryTable):
         """A context manager giving data file ``rel`` open for reading (remote: the shared handle,
         left open; local: a new file object, closed on exit)."""
         if self._ranges.remote:
-            import contextlib
-
             return contextlib.nullcontext(self._ranges.handle(rel))
         return open(self.path / rel, "rb")
 
