@@ -45,6 +45,7 @@ __all__ = [
     "read_sidecar",
     "PlanHasher",
     "combine",
+    "crc32_combine",
 ]
 
 #: the name stored with every checksum table (a reader that does not know it verifies nothing).
@@ -155,42 +156,45 @@ def _on_device(data: torch.Tensor, value: int = 0):
     return result
 
 
-# ---------------------------------------------------------------- GF(2) arithmetic of crc32c
-# Polynomials mod P, P = 0x1EDC6F41 (Castagnoli), stored bit-reflected as crc32c computes them: bit
-# 31 is the coefficient of x^0. A CRC register followed by n bytes is multiplied by x^(8n) mod P,
-# and everything is linear, so crc32c(A + B) = crc32c(A) * x^(8 |B|) mod P ^ crc32c(B) (zlib's
-# crc32_combine, Mark Adler, zlib 1.2.12 crc32.c). The kernels (ckptq/csrc/crc32c.h) do the same.
-_POLY = 0x82F63B78
+# ---------------------------------------------------------------- GF(2) arithmetic of CRC-32s
+# Polynomials mod P, stored bit-reflected as the CRCs compute them: bit 31 is the coefficient of
+# x^0. A CRC register followed by n bytes is multiplied by x^(8n) mod P, and everything is linear,
+# so crc(A + B) = crc(A) * x^(8 |B|) mod P ^ crc(B) (zlib's crc32_combine, Mark Adler, zlib 1.2.12
+# crc32.c; the pre- and post-inversion of the register cancel out in the sum). Two polynomials:
+# crc32c's (Castagnoli, 0x1EDC6F41; the kernels in ckptq/csrc/crc32c.h do the same) and the zip /
+# zlib CRC-32's (ISO 3309, 0x04C11DB7), which torch.save records carry.
+_POLY = 0x82F63B78  # crc32c, reflected
+_POLY_ZIP = 0xEDB88320  # zip CRC-32, reflected
 
 
-def _multmodp(a: int, b: int) -> int:
-    """``a * b mod P`` of two reflected polynomials."""
+def _multmodp(a: int, b: int, poly: int = _POLY) -> int:
+    """``a * b mod P`` of two reflected polynomials (``poly``: P reflected)."""
     p = 0
     for _ in range(32):
         if a & 0x80000000:
             p ^= b
         a = (a << 1) & 0xFFFFFFFF
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        b = (b >> 1) ^ poly if b & 1 else b >> 1
     return p
 
 
-def _x2n_table() -> list[int]:
+def _x2n_table(poly: int) -> list[int]:
     table = [0x40000000]  # x^1
     for _ in range(63):
-        table.append(_multmodp(table[-1], table[-1]))
+        table.append(_multmodp(table[-1], table[-1], poly))
     return table
 
 
-_X2N = _x2n_table()  # x^(2^k) mod P, k = 0..63
+_X2N = {poly: _x2n_table(poly) for poly in (_POLY, _POLY_ZIP)}  # x^(2^k) mod P, k = 0..63
 
 
-def _shift(crc: int, nbytes: int) -> int:
+def _shift(crc: int, nbytes: int, poly: int = _POLY) -> int:
     """``crc * x^(8 nbytes) mod P``: a CRC register after ``nbytes`` zero bytes (no pre/post
     conditioning)."""
-    k = 3
+    table, k = _X2N[poly], 3
     while nbytes:
         if nbytes & 1:
-            crc = _multmodp(_X2N[k], crc)
+            crc = _multmodp(table[k], crc, poly)
         nbytes >>= 1
         k += 1
     return crc
@@ -201,6 +205,13 @@ def combine(crc_a: int, crc_b: int, len_b: int) -> int:
     (bytes), without the bytes: ``crc_a * x^(8 len_b) mod P ^ crc_b``. The same arithmetic joins
     the pieces hashed by the GPU kernel's threads (``ckptq/csrc/crc32c.h``)."""
     return _shift(crc_a, len_b) ^ crc_b
+
+
+def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """:func:`combine` for the zip CRC-32 (``zlib.crc32``, the CRC a ``torch.save`` record's zip
+    directory holds): ``zlib.crc32(a + b)`` from ``zlib.crc32(a)``, ``zlib.crc32(b)`` and ``len(b)``
+    in bytes (tests/test_checksums.py compares it with ``zlib.crc32``)."""
+    return _shift(crc_a, len_b, _POLY_ZIP) ^ crc_b
 
 
 class Hasher:

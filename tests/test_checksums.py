@@ -348,13 +348,14 @@ def test_zip_crc32_in_pieces_is_zlibs(monkeypatch):
     ``zlib.crc32`` of the whole (a running value continued too), at piece borders and off them."""
     import zlib
 
+    from ckptq.checksums import crc32_combine
     from ckptq.io import records
 
     g = torch.Generator().manual_seed(5)
     data = torch.randint(0, 256, (10_007,), dtype=torch.uint8, generator=g).numpy()
     for a, b in [(0, 5), (5, 0), (1, 1), (3, 1000), (6000, 4007)]:
         first, second = data[:a].tobytes(), data[a : a + b].tobytes()
-        assert records.crc32_combine(zlib.crc32(first), zlib.crc32(second), b) == zlib.crc32(first + second)
+        assert crc32_combine(zlib.crc32(first), zlib.crc32(second), b) == zlib.crc32(first + second)
     monkeypatch.setattr(records, "CRC_PIECE", 1000)  # 10 pieces, the last one short
     for value in (0, 0x1234ABCD):
         assert records.payload_crc32(data, value) == zlib.crc32(data.tobytes(), value)

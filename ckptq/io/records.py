@@ -35,10 +35,11 @@ from typing import Any
 
 import torch
 
+from ..checksums import crc32_combine
 from ..errors import CheckpointFormatError, CkptqError
 from .record_check import ReadView
 
-__all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32", "crc32_combine"]
+__all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,50 +180,10 @@ def _meta_offset(f: Any) -> int:
 
 
 #: A payload of two of these or more gets its CRC-32 from pieces hashed on :data:`CRC_THREADS`
-#: threads at once (``zlib.crc32`` releases the GIL), joined with :func:`crc32_combine`.
+#: threads at once (``zlib.crc32`` releases the GIL), joined with :func:`ckptq.checksums.crc32_combine`.
 CRC_PIECE = 2 << 20
 CRC_THREADS = 4
 _crc_pool: Any = None
-
-#: The zip CRC-32 polynomial (ISO 3309, as ``zlib.crc32`` uses it), bit-reflected.
-_POLY = 0xEDB88320
-
-
-def _mul(a: int, b: int) -> int:
-    """``a * b`` modulo the CRC-32 polynomial, both bit-reflected (bit 31 is the coefficient of x^0)."""
-    out = 0
-    for _ in range(32):
-        if a & 0x80000000:
-            out ^= b
-        a = (a << 1) & 0xFFFFFFFF
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-    return out
-
-
-@functools.cache
-def _x_pow_2k(k: int) -> int:
-    """x^(2^k) modulo the polynomial (reflected): x^1 is bit 30, each next one the square of the last."""
-    return 0x40000000 if k == 0 else _mul(_x_pow_2k(k - 1), _x_pow_2k(k - 1))
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The zip CRC-32 of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len2`` (bytes
-    of ``B``): CRC-32 is linear over GF(2), so appending ``len2`` bytes multiplies ``A``'s CRC by
-    x^(8 len2) modulo the polynomial (the pre- and post-inversion of the register cancel out in the
-    sum). The same result as ``zlib.crc32(A + B)`` (tests/test_checksums.py)."""
-    return _mul(_shift(len2), crc1) ^ crc2
-
-
-@functools.lru_cache(maxsize=64)
-def _shift(nbytes: int) -> int:
-    """x^(8 nbytes) modulo the polynomial (reflected), from the powers x^(2^k) of the bits of 8 nbytes."""
-    out, n, k = 0x80000000, nbytes, 3  # x^0; 8 * nbytes = nbytes * 2^3
-    while n:
-        if n & 1:
-            out = _mul(_x_pow_2k(k), out)
-        n >>= 1
-        k += 1
-    return out
 
 
 def payload_crc32(payload: Any, value: int = 0) -> int:
