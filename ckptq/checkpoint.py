@@ -34,6 +34,7 @@ from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
 from .formats.base import QuantizedTensor
 from .io import safetensors, storage, torchsave
+from .io.fileio import advise_later
 from .io.foreign import ForeignLocation
 from .io.index import INDEX_FILE, ChunkIndex
 from .io.metadata import METADATA_FILE, check_file_name, check_storage
@@ -70,7 +71,6 @@ READ_AHEAD = 64 << 20
 #: instead of the part, then the chunk again to check it); longer chunks are read part by part.
 HOLD_BYTES = 64 << 20
 _read_pool: Any = None
-_advice_pool: Any = None
 
 
 @dataclasses.dataclass
@@ -562,18 +562,7 @@ class CheckpointView(EntryTable):
         """``posix_fadvise(WILLNEED)`` of ``length`` bytes of data file ``rel`` from ``start``, on the
         advice thread (the kernel allocates the pages and queues the reads there, not on the reader's
         thread). Errors are ignored: advice only."""
-        global _advice_pool
-        if _advice_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _advice_pool = ThreadPoolExecutor(1, thread_name_prefix="ckptq-advise")
-        fd = self._fd(rel)
-
-        def advise() -> None:
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
-
-        _advice_pool.submit(advise)
+        advise_later([(self._fd(rel), start, length)])
 
     def _advise_framing(self) -> None:
         """Ask the kernel to fetch the first and last 64 KiB of every record (the ``torch.save``

@@ -91,6 +91,8 @@ def _worker(rank: int, ws: int, args, queue) -> None:
 
     import ckptq
     import ckptq.io
+    from torch.distributed.checkpoint import FileSystemReader
+
     from ckptq.io import SafeFileSystemReader
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -209,11 +211,13 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         if rank == 0 and (prefix or name not in loaded):
             shutil.rmtree(root / (prefix + name), ignore_errors=True)
 
+    if args.loads_only:  # the checkpoints the loads read, saved once (untimed); no async saves
+        saves = {"b_ckptq_native": saves["b_ckptq_native"]}
     times = rounds(
         saves,
         lambda name, _: shutil.rmtree(root / name, ignore_errors=True),
         lambda name, save: save(root / name),
-        budget=0.3 * left,
+        budget=0.0 if args.loads_only else 0.3 * left,
         after=lambda name, _: after_save(name),
     )
     res["rounds"] = {"saves": len(next(iter(times.values())))}
@@ -222,7 +226,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         t, nbytes = statistics.median(all_s), saved_bytes[name]
         res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9, "all_s": all_s}
 
-    async_saves = {  # name: (state dict maker, planner maker, storage writer maker or None)
+    async_saves = {} if args.loads_only else {  # name: (state dict maker, planner maker, storage writer maker or None)
         "a_default_bf16": (lambda: bf16, lambda: None, None),
         "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner, writer),
         "d_high_precision": (lambda: native, lambda: ckptq.QuantizedSavePlanner(mode="high_precision"), writer),
@@ -230,7 +234,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     }
     if args.async_bf16_ckptq:
         async_saves["a_bf16_ckptq_writer"] = (lambda: bf16, lambda: None, writer)
-    times = rounds(
+    times = {} if not async_saves else rounds(
         async_saves,
         lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
         lambda name, c: dcp.async_save(
@@ -243,7 +247,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         budget=0.3 * left,
         after=lambda name, _: after_save(name, "async_"),
     )
-    res["rounds"]["async"] = len(next(iter(times.values())))
+    res["rounds"]["async"] = len(next(iter(times.values()), ()))
     # the copy out of the GPU of the same bytes into pinned memory (what staging must at least take)
     d2h_sources = {"a_default_bf16": bf16, "a_bf16_ckptq_writer": bf16, "b_ckptq_native": native}
     d2h = {}
@@ -272,15 +276,34 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     same_targets = {k: torch.empty_like(v) for k, v in same.items()}
     targets = {k: torch.empty_like(v) for k, v in native.items()}
     native_planner = ckptq.QuantizedLoadPlanner()
-    safe = SafeFileSystemReader
-    loads = {  # name: (checkpoint, targets, planner, storage reader class)
-        "a_default_bf16": ("a_default_bf16", {k: torch.empty_like(v) for k, v in bf16.items()}, None, None),
-        "a_default_bf16_same_bytes_as_b": ("a_same_bytes", same_targets, None, None),
+    split: dict = {}  # load case -> [(start of read_data, its end)] on this rank
+    safe, dcp_reader = _timed(SafeFileSystemReader, split), _timed(FileSystemReader, split)
+    own_files = sorted((root / "b_ckptq_native").glob(f"__{rank}_*.distcp"))
+    loads = {  # name: (checkpoint, targets or a function that reads, planner, storage reader class)
+        "a_default_bf16": ("a_default_bf16", {k: torch.empty_like(v) for k, v in bf16.items()}, None, dcp_reader),
+        "a_default_bf16_same_bytes_as_b": ("a_same_bytes", same_targets, None, dcp_reader),
         "a_same_bytes_safe_reader": ("a_same_bytes", same_targets, None, safe),
-        "b_native_dcp_reader": ("b_ckptq_native", targets, native_planner, None),
+        "b_native_dcp_reader": ("b_ckptq_native", targets, native_planner, dcp_reader),
         "b_native_safe_reader": ("b_ckptq_native", targets, native_planner, safe),
         "d_high_precision_safe_reader": ("d_high_precision", targets, native_planner, safe),
+        # the same files as (b), read plainly by every rank at once: one stream, then a thread per file
+        "p_plain_read_native_files": ("b_ckptq_native", lambda: _plain_read(own_files, 1), None, None),
+        "p_plain_read_native_files_threads": (
+            "b_ckptq_native",
+            lambda: _plain_read(own_files, len(own_files)),
+            None,
+            None,
+        ),
     }
+    if args.loads_only:
+        del loads["a_default_bf16"], loads["d_high_precision_safe_reader"]
+        for n in (2, 4):  # fewer files read at once per rank (the default reads thread_count = 8)
+            loads[f"b_native_safe_reader_{n}_threads"] = (
+                "b_ckptq_native",
+                targets,
+                native_planner,
+                _timed(SafeFileSystemReader, split, thread_count=n),
+            )
     if args.placement_loads:
         # another placement: Shard(1) (TP row-parallel) targets of the same quantized layouts
         shard1 = {}
@@ -293,9 +316,9 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     times = rounds(
         loads,
         lambda name, c: dropped.append(not args.keep_caches and drop_file_cache([root / c[0]])),
-        lambda _, c: dcp.load(
-            c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0]) if c[3] else None
-        ),
+        lambda name, c: c[1]()
+        if callable(c[1])
+        else dcp.load(c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0], case=name)),
         budget=0.4 * left,
     )
     for name, (src, *_) in loads.items():
@@ -303,6 +326,12 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         t = statistics.median(all_s)
         nbytes = sum(_dir_bytes(root / src, r) for r in range(ws)) / ws
         res[f"load_{name}"] = {"s": t, "GBps": nbytes / t / 1e9, "caches_dropped": all(dropped), "all_s": all_s}
+        if split.get(name):  # where the load's time went: before read_data (metadata, planning), in it, after
+            res[f"load_{name}"].update(
+                before_read_s=statistics.median(b - i for i, b, _ in split[name]),
+                read_data_s=statistics.median(e - b for _, b, e in split[name]),
+                after_read_s=statistics.median(a - (e - i) for a, (i, _, e) in zip(all_s, split[name], strict=True)),
+            )
     res["rounds"]["loads"] = len(next(iter(times.values())))
     del loads, targets, same_targets
     if rank == 0:
@@ -310,6 +339,42 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     queue.put(res)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _timed(reader_class, split: dict, **kwargs):
+    """``reader_class`` whose instances note, in ``split[case]``, when they were made (the start of
+    the ``dcp.load`` that makes them), when ``read_data`` began and when it returned: what comes
+    before is reading the metadata and DCP's collective planning, what comes after is DCP's final
+    collective (waiting for the slowest rank)."""
+
+    class Timed(reader_class):
+        def __init__(self, path, case: str):
+            self._case, self._made = case, time.perf_counter()
+            super().__init__(path, **kwargs)
+
+        def read_data(self, plan, planner):
+            begin = time.perf_counter()
+            fut = super().read_data(plan, planner)
+            fut.wait()
+            split.setdefault(self._case, []).append((self._made, begin, time.perf_counter()))
+            return fut
+
+    return Timed
+
+
+def _plain_read(files: list, threads: int) -> None:
+    """Read ``files`` whole with 32 MiB ``readinto`` calls into one buffer per thread, ``threads``
+    files at once (1: one after another): the disk's speed for exactly the files a load reads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path):
+        buf = bytearray(min(32 << 20, max(1, path.stat().st_size)))
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, files))
 
 
 def _d2h_seconds(sd: dict, sync) -> float:
@@ -458,6 +523,11 @@ def main() -> None:
     ap.add_argument("--async-bf16-ckptq", action="store_true", help="also async_save bf16 with ckptq's writer")
     ap.add_argument("--placement-loads", action="store_true", help="also load native into Shard(1) targets")
     ap.add_argument("--one-gpu-load", action="store_true", help="also load native on 1 GPU (no_dist)")
+    ap.add_argument(
+        "--loads-only",
+        action="store_true",
+        help="only the loads (their checkpoints saved once, untimed; no async saves, no full bf16 load)",
+    )
     ap.add_argument(
         "--probe-gib",
         type=float,

@@ -106,6 +106,30 @@ def test_writer_knobs_write_torch_saves_records_and_load_back_exactly(tmp_path, 
     assert "9 verified, 0 without checksum, 0 failed" in _verify(ours)
 
 
+def test_reader_asks_for_its_own_files_early_only_when_the_layout_is_the_saved_one(tmp_path, monkeypatch):
+    import ckptq.io.reader as reader_module
+
+    sd = _state_dict()
+    writer = ChecksumFileSystemWriter(tmp_path, thread_count=3)
+    dcp.save(sd, storage_writer=writer, planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    asked = []
+    monkeypatch.setattr(reader_module, "advise_later", lambda ranges: asked.append(sorted(ranges)))
+
+    def load(**kw) -> None:
+        got = _targets()
+        reader = SafeFileSystemReader(tmp_path, **kw)
+        dcp.load(got, storage_reader=reader, planner=ckptq.QuantizedLoadPlanner(), no_dist=True)
+        _check_loaded(got, sd)
+
+    load(early_read_ahead=3 << 20)  # saved by one rank, loaded by one: its three files, 1 MiB each
+    assert asked == [[(str(tmp_path / f"__0_{i}.distcp"), 0, 1 << 20) for i in range(3)]]
+    load(early_read_ahead=0)
+    assert len(asked) == 1
+    (tmp_path / "__1_0.distcp").write_bytes(b"")  # now the files are of 2 ranks: another layout
+    load()
+    assert len(asked) == 1
+
+
 def _verify(path) -> str:
     from typer.testing import CliRunner
 

@@ -30,6 +30,7 @@ import dataclasses
 import io
 import math
 import os
+import re
 import threading
 import warnings
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from torch.futures import Future
 from ..checksums import check, checksum_key
 from ..contract import Entry, read_checksums
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
+from .fileio import advise_later
 from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
@@ -69,6 +71,8 @@ __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries",
 _LAST_METADATA_ERROR = threading.local()
 
 PathLike = Union[str, "os.PathLike[str]"]
+#: how DCP's ``FileSystemWriter`` and ckptq's writers name rank ``<r>``'s data files
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -112,6 +116,12 @@ class SafeFileSystemReader(FileSystemReader):
             reads at most :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` of them ahead of the
             records the caller has committed (default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
         fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
+        early_read_ahead: bytes of this rank's own data files (``__<rank>_*.distcp``, as DCP's and
+            ckptq's writers name them) the kernel is asked to fetch as soon as ``.metadata`` is
+            read, while it is checked and DCP plans the load (``POSIX_FADV_WILLNEED`` on a
+            background thread), when the checkpoint's data files are of as many ranks as load it
+            (a load into the layout it was saved from reads its own files); 0 turns it off
+            (default :data:`ckptq.io.fileio.EARLY_READ_AHEAD`).
         **kwargs: passed to ``FileSystemReader``.
 
     How it reads: the records of each local data file are read in file order by a background thread
@@ -151,9 +161,10 @@ class SafeFileSystemReader(FileSystemReader):
         thread_count: int | None = None,
         buffer_bytes: int | None = None,
         fadvise: bool = True,
+        early_read_ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS
+        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS, EARLY_READ_AHEAD
 
         super().__init__(path, **kwargs)
         if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
@@ -161,6 +172,7 @@ class SafeFileSystemReader(FileSystemReader):
         self.thread_count = DEFAULT_THREADS if thread_count is None else max(1, int(thread_count))
         self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
         self.fadvise = fadvise
+        self.early_read_ahead = EARLY_READ_AHEAD if early_read_ahead is None else max(0, int(early_read_ahead))
         self._cached_metadata = metadata
         self._verify_storage = verify_storage
         self.verify_checksums = verify_checksums
@@ -271,6 +283,8 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             with self.fs.create_stream(path, "rb") as f:
                 data = f.read()
+            if rank is None:
+                self._read_own_files_ahead()
             metadata = safe_loads(data, source=str(path), what="the DCP metadata file")
             del data  # the file's bytes: not kept while the metadata is checked
         except CkptqError:
@@ -299,6 +313,29 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _read_own_files_ahead(self) -> None:
+        """Ask the kernel for the first :attr:`early_read_ahead` bytes of this rank's own data files
+        (split evenly over them; see the class docstring). Local checkpoints only; advice only."""
+        if not self.early_read_ahead or is_url(str(self.path)) or not self.fadvise:
+            return
+        dist = torch.distributed
+        rank, world = (0, 1)
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        by_rank: dict[int, list[str]] = {}
+        try:
+            with os.scandir(self.path) as it:
+                for e in it:
+                    m = _DATA_FILE.fullmatch(e.name)
+                    if m:
+                        by_rank.setdefault(int(m.group(1)), []).append(e.path)
+        except OSError:
+            return
+        if by_rank and max(by_rank) + 1 == world and rank in by_rank:  # saved by as many ranks as load it
+            files = sorted(by_rank[rank])
+            share = self.early_read_ahead // len(files)
+            advise_later([(f, 0, share) for f in files])
 
     def _root(self) -> str | Path:
         """The checkpoint's folder: a URL string or a ``Path``."""

@@ -197,10 +197,15 @@ def _check_classes_untouched(before: list[dict], source: str) -> None:
         )
 
 
-def _pickle_arg_lengths() -> dict[int, int]:
+def _pickle_arg_lengths() -> list[int | None]:
+    """Per opcode byte: its argument's width (>= 0: fixed; < 0: ``pickletools``' codes for a line
+    or a length-prefixed argument), None for a byte that is no opcode."""
     import pickletools
 
-    return {ord(op.code): 0 if op.arg is None else op.arg.n for op in pickletools.opcodes}
+    table: list[int | None] = [None] * 256
+    for op in pickletools.opcodes:
+        table[ord(op.code)] = 0 if op.arg is None else op.arg.n
+    return table
 
 
 _PICKLE_ARGS = _pickle_arg_lengths()
@@ -231,11 +236,11 @@ def check_pickle_memo(data: bytes, source: str, what: str = "the DCP metadata fi
     frm = int.from_bytes
     while i < n:
         code = data[i]
+        k = args[code]
         i += 1
-        k = args.get(code)
         if k is None or code == 0x2E:  # unknown opcode, or STOP
             return
-        if k >= 0:
+        if k >= 0:  # most opcodes (a fixed-width argument or none): checked by the one comparison
             if code == 0x72 and frm(data[i : i + 4], "little") >= n:  # LONG_BINPUT
                 raise CheckpointFormatError(
                     f"{source}: {what} is corrupt (a pickle memo index "
