@@ -70,6 +70,7 @@ __all__ = [
     "index_digest",
     "mark_verified",
     "is_verified",
+    "verified_facts",
     "metadata_digest",
     "with_digest",
     "check_digest",
@@ -260,10 +261,11 @@ def merge_sidecar_checksums(planner_data: Any, root: Any, records: Any = None) -
     return with_checksums(planner_data, table)
 
 
-def check_checksum_coverage(planner_data: Any, records: Any, *, where: Any = "checkpoint") -> None:
+def check_checksum_coverage(planner_data: Any, records: Any, *, where: Any = "checkpoint") -> dict | None:
     """With a checksum table in the record (ckptq's storage writers and offline tools hash every
     record they write), every record the metadata locates (``records``: their checksum keys) must
-    have its checksum; one missing (a damaged key in the table) would be read unverified.
+    have its checksum; one missing (a damaged key in the table) would be read unverified. Returns
+    the table (:func:`read_checksums`).
 
     Raises:
         CheckpointFormatError: a record has no checksum (names the FQN and chunk offsets).
@@ -276,6 +278,7 @@ def check_checksum_coverage(planner_data: Any, records: Any, *, where: Any = "ch
             f"{where}: the checksum table of the '{CKPTQ_KEY}' record holds",
             "the writer recorded one for every record, so the metadata is damaged",
         )
+    return table
 
 
 def _require_checksums(table: Mapping, records: Any, holder: str, why: str) -> None:
@@ -328,21 +331,37 @@ def index_digest(planner_data: Any) -> str | None:
     return field["sha256"]
 
 
-def mark_verified(metadata: Any) -> None:
+def mark_verified(metadata: Any, **facts: Any) -> None:
     """Remember (while it lives) that ``metadata``'s digest was checked and its per-rank checksum
-    files read in (``ckptq.io.metadata.validate_metadata``): the load planner need not redo it."""
+    files read in (``ckptq.io.metadata.validate_metadata``), with what that found (``facts``: its
+    ``entries`` (:func:`fold_entries`) and ``checksums`` (:func:`read_checksums`)): the storage
+    reader and the load planner need not redo it."""
     key = id(metadata)
-    _VERIFIED[key] = weakref.ref(metadata, lambda _r: _VERIFIED.pop(key, None))
+    _VERIFIED[key] = (weakref.ref(metadata, lambda _r: _VERIFIED.pop(key, None)), facts)
+
+
+def verified_facts(metadata: Any) -> dict | None:
+    """What :func:`mark_verified` remembered of this very object (None: it was not called on it).
+    Read-only: every user shares them."""
+    got = _VERIFIED.get(id(metadata))
+    return got[1] if got is not None and got[0]() is metadata else None
 
 
 def is_verified(metadata: Any) -> bool:
     """Whether :func:`mark_verified` was called on this very object."""
-    ref = _VERIFIED.get(id(metadata))
-    return ref is not None and ref() is metadata
+    return verified_facts(metadata) is not None
 
 
 def _canonical(x: Any) -> Any:
     """A JSON-able, order-independent form of builtins (dict items sorted by their own JSON form)."""
+    t = type(x)
+    if t is str or t is int or x is None:  # the common exact types first (same result as below)
+        return x
+    if t is dict:
+        items = [[_canonical(k), _canonical(v)] for k, v in x.items()]
+        return {"d": sorted(items, key=_item_order)}
+    if t is list or t is tuple:
+        return [_canonical(v) for v in x]
     if isinstance(x, str) or x is None or isinstance(x, (bool, int, float)):
         return x
     if isinstance(x, Mapping):

@@ -40,6 +40,7 @@ from ..contract import (
     fold_entries,
     mark_verified,
     merge_sidecar_checksums,
+    read_checksums,
     sidecar_ranks,
 )
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
@@ -125,9 +126,10 @@ def validate_metadata(
     if sidecar_ranks(metadata.planner_data) is not None:  # checksums in per-rank files: read them in
         planner_data = merge_sidecar_checksums(metadata.planner_data, root, records)
         metadata = dataclasses.replace(metadata, planner_data=planner_data)
+        checksums = read_checksums(planner_data, where=str(root))
     else:
-        check_checksum_coverage(metadata.planner_data, records, where=root)
-    mark_verified(metadata)
+        checksums = check_checksum_coverage(metadata.planner_data, records, where=root)
+    mark_verified(metadata, entries=entries, checksums=checksums)
     return metadata, entries
 
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 
 from .. import adapters, chunks
+from .._gc import gc_paused
 from ..checksums import check, checksum_key
 from ..contract import (
     CKPTQ_KEY,
@@ -39,6 +40,7 @@ from ..contract import (
     merge_sidecar_checksums,
     read_checksums,
     sidecar_ranks,
+    verified_facts,
 )
 from ..errors import CheckpointFormatError, MissingKeyError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
@@ -485,11 +487,14 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if metadata is not None and not is_verified(metadata):
             metadata = _verify_metadata(metadata)  # read by a storage reader that is not ckptq's
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._entries = fold_entries(metadata) if metadata is not None else {}
+        facts = (verified_facts(metadata) or {}) if metadata is not None else {}
+        self._entries = facts["entries"] if "entries" in facts else fold_entries(metadata) if metadata else {}
         self._buffers = {}
         self.checksums_verified_by_reader = False
         self._partial_noticed = False
-        self._checksums = read_checksums(metadata.planner_data) if metadata is not None else None
+        self._checksums = (
+            facts["checksums"] if "checksums" in facts else read_checksums(metadata.planner_data) if metadata else None
+        )
         pd = metadata.planner_data if metadata is not None else None
         record = pd[CKPTQ_KEY] if has_record(pd) else None
         if isinstance(record, Mapping) and DIGEST_KEY not in record and not record.get(RECORD_FOREIGN):
@@ -506,6 +511,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             )
 
     # ---------------------------------------------------------------- planning
+    @gc_paused()  # read items, boxes and views: many small acyclic objects
     def create_local_plan(self) -> LoadPlan:
         assert self.metadata is not None
         self._match_pre_2_4_keys()
