@@ -33,7 +33,7 @@ from .contract import CKPTQ_KEY, Entry, EntryTable, fold_entries, read_checksums
 from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
 from .formats.base import QuantizedTensor
-from .io import safetensors, storage, torchsave
+from .io import fileio, safetensors, storage, torchsave
 from .io.fileio import advise_later
 from .io.foreign import ForeignLocation
 from .io.index import INDEX_FILE, ChunkIndex
@@ -55,12 +55,6 @@ __all__ = [
 #: Bytes of the buffer that partial (strided) reads of a saved chunk go through, a band of rows at a time.
 STAGING_BYTES = 1 << 20
 
-#: A read of a saved chunk's run of bytes longer than two pieces is split into pieces of this size,
-#: read at once by :data:`READ_THREADS` threads (the disk sees several requests in flight, as a
-#: single sequential stream's readahead alone does not give it) and hashed in order as they arrive.
-READ_PIECE = 8 << 20
-READ_THREADS = 4
-
 #: Bytes past a read that the kernel is asked to fetch meanwhile (``posix_fadvise(WILLNEED)``, a
 #: window moved along as the reads go): the disk has requests queued while the bytes before are
 #: copied and hashed, and the next records' small framing reads find their pages in the cache.
@@ -70,7 +64,6 @@ READ_AHEAD = 64 << 20
 #: this long (checked from those bytes, and its other parts served from them: one read of the chunk
 #: instead of the part, then the chunk again to check it); longer chunks are read part by part.
 HOLD_BYTES = 64 << 20
-_read_pool: Any = None
 
 
 @dataclasses.dataclass
@@ -457,13 +450,14 @@ class CheckpointView(EntryTable):
     def _read_runs(self, runs: list[tuple[SavedChunk, memoryview, int, bool]]) -> list[int | None]:
         """Read runs ``(c, into, at, hashed)`` (``len(into)`` payload bytes of ``c`` from payload
         offset ``at``) all at once, and return each one's checksum where ``hashed`` (else None).
-        Locally the runs go to :data:`READ_THREADS` threads together (a run of two
-        :data:`READ_PIECE` s or more in pieces), so the disk has several requests in flight from
-        the first run to the last, and each piece is hashed (in order) as soon as it is in while
-        the later ones are still being read (one short run: read on this thread); an object store
-        gets one ranged GET per run, in order."""
-        global _read_pool
-        if not self.local or (len(runs) == 1 and len(runs[0][1]) < 2 * READ_PIECE):  # one GET / short read: here
+        Locally the runs go to the shared read threads together (:func:`ckptq.io.fileio.piece_pool`;
+        a run of two :data:`ckptq.io.fileio.PIECE_BYTES` or more in pieces of that size), so the
+        disk has several requests in flight from the first run to the last (a sequential stream's
+        readahead alone does not give it that), and each piece is hashed (in order) as soon as it
+        is in while the later ones are still being read (one short run: read on this thread); an
+        object store gets one ranged GET per run, in order."""
+        piece = fileio.PIECE_BYTES
+        if not self.local or (len(runs) == 1 and len(runs[0][1]) < 2 * piece):  # one GET / short read: here
             sums = []
             for c, into, at, hashed in runs:
                 if self.local:
@@ -471,18 +465,15 @@ class CheckpointView(EntryTable):
                 self._pread_range(c, into, at)
                 sums.append(checksum(into) if hashed else None)
             return sums
-        if _read_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _read_pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="ckptq-read")
+        pool = fileio.piece_pool()
         jobs = []
         for c, into, at, _ in runs:
             self._read_ahead(c.file, c.payload + at)
             self._fd(c.file)  # opened here, not by the threads at once
             n = len(into)
-            step = READ_PIECE if n >= 2 * READ_PIECE else max(n, 1)
+            step = piece if n >= 2 * piece else max(n, 1)
             pieces = [(o, min(step, n - o)) for o in range(0, n, step)]
-            jobs.append([(o, k, _read_pool.submit(self._pread_range, c, into[o : o + k], at + o)) for o, k in pieces])
+            jobs.append([(o, k, pool.submit(self._pread_range, c, into[o : o + k], at + o)) for o, k in pieces])
         sums: list[int | None] = []
         try:
             for (_, into, _, hashed), pieces in zip(runs, jobs, strict=True):

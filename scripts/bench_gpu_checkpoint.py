@@ -86,13 +86,12 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     import ckptq
     import ckptq.io
-    from torch.distributed.checkpoint import FileSystemReader
-
     from ckptq.io import SafeFileSystemReader
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -226,26 +225,38 @@ def _worker(rank: int, ws: int, args, queue) -> None:
         t, nbytes = statistics.median(all_s), saved_bytes[name]
         res[f"save_{name}"] = {"s": t, "GB": nbytes / 1e9, "GBps": nbytes / t / 1e9, "all_s": all_s}
 
-    async_saves = {} if args.loads_only else {  # name: (state dict maker, planner maker, storage writer maker or None)
-        "a_default_bf16": (lambda: bf16, lambda: None, None),
-        "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner, writer),
-        "d_high_precision": (lambda: native, lambda: ckptq.QuantizedSavePlanner(mode="high_precision"), writer),
-        "c_quantize_then_async": (lambda: ckptq.quantize_state_dict(bf16, RULES), ckptq.QuantizedSavePlanner, writer),
-    }
+    async_saves = (
+        {}
+        if args.loads_only
+        else {  # name: (state dict maker, planner maker, storage writer maker or None)
+            "a_default_bf16": (lambda: bf16, lambda: None, None),
+            "b_ckptq_native": (lambda: native, ckptq.QuantizedSavePlanner, writer),
+            "d_high_precision": (lambda: native, lambda: ckptq.QuantizedSavePlanner(mode="high_precision"), writer),
+            "c_quantize_then_async": (
+                lambda: ckptq.quantize_state_dict(bf16, RULES),
+                ckptq.QuantizedSavePlanner,
+                writer,
+            ),
+        }
+    )
     if args.async_bf16_ckptq:
         async_saves["a_bf16_ckptq_writer"] = (lambda: bf16, lambda: None, writer)
-    times = {} if not async_saves else rounds(
-        async_saves,
-        lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
-        lambda name, c: dcp.async_save(
-            c[0](),
-            checkpoint_id=root / f"async_{name}",
-            planner=c[1](),
-            storage_writer=c[2](root / f"async_{name}") if c[2] else None,
-        ),
-        wait=True,
-        budget=0.3 * left,
-        after=lambda name, _: after_save(name, "async_"),
+    times = (
+        {}
+        if not async_saves
+        else rounds(
+            async_saves,
+            lambda name, _: shutil.rmtree(root / f"async_{name}", ignore_errors=True),
+            lambda name, c: dcp.async_save(
+                c[0](),
+                checkpoint_id=root / f"async_{name}",
+                planner=c[1](),
+                storage_writer=c[2](root / f"async_{name}") if c[2] else None,
+            ),
+            wait=True,
+            budget=0.3 * left,
+            after=lambda name, _: after_save(name, "async_"),
+        )
     )
     res["rounds"]["async"] = len(next(iter(times.values()), ()))
     # the copy out of the GPU of the same bytes into pinned memory (what staging must at least take)
@@ -316,9 +327,11 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     times = rounds(
         loads,
         lambda name, c: dropped.append(not args.keep_caches and drop_file_cache([root / c[0]])),
-        lambda name, c: c[1]()
-        if callable(c[1])
-        else dcp.load(c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0], case=name)),
+        lambda name, c: (
+            c[1]()
+            if callable(c[1])
+            else dcp.load(c[1], checkpoint_id=root / c[0], planner=c[2], storage_reader=c[3](root / c[0], case=name))
+        ),
         budget=0.4 * left,
     )
     for name, (src, *_) in loads.items():

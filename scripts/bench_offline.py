@@ -168,14 +168,14 @@ def main() -> None:
 
     def read_all(src, piece=None):
         def run(device):
-            import ckptq.checkpoint as cp
+            import ckptq.io.fileio as fileio
 
-            saved = cp.READ_PIECE
-            cp.READ_PIECE = piece or saved  # a piece larger than any chunk: one preadv per run of bytes
+            saved = fileio.PIECE_BYTES
+            fileio.PIECE_BYTES = piece or saved  # a piece larger than any chunk: one preadv per run of bytes
             try:
                 read(src)
             finally:
-                cp.READ_PIECE = saved
+                fileio.PIECE_BYTES = saved
 
         return run
 

@@ -203,12 +203,21 @@ def test_read_in_pieces_same_bytes_and_checked(src, tmp_path, monkeypatch):
     """Long runs of bytes are read in pieces on threads and hashed in order: the same tensors, and a
     flipped byte in the middle of a chunk is still a checksum error."""
     import shutil
+    import threading
 
     import ckptq.checkpoint as cp
+    import ckptq.io.fileio as fileio
     from ckptq.errors import ChecksumMismatchError
 
     whole = {e.fqn: open_checkpoint(src).read(e.fqn) for e in open_checkpoint(src).entries() if e.kind != "bytes"}
-    monkeypatch.setattr(cp, "READ_PIECE", 1000)  # every run of >= 2000 bytes goes through the pool
+    monkeypatch.setattr(fileio, "PIECE_BYTES", 1000)  # every run of >= 2000 bytes goes through the pool
+    readers, real = set(), cp.CheckpointView._pread_range
+
+    def spy(self, *args):
+        readers.add(threading.current_thread().name.split("_")[0])
+        return real(self, *args)
+
+    monkeypatch.setattr(cp.CheckpointView, "_pread_range", spy)
     view = open_checkpoint(src)
     for fqn, want in whole.items():
         got = view.read(fqn)
@@ -216,7 +225,7 @@ def test_read_in_pieces_same_bytes_and_checked(src, tmp_path, monkeypatch):
             assert_same_bytes(got, want, fqn)
         else:
             assert_same_components(got, want, fqn)
-    assert cp._read_pool is not None  # the pieces went through the threads
+    assert "ckptq-pread" in readers  # the long runs went through the shared read threads
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
     chunk = open_checkpoint(bad).saved_chunks("layers.0.q_proj.weight.data")[0]

@@ -46,6 +46,8 @@ __all__ = [
     "pwrite_all",
     "pread_into",
     "pread_pieces",
+    "piece_pool",
+    "PIECE_BYTES",
     "pinned_or_plain",
     "BufferPool",
     "RecordReader",
@@ -103,20 +105,28 @@ _piece_pool: cf.ThreadPoolExecutor | None = None
 _piece_lock = threading.Lock()
 
 
+def piece_pool() -> cf.ThreadPoolExecutor:
+    """The :data:`PIECE_THREADS` threads (named ``ckptq-pread``) that every read in pieces shares
+    (:func:`pread_pieces`, :meth:`ckptq.checkpoint.CheckpointView.read`). Its tasks are leaf reads
+    (``preadv`` loops) that never wait for another task, so callers on any thread may share it."""
+    global _piece_pool
+    with _piece_lock:
+        if _piece_pool is None:
+            _piece_pool = cf.ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="ckptq-pread")
+    return _piece_pool
+
+
 def pread_pieces(fd: int, buf: Any, pos: int) -> int:
     """:func:`pread_into` of the writable bytes-like ``buf`` from byte ``pos`` of ``fd``, a read of two
     :data:`PIECE_BYTES` or more in pieces read at once on :data:`PIECE_THREADS` threads (shared by
     all callers). Returns the bytes read: fewer only at the end of the file."""
-    global _piece_pool
     view = memoryview(buf).cast("B")
     n = len(view)
     if n < 2 * PIECE_BYTES:
         return pread_into(fd, view, pos)
-    with _piece_lock:
-        if _piece_pool is None:
-            _piece_pool = cf.ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="ckptq-pread")
+    pool = piece_pool()
     pieces = [(o, min(PIECE_BYTES, n - o)) for o in range(0, n, PIECE_BYTES)]
-    futures = [_piece_pool.submit(pread_into, fd, view[o : o + k], pos + o) for o, k in pieces]
+    futures = [pool.submit(pread_into, fd, view[o : o + k], pos + o) for o, k in pieces]
     done = 0
     try:
         for (_, k), f in zip(pieces, futures, strict=True):
