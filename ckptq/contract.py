@@ -78,6 +78,7 @@ __all__ = [
     "EntryTable",
     "fold_entries",
     "saved_world_size",
+    "DATA_FILE_NAME",
     "ComponentChunk",
     "emit_components",
     "Descriptor",
@@ -1088,6 +1089,11 @@ def fold_entries(metadata: Metadata, *, where: str = "checkpoint") -> dict[str, 
     return out
 
 
+#: How DCP's ``FileSystemWriter`` and ckptq's writers name rank ``<r>``'s data files
+#: (``__<r>_<n>.distcp``; torch 2.11 / 2.13 ``torch/distributed/checkpoint/filesystem.py``); group 1 is the rank.
+DATA_FILE_NAME = re.compile(r"__(\d+)_\d+\.distcp")
+
+
 def saved_world_size(metadata: Metadata) -> tuple[int | None, str | None]:
     """Ranks that saved a checkpoint and where that number comes from: the ckptq record's
     ``world_size`` (``"ckptq"``), else one more than the largest rank of the ``__<rank>_<n>.distcp``
@@ -1098,7 +1104,7 @@ def saved_world_size(metadata: Metadata) -> tuple[int | None, str | None]:
     storage = metadata.storage_data if isinstance(metadata.storage_data, Mapping) else {}
     ranks = []
     for info in storage.values():
-        m = re.match(r"__(\d+)_\d+\.distcp$", Path(str(getattr(info, "relative_path", ""))).name)
+        m = DATA_FILE_NAME.fullmatch(Path(str(getattr(info, "relative_path", ""))).name)
         if m:
             ranks.append(int(m.group(1)))
     return (max(ranks) + 1, "files") if ranks else (None, None)

@@ -30,7 +30,6 @@ import dataclasses
 import io
 import math
 import os
-import re
 import threading
 import warnings
 from collections.abc import Mapping
@@ -46,7 +45,7 @@ from torch.futures import Future
 
 from .._gc import gc_paused
 from ..checksums import check, checksum_key
-from ..contract import Entry, read_checksums, verified_facts
+from ..contract import DATA_FILE_NAME, Entry, read_checksums, verified_facts
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
 from .fileio import advise_later
 from .foreign import ForeignLocation, read_foreign_items
@@ -72,8 +71,6 @@ __all__ = ["SafeFileSystemReader", "read_metadata", "read_metadata_and_entries",
 _LAST_METADATA_ERROR = threading.local()
 
 PathLike = Union[str, "os.PathLike[str]"]
-#: how DCP's ``FileSystemWriter`` and ckptq's writers name rank ``<r>``'s data files
-_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -329,7 +326,7 @@ class SafeFileSystemReader(FileSystemReader):
         try:
             with os.scandir(self.path) as it:
                 for e in it:
-                    m = _DATA_FILE.fullmatch(e.name)
+                    m = DATA_FILE_NAME.fullmatch(e.name)
                     if m:
                         by_rank.setdefault(int(m.group(1)), []).append(e.path)
         except OSError:
