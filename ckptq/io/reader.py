@@ -941,7 +941,9 @@ def read_metadata_and_entries(path: PathLike, *, verify_storage: bool = True) ->
         p = p.parent
     if not (p / METADATA_FILE).is_file():
         raise CheckpointFormatError(describe_non_dcp(p))
-    reader = SafeFileSystemReader(p, verify_storage=verify_storage)
+    # the callers (inspect, the offline tools' views) read what they need in their own order: no
+    # early read-ahead of rank 0's files
+    reader = SafeFileSystemReader(p, verify_storage=verify_storage, early_read_ahead=0)
     metadata = reader.read_metadata()
     return metadata, reader.entries
 
