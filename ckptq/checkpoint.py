@@ -134,11 +134,6 @@ class CheckpointView(EntryTable):
         self._staging: Any = None
         self._held: tuple[SavedChunk | None, Any] = (None, None)  # a chunk read whole for parts of it (_hold)
         self._checksums: Any = False  # read on first use
-        #: :meth:`read` allocates the tensors it reads into in page-locked host memory (torch's caching
-        #: host allocator: reused, not faulted in again), so that a copy onto a CUDA device is one
-        #: DMA, with no pass of the CPU over the bytes into a staging buffer (set by the offline
-        #: tools when they compute on a CUDA device: :mod:`ckptq.io.device`).
-        self.pin_memory = False
 
     def _checksum_table(self) -> dict:
         """``{(key, offsets or None): crc32c}`` of the records the checkpoint records checksums for."""
@@ -187,7 +182,7 @@ class CheckpointView(EntryTable):
             for k in keys:
                 md = self.metadata.state_dict_metadata[k]
                 size = tuple(md.size)
-                data[k] = torch.empty(size, dtype=md.properties.dtype, pin_memory=self.pin_memory)
+                data[k] = torch.empty(size, dtype=md.properties.dtype)
                 saved = self.saved_chunks(k)
                 if len(saved) == 1 and saved[0].box == ((0,) * len(size), size):  # one run: read with the others
                     c = saved[0]

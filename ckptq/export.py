@@ -45,7 +45,7 @@ from .errors import CkptqError, UnsupportedFormatError, UsageError
 from .formats import requantize
 from .formats.base import QuantizedTensor, dtype_to_str, str_to_dtype
 from .io import storage
-from .io.device import device_scope, pin_reads, prefetch, resolve_device, to_host
+from .io.device import device_scope, prefetch, resolve_device, to_host
 from .io.fileio import DEFAULT_SYNC_EVERY, Flusher
 from .io.writer import check_destination, commit_dir, staging_dir, write_error
 from .metrics import sqnr_db
@@ -258,7 +258,6 @@ def _shard_values(view, shard: list[_ExportEntry], consumer: _Consumer, device):
     (:func:`ckptq.io.device.prefetch`; closing this generator stops that thread)."""
     if hasattr(view, "will_read"):  # the disk reads the next entries while this one is computed and written
         view.will_read([it.fqn for it in shard])
-    pin_reads(view, device)
     stream = prefetch(shard, lambda it: view.read(it.fqn), device=device, wants_device=_computes)
     try:
         for it, x in stream:

@@ -162,19 +162,9 @@ def test_cli_device_flag(src, tmp_path):
     ],
     ids=["to-nvfp4", "to-fp8_tensor", "to-fp8_block-mesh2", "to-bf16-mesh2", "reshard-high-precision"],
 )
-def test_reshard_cuda_same_bytes_as_cpu(src, tmp_path, options, monkeypatch):
-    import ckptq.io.device as device_module
-
-    pinned, real = [], device_module.to_device
-
-    def spy(x, device, stream=None):  # what goes to the GPU was read into page-locked memory
-        device_module._map(x, lambda t: pinned.append(t.is_cuda or t.is_pinned()) or t)
-        return real(x, device, stream)
-
-    monkeypatch.setattr(device_module, "to_device", spy)
+def test_reshard_cuda_same_bytes_as_cpu(src, tmp_path, options):
     cpu = reshard_checkpoint(src, tmp_path / "cpu", device="cpu", **options)
     gpu = reshard_checkpoint(src, tmp_path / "gpu", device="cuda", **options)
-    assert pinned and all(pinned)
     assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
     assert sorted(cpu["requantized"]) == sorted(gpu["requantized"])
     assert_same_dirs(tmp_path / "cpu", tmp_path / "gpu")

@@ -26,16 +26,7 @@ import torch
 from ..errors import UsageError
 from ..formats.base import QuantizedTensor
 
-__all__ = [
-    "DEVICES",
-    "resolve_device",
-    "device_scope",
-    "prefetch",
-    "pin_reads",
-    "to_device",
-    "to_host",
-    "PrefetchStats",
-]
+__all__ = ["DEVICES", "resolve_device", "device_scope", "prefetch", "to_device", "to_host", "PrefetchStats"]
 
 #: The spellings ``--device`` takes (besides ``cuda:N``).
 DEVICES = ("auto", "cpu", "cuda")
@@ -116,14 +107,6 @@ def to_device(x: Any, device: torch.device, stream: Any = None) -> Any:
         return _map(x, move)
     with torch.cuda.stream(stream):
         return _map(x, move)
-
-
-def pin_reads(view: Any, device: torch.device) -> None:
-    """Have a checkpoint view read into page-locked host memory when ``device`` is a CUDA device (its
-    ``pin_memory`` attribute, :class:`ckptq.checkpoint.CheckpointView`; views of other sources have
-    none and read as they do): :func:`to_device` then copies what was read without a staging copy."""
-    if hasattr(view, "pin_memory"):
-        view.pin_memory = device.type == "cuda" and torch.cuda.is_available()
 
 
 def to_host(x: Any) -> Any:

@@ -41,7 +41,7 @@ from ..errors import CheckpointFormatError, CkptqError, ShardingError, UsageErro
 from ..formats import format_class, from_components
 from ..formats.base import QuantizedTensor, slice_box
 from ..io import storage
-from ..io.device import PrefetchStats, device_scope, pin_reads, prefetch, resolve_device, to_host
+from ..io.device import PrefetchStats, device_scope, prefetch, resolve_device, to_host
 from ..io.pipeline import RecordSlot, WriterThread, assign_offsets
 from ..io.writer import CheckpointDirWriter, check_destination, commit_dir, staging_dir, write_error
 from . import transform
@@ -492,7 +492,6 @@ def _execute(
         if hasattr(view, "will_read"):  # and the disk reads the ones after it meanwhile
             view.will_read([e.fqn for job, _ in computed for e in job.sources])
         stats = PrefetchStats()
-        pin_reads(view, device)
         stream = prefetch(
             computed,
             lambda work: _read_job(view, work[0]),
