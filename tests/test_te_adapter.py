@@ -259,6 +259,11 @@ def test_swizzle_view_permute_equals_index_formula():
         ref = layout.swizzle(padded)
         assert torch.equal(swizzle(s), ref)
         assert torch.equal(unswizzle(ref, rows, cols), s)
+        # the same bytes 1 byte off 4-byte alignment (the byte-wise gather), as float32 (4-byte elements)
+        assert torch.equal(unswizzle(torch.cat([ref[:1], ref])[1:], rows, cols), s)
+        assert torch.equal(unswizzle(ref.float(), rows, cols), s.float())
+        # a buffer holding the (cols, rows) transpose, unswizzled and transposed in one gather
+        assert torch.equal(unswizzle(swizzle(s.t()), cols, rows, transposed=True), s)
 
 
 # ============================================================================ 2. insertion

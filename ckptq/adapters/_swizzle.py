@@ -20,11 +20,21 @@ def swizzled_numel(rows: int, cols: int) -> int:
     return cdiv(rows, 128) * cdiv(cols, 4) * 512
 
 
-def unswizzle(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def unswizzle(buf: torch.Tensor, rows: int, cols: int, *, transposed: bool = False) -> torch.Tensor:
     """Compact (rows, cols) scales from a buffer of :func:`swizzled_numel` elements (any shape,
-    ``buf``'s dtype) holding the swizzle of the padded matrix; the inverse of :func:`swizzle`."""
+    ``buf``'s dtype) holding the swizzle of the padded matrix; the inverse of :func:`swizzle`.
+    ``transposed``: the (cols, rows) transpose of that matrix instead, laid out row-major (one
+    gather, not an unswizzle and then a transposing copy).
+
+    One-byte scales (E8M0, E4M3, uint8) are moved four at a time: the swizzle keeps ``j % 4``
+    innermost, so each 4-byte group of the buffer is one row's 4 adjacent columns."""
     rb, cb = cdiv(rows, 128), cdiv(cols, 4)
     tiles = buf.reshape(rb, cb, 32, 4, 4)  # (row tile, col tile, i % 32, (i % 128) // 32, j % 4)
+    if transposed:
+        return tiles.permute(1, 4, 0, 3, 2).reshape(cb * 4, rb * 128)[:cols, :rows]
+    if buf.element_size() == 1 and tiles.is_contiguous() and tiles.data_ptr() % 4 == 0:
+        words = tiles.view(torch.int32).squeeze(-1)  # (row tile, col tile, i % 32, (i % 128) // 32)
+        return words.permute(0, 3, 2, 1).reshape(rb * 128, cb).view(buf.dtype)[:rows, :cols]
     return tiles.permute(0, 3, 2, 1, 4).reshape(rb * 128, cb * 4)[:rows, :cols]
 
 

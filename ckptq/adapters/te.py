@@ -380,10 +380,11 @@ def _rup(x: int, n: int) -> int:
 
 def _read_scales(buf: torch.Tensor, rows: int, cols: int, swizzled: bool, *, transposed: bool = False) -> torch.Tensor:
     """Compact (rows, cols) scales of a TE scale buffer; a view of ``buf`` unless swizzled.
-    ``transposed``: a swizzled buffer holds the (cols, rows) matrix (MXFP8 columnwise)."""
+    ``transposed``: a swizzled buffer holds the (cols, rows) matrix (MXFP8 columnwise), unswizzled
+    and transposed in one gather."""
     if not swizzled:
         return buf[:rows, :cols]
-    return unswizzle(buf, cols, rows).t() if transposed else unswizzle(buf, rows, cols)
+    return unswizzle(buf, cols, rows, transposed=True) if transposed else unswizzle(buf, rows, cols)
 
 
 def _write_scales(buf: torch.Tensor, compact: torch.Tensor, swizzled: bool, *, transposed: bool = False) -> None:
