@@ -479,12 +479,7 @@ class CheckpointView(EntryTable):
                         running = checksum(into[o : o + k], running)
                 sums.append(running if hashed else None)
         finally:
-            futures = [f for pieces in jobs for _, _, f in pieces]
-            for f in futures:  # none may still write into a buffer after an error
-                f.cancel()
-            for f in futures:
-                if not f.cancelled():
-                    f.exception()
+            fileio.settle([f for pieces in jobs for _, _, f in pieces])  # none still writes into a buffer
         return sums
 
     def will_read(self, fqns: list[str]) -> None:

@@ -332,18 +332,19 @@ def index_digest(planner_data: Any) -> str | None:
     return field["sha256"]
 
 
-def mark_verified(metadata: Any, **facts: Any) -> None:
+def mark_verified(metadata: Any, *, entries: Mapping, checksums: dict | None) -> None:
     """Remember (while it lives) that ``metadata``'s digest was checked and its per-rank checksum
-    files read in (``ckptq.io.metadata.validate_metadata``), with what that found (``facts``: its
-    ``entries`` (:func:`fold_entries`) and ``checksums`` (:func:`read_checksums`)): the storage
-    reader and the load planner need not redo it."""
+    files read in (``ckptq.io.metadata.validate_metadata``), with what that found: its ``entries``
+    (:func:`fold_entries`) and ``checksums`` (:func:`read_checksums`), so that the storage reader
+    and the load planner need not redo it."""
     key = id(metadata)
+    facts = {"entries": entries, "checksums": checksums}
     _VERIFIED[key] = (weakref.ref(metadata, lambda _r: _VERIFIED.pop(key, None)), facts)
 
 
 def verified_facts(metadata: Any) -> dict | None:
-    """What :func:`mark_verified` remembered of this very object (None: it was not called on it).
-    Read-only: every user shares them."""
+    """What :func:`mark_verified` remembered of this very object, ``{"entries": ..., "checksums":
+    ...}`` (None: it was not called on it). Read-only: every user shares them."""
     got = _VERIFIED.get(id(metadata))
     return got[1] if got is not None and got[0]() is metadata else None
 

@@ -47,6 +47,7 @@ __all__ = [
     "pread_into",
     "pread_pieces",
     "piece_pool",
+    "settle",
     "PIECE_BYTES",
     "pinned_or_plain",
     "BufferPool",
@@ -135,12 +136,19 @@ def pread_pieces(fd: int, buf: Any, pos: int) -> int:
             if got < k:  # the end of the file: the bytes after are not read
                 break
     finally:
-        for f in futures:  # none may still write into ``buf`` after this returns
-            f.cancel()
-        for f in futures:
-            if not f.cancelled():
-                f.exception()
+        settle(futures)
     return done
+
+
+def settle(futures: list[cf.Future]) -> None:
+    """Cancel the reads of ``futures`` not started yet and wait for the others, so that none still
+    writes into its buffer once this returns (after an error too). Their errors are not raised here:
+    the caller's ``result()`` calls raise the first one."""
+    for f in futures:
+        f.cancel()
+    for f in futures:
+        if not f.cancelled():
+            f.exception()
 
 
 _advice_pool: cf.ThreadPoolExecutor | None = None

@@ -342,10 +342,8 @@ class SafeFileSystemReader(FileSystemReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        facts = verified_facts(metadata) or {}
-        self._checksums = (
-            facts["checksums"] if "checksums" in facts else read_checksums(metadata.planner_data, where=str(self.path))
-        )
+        facts = verified_facts(metadata)  # the table validate_metadata read, else read here
+        self._checksums = facts["checksums"] if facts else read_checksums(metadata.planner_data, where=str(self.path))
         self._md = metadata.state_dict_metadata
         self._chunk_sizes = {}
         for fqn, md in metadata.state_dict_metadata.items():

@@ -487,14 +487,15 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         if metadata is not None and not is_verified(metadata):
             metadata = _verify_metadata(metadata)  # read by a storage reader that is not ckptq's
         super().set_up_planner(state_dict, metadata, is_coordinator)
-        facts = (verified_facts(metadata) or {}) if metadata is not None else {}
-        self._entries = facts["entries"] if "entries" in facts else fold_entries(metadata) if metadata else {}
+        self._entries, self._checksums = {}, None
+        if metadata is not None:  # what the storage reader's checks found, else found here
+            facts = verified_facts(metadata)
+            if facts is None:
+                facts = {"entries": fold_entries(metadata), "checksums": read_checksums(metadata.planner_data)}
+            self._entries, self._checksums = facts["entries"], facts["checksums"]
         self._buffers = {}
         self.checksums_verified_by_reader = False
         self._partial_noticed = False
-        self._checksums = (
-            facts["checksums"] if "checksums" in facts else read_checksums(metadata.planner_data) if metadata else None
-        )
         pd = metadata.planner_data if metadata is not None else None
         record = pd[CKPTQ_KEY] if has_record(pd) else None
         if isinstance(record, Mapping) and DIGEST_KEY not in record and not record.get(RECORD_FOREIGN):
