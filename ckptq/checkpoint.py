@@ -14,6 +14,7 @@ inspect and verify work on all of them.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import math
@@ -64,6 +65,13 @@ READ_AHEAD = 64 << 20
 #: this long (checked from those bytes, and its other parts served from them: one read of the chunk
 #: instead of the part, then the chunk again to check it); longer chunks are read part by part.
 HOLD_BYTES = 64 << 20
+
+#: Foreign records (one shard of another library's tensor) loaded ahead of a view's reads, in the
+#: order :meth:`CheckpointView.will_read` gave, each on a background thread: two, so that one's
+#: bytes come from the disk while the other is unpickled and converted (``docs/benchmarks.md``).
+FOREIGN_AHEAD = 2
+#: ... and at most this many bytes of them.
+FOREIGN_AHEAD_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
@@ -134,6 +142,7 @@ class CheckpointView(EntryTable):
         self._staging: Any = None
         self._held: tuple[SavedChunk | None, Any] = (None, None)  # a chunk read whole for parts of it (_hold)
         self._checksums: Any = False  # read on first use
+        self._foreign_ahead: dict[str, tuple[cf.Future, int]] = {}  # FQN -> (its canonical tensor, record bytes)
 
     def _checksum_table(self) -> dict:
         """``{(key, offsets or None): crc32c}`` of the records the checkpoint records checksums for."""
@@ -169,7 +178,9 @@ class CheckpointView(EntryTable):
         the kernel to fetch the records of the entries after it meanwhile (in the order
         :meth:`will_read` gave).
 
-        Memory: the tensor plus at most one saved chunk (or a 1 MiB buffer).
+        Memory: the tensor plus at most one saved chunk (or a 1 MiB buffer); for records another
+        library wrote, read in the order :meth:`will_read` gave, also the next ones loaded ahead
+        (at most :data:`FOREIGN_AHEAD_BYTES`).
         """
         e = self.entry(fqn)
         if e.kind == "bytes":
@@ -193,20 +204,55 @@ class CheckpointView(EntryTable):
                 if check:
                     self._verify(c, running)
         else:
-            data = self._one_foreign_shard(keys) or load_entries(self.reader, self.metadata, keys)
+            data = self._one_foreign_shard(fqn) or load_entries(self.reader, self.metadata, keys)
         if e.kind == "tensor":
             return data[fqn]
         return from_components(e.descriptor, {name: data[key] for name, key in e.keys.items()})
 
-    def _one_foreign_shard(self, keys: list[str]) -> dict[str, torch.Tensor] | None:
-        """The entries ``keys`` of a foreign tensor saved as one shard (one record another library
+    def _one_foreign_shard(self, fqn: str) -> dict[str, torch.Tensor] | None:
+        """The entries of ``fqn``, a foreign tensor saved as one shard (one record another library
         wrote, :mod:`ckptq.io.foreign`), as its adapter's canonical tensor gives them (no copy into
-        new tensors); None for any other layout (read through DCP's reader)."""
-        from .io.foreign import shard_canonical
+        new tensors); None for any other layout (read through DCP's reader).
 
-        storage, sdm = self.metadata.storage_data or {}, self.metadata.state_dict_metadata
-        locs = {}
-        for k in keys:
+        Where :meth:`will_read` gave the order, the records of the next :data:`FOREIGN_AHEAD` such
+        entries in it (at most :data:`FOREIGN_AHEAD_BYTES` of them) are loaded and converted on
+        background threads meanwhile, so the disk reads them while this one is converted and the
+        caller works on it; an entry's errors are raised when it is read."""
+        locs = self._foreign_shard(fqn)
+        if locs is None:
+            return None
+        future = self._foreign_ahead.pop(fqn, (None, 0))[0]
+        place = self._order.get(fqn) if self._order else None
+        wanted = self._sequence[place + 1 : place + 1 + FOREIGN_AHEAD] if place is not None else []
+        for name in [n for n in self._foreign_ahead if n not in wanted]:  # reads left the order
+            fileio.settle([self._foreign_ahead.pop(name)[0]])
+        held = sum(nbytes for _, nbytes in self._foreign_ahead.values())
+        for name in wanted:
+            ahead = self._foreign_shard(name) if name not in self._foreign_ahead else None
+            if ahead is None:
+                continue
+            loc = next(iter(ahead.values()))
+            if held + loc.length > FOREIGN_AHEAD_BYTES:
+                break
+            held += loc.length
+            self._foreign_ahead[name] = (_ahead_pool().submit(self._canonical, loc), loc.length)
+        qt = future.result() if future is not None else self._canonical(next(iter(locs.values())))
+        sdm, data = self.metadata.state_dict_metadata, {}
+        for k, loc in locs.items():
+            t = qt._components[loc.component] if loc.component is not None else qt.dequantize(torch.float32)
+            if tuple(t.shape) != tuple(sdm[k].size) or t.dtype != sdm[k].properties.dtype:
+                return None
+            data[k] = t.contiguous()
+        return data
+
+    def _foreign_shard(self, fqn: str) -> dict[str, ForeignLocation] | None:
+        """``{key: location}`` of entry ``fqn``'s keys when all of them are one foreign record's
+        whole components (one shard of another library's tensor), else None."""
+        e = self.entry(fqn)
+        if e.kind == "bytes":
+            return None
+        storage, sdm, locs = self.metadata.storage_data or {}, self.metadata.state_dict_metadata, {}
+        for k in e.keys.values():
             md = sdm[k]
             loc = storage.get(MetadataIndex(k, md.chunks[0].offsets)) if len(md.chunks) == 1 else None
             if not isinstance(loc, ForeignLocation) or tuple(md.chunks[0].sizes) != tuple(md.size):
@@ -214,22 +260,22 @@ class CheckpointView(EntryTable):
             locs[k] = loc
         if len({(str(v.relative_path), int(v.offset)) for v in locs.values()}) != 1:
             return None
+        return locs
+
+    def _canonical(self, loc: ForeignLocation) -> QuantizedTensor:
+        """:func:`ckptq.io.foreign.shard_canonical` of ``loc``, other errors than ckptq's reported as
+        corrupt data files."""
+        from .io.foreign import shard_canonical
+
         try:
-            qt = shard_canonical(self.path, next(iter(locs.values())))
+            return shard_canonical(self.path, loc)
         except CkptqError:
             raise
         except Exception as e:
             raise CheckpointFormatError(
-                f"{self.path}: reading another library's record of {keys} failed ({type(e).__name__}: {e}); "
-                f"the data files are corrupt: restore them or re-save"
+                f"{self.path}: reading another library's record of '{loc.expect.fqn}' failed "
+                f"({type(e).__name__}: {e}); the data files are corrupt: restore them or re-save"
             ) from e
-        data = {}
-        for k, loc in locs.items():
-            t = qt._components[loc.component] if loc.component is not None else qt.dequantize(torch.float32)
-            if tuple(t.shape) != tuple(sdm[k].size) or t.dtype != sdm[k].properties.dtype:
-                return None
-            data[k] = t.contiguous()
-        return data
 
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         """The stored record of a non-tensor entry, verbatim (never unpickled), and its transform
@@ -419,6 +465,8 @@ class CheckpointView(EntryTable):
         self._advised.clear()
         self._staging = None
         self._held = (None, None)
+        fileio.settle([f for f, _ in self._foreign_ahead.values()])
+        self._foreign_ahead.clear()
 
     def _record_file(self, rel: str) -> Any:
         """A context manager giving data file ``rel`` open for reading (remote: the shared handle,
@@ -465,9 +513,7 @@ class CheckpointView(EntryTable):
         for c, into, at, _ in runs:
             self._read_ahead(c.file, c.payload + at)
             self._fd(c.file)  # opened here, not by the threads at once
-            n = len(into)
-            step = piece if n >= 2 * piece else max(n, 1)
-            pieces = [(o, min(step, n - o)) for o in range(0, n, step)]
+            pieces = fileio.piece_spans(len(into))
             jobs.append([(o, k, pool.submit(self._pread_range, c, into[o : o + k], at + o)) for o, k in pieces])
         sums: list[int | None] = []
         try:
@@ -884,6 +930,18 @@ class IndexedCheckpointView(CheckpointView):
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         self.need({fqn: None})
         return super().read_raw_bytes(fqn)
+
+
+_ahead: cf.ThreadPoolExecutor | None = None
+
+
+def _ahead_pool() -> cf.ThreadPoolExecutor:
+    """The :data:`FOREIGN_AHEAD` background threads (``ckptq-ahead``) on which views load the next
+    foreign records (their reads go to the shared read threads, :func:`ckptq.io.fileio.piece_pool`)."""
+    global _ahead
+    if _ahead is None:
+        _ahead = cf.ThreadPoolExecutor(FOREIGN_AHEAD, thread_name_prefix="ckptq-ahead")
+    return _ahead
 
 
 def open_indexed(path: PathLike) -> IndexedCheckpointView | None:

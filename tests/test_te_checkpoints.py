@@ -208,8 +208,8 @@ def test_opening_reads_only_pickles_and_small_storages_and_equals_a_full_read(te
 
     path, _ = te_ckpt
     full_loads = []
-    real_load = foreign.load_record
-    monkeypatch.setattr(foreign, "load_record", lambda *a, **k: full_loads.append(k["source"]) or real_load(*a, **k))
+    real_load = foreign._load_whole
+    monkeypatch.setattr(foreign, "_load_whole", lambda *a: full_loads.append(a[2]) or real_load(*a))
     monkeypatch.setattr(foreign, "_SKELETON_BYTES", 64)  # the 160 x 96 test tensors' data and scales stay unread
     skeleton = read_metadata(path)
     assert [s.split("'")[-2] for s in full_loads] == ["layers.4.nvfp4_2d.weight"]
@@ -218,6 +218,96 @@ def test_opening_reads_only_pickles_and_small_storages_and_equals_a_full_read(te
     assert skeleton.state_dict_metadata == full.state_dict_metadata
     assert skeleton.storage_data == full.storage_data
     assert skeleton.planner_data == full.planner_data
+
+
+def _tensors_of(obj, depth=0) -> dict:
+    """``{attribute path: tensor}`` of a loaded record's payload (the stand-in objects' buffers)."""
+    out = {}
+    for name, v in vars(obj).items() if hasattr(obj, "__dict__") and depth < 3 else ():
+        if isinstance(v, torch.Tensor):
+            out[name] = v
+        elif not isinstance(v, type):
+            out.update({f"{name}.{k}": t for k, t in _tensors_of(v, depth + 1).items()})
+    return out
+
+
+def test_whole_records_read_at_once_equal_torch_load(te_ckpt, monkeypatch):
+    """A TE record read whole by ckptq (its pickle on ``meta``, then every storage at once, in small
+    pieces here so that each storage spans several) holds what ``torch.load`` of the record gives:
+    the same tensors, dtypes, shapes, strides, storage offsets and bytes."""
+    from ckptq.io import fileio, foreign, read_metadata
+
+    path, _ = te_ckpt
+    monkeypatch.setattr(fileio, "PIECE_BYTES", 4096)
+    records = {(loc.relative_path, loc.offset): loc for loc in read_metadata(path).storage_data.values()}
+    records = [loc for loc in records.values() if isinstance(loc, foreign.ForeignLocation)]
+    assert len(records) == len(CASES)
+    for loc in records:
+        fast = _tensors_of(foreign._load_whole(path, loc, "test"))
+        with foreign._open_record(path, loc) as f:
+            slow = _tensors_of(foreign.load_record(f, source="test"))
+        assert fast.keys() == slow.keys() and len(fast) >= 2, loc.expect.fqn
+        for k, t in slow.items():
+            got = fast[k]
+            assert (got.dtype, got.shape, got.stride(), got.storage_offset()) == (
+                t.dtype,
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+            ), (loc.expect.fqn, k)
+            assert_same_bytes(got, t)
+
+
+def test_reads_in_order_load_the_next_record_ahead_and_raise_its_error_when_read(te_ckpt, tmp_path, monkeypatch):
+    """With the order given (``will_read``), reading a TE tensor loads the next one's record on the
+    view's background thread; a damaged next record does not fail the read before it, and its
+    error is raised by its own read."""
+    import shutil
+    import threading
+
+    from ckptq.errors import CheckpointFormatError
+    from ckptq.io import foreign
+
+    path, sd = te_ckpt
+    ck = tmp_path / "ck"
+    shutil.copytree(path, ck)
+    view = CheckpointView(ck)
+    fqns = [f"layers.{i}.{case[0]}.weight" for i, case in enumerate(CASES)]
+    second = view._foreign_shard(fqns[1])
+    loc = next(iter(second.values()))
+    blob = bytearray((ck / loc.relative_path).read_bytes())
+    pkl = blob.index(b"\x80\x02", blob.index(b"data.pkl", loc.offset))  # the record's pickle (protocol 2)
+    blob[pkl + 3] ^= 0x01
+    (ck / loc.relative_path).write_bytes(bytes(blob))
+
+    threads = {}
+    real = foreign.shard_canonical
+
+    def spy(root, where):
+        threads.setdefault(where.expect.fqn, threading.current_thread().name)
+        return real(root, where)
+
+    monkeypatch.setattr(foreign, "shard_canonical", spy)
+    view.will_read(fqns)
+    assert _same_components(view.read(fqns[0]), _canonical(sd[fqns[0]], fqns[0]))
+    with pytest.raises(CheckpointFormatError, match="corrupt"):
+        view.read(fqns[1])
+    assert _same_components(view.read(fqns[2]), _canonical(sd[fqns[2]], fqns[2]))
+    view.close()
+    assert threads[fqns[0]] == threading.current_thread().name
+    assert threads[fqns[1]].startswith("ckptq-ahead") and threads[fqns[2]].startswith("ckptq-ahead")
+
+    # records beyond the byte budget for loading ahead are loaded by the read itself
+    import ckptq.checkpoint
+
+    view = CheckpointView(path)
+    smallest = min(next(iter(view._foreign_shard(f).values())).length for f in fqns)
+    monkeypatch.setattr(ckptq.checkpoint, "FOREIGN_AHEAD_BYTES", smallest - 1)
+    threads.clear()
+    view.will_read(fqns)
+    for fqn in fqns:
+        assert _same_components(view.read(fqn), _canonical(sd[fqn], fqn)), fqn
+    assert set(threads.values()) == {threading.current_thread().name}
 
 
 def test_inspect_te_checkpoint_shows_real_formats(te_ckpt):

@@ -46,6 +46,8 @@ __all__ = [
     "pwrite_all",
     "pread_into",
     "pread_pieces",
+    "pread_many",
+    "piece_spans",
     "piece_pool",
     "settle",
     "PIECE_BYTES",
@@ -121,23 +123,43 @@ def pread_pieces(fd: int, buf: Any, pos: int) -> int:
     """:func:`pread_into` of the writable bytes-like ``buf`` from byte ``pos`` of ``fd``, a read of two
     :data:`PIECE_BYTES` or more in pieces read at once on :data:`PIECE_THREADS` threads (shared by
     all callers). Returns the bytes read: fewer only at the end of the file."""
-    view = memoryview(buf).cast("B")
-    n = len(view)
-    if n < 2 * PIECE_BYTES:
-        return pread_into(fd, view, pos)
+    return pread_many(fd, [(buf, pos)])[0]
+
+
+def pread_many(fd: int, reads: list[tuple[Any, int]]) -> list[int]:
+    """Fill each writable bytes-like ``buf`` of ``reads`` (``(buf, pos)`` pairs) from byte ``pos`` of
+    ``fd``, all of them at once: every buffer of two :data:`PIECE_BYTES` or more in pieces of that
+    size, and all pieces of all buffers handed to the :data:`PIECE_THREADS` shared threads together,
+    so the disk has several requests in flight from the first buffer to the last. A single short
+    read runs on the calling thread. Returns the bytes read into each buffer: fewer only at the end
+    of the file."""
+    views = [(memoryview(buf).cast("B"), pos) for buf, pos in reads]
+    if len(views) == 1 and len(views[0][0]) < 2 * PIECE_BYTES:
+        return [pread_into(fd, *views[0])]
     pool = piece_pool()
-    pieces = [(o, min(PIECE_BYTES, n - o)) for o in range(0, n, PIECE_BYTES)]
-    futures = [pool.submit(pread_into, fd, view[o : o + k], pos + o) for o, k in pieces]
-    done = 0
+    jobs = []
+    for view, pos in views:
+        jobs.append([(k, pool.submit(pread_into, fd, view[o : o + k], pos + o)) for o, k in piece_spans(len(view))])
+    done = []
     try:
-        for (_, k), f in zip(pieces, futures, strict=True):
-            got = f.result()
-            done += got
-            if got < k:  # the end of the file: the bytes after are not read
-                break
+        for pieces in jobs:
+            total = 0
+            for k, f in pieces:
+                got = f.result()
+                total += got
+                if got < k:  # the end of the file: the bytes after are not read
+                    break
+            done.append(total)
     finally:
-        settle(futures)
+        settle([f for pieces in jobs for _, f in pieces])
     return done
+
+
+def piece_spans(n: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the pieces a read of ``n`` bytes is split into: :data:`PIECE_BYTES`
+    each when ``n`` is two of them or more, else one piece (of at least one byte)."""
+    step = PIECE_BYTES if n >= 2 * PIECE_BYTES else max(n, 1)
+    return [(o, min(step, n - o)) for o in range(0, n, step)]
 
 
 def settle(futures: list[cf.Future]) -> None:

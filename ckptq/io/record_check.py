@@ -80,6 +80,23 @@ class Window(ReadView):
         self.pos += len(data)
         return len(data)
 
+    def read_many(self, reads: list[tuple[Any, int]]) -> list[int]:
+        """Fill each writable bytes-like ``buf`` of ``reads`` (``(buf, at)`` pairs, ``at`` a byte of
+        this window) from the window: all at once on the shared read threads for a plain OS file
+        (:func:`ckptq.io.fileio.pread_many`), else one after another. Never reads past the window.
+        Returns the bytes read into each buffer (fewer where it ends before the buffer does)."""
+        fd = self._fileno()
+        if fd is None:
+            got = []
+            for buf, at in reads:
+                self.seek(at)
+                got.append(self.readinto(buf))
+            return got
+        from .fileio import pread_many
+
+        clamped = [(memoryview(buf).cast("B")[: max(0, self.size - at)], self._start + at) for buf, at in reads]
+        return pread_many(fd, clamped)
+
     def _fileno(self) -> int | None:
         """The base file's descriptor when it is a plain OS file (read at absolute offsets), else None."""
         if not hasattr(self, "_fd"):
