@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -70,7 +71,8 @@ HOLD_BYTES = 64 << 20
 #: order :meth:`CheckpointView.will_read` gave, each on a background thread: two, so that one's
 #: bytes come from the disk while the other is unpickled and converted (``docs/benchmarks.md``).
 FOREIGN_AHEAD = 2
-#: ... and at most this many bytes of them.
+#: The most record bytes loaded ahead at once (:data:`FOREIGN_AHEAD`); a record that would pass it
+#: is loaded by its own read.
 FOREIGN_AHEAD_BYTES = 256 << 20
 
 
@@ -933,14 +935,16 @@ class IndexedCheckpointView(CheckpointView):
 
 
 _ahead: cf.ThreadPoolExecutor | None = None
+_ahead_lock = threading.Lock()
 
 
 def _ahead_pool() -> cf.ThreadPoolExecutor:
     """The :data:`FOREIGN_AHEAD` background threads (``ckptq-ahead``) on which views load the next
     foreign records (their reads go to the shared read threads, :func:`ckptq.io.fileio.piece_pool`)."""
     global _ahead
-    if _ahead is None:
-        _ahead = cf.ThreadPoolExecutor(FOREIGN_AHEAD, thread_name_prefix="ckptq-ahead")
+    with _ahead_lock:
+        if _ahead is None:
+            _ahead = cf.ThreadPoolExecutor(max(1, FOREIGN_AHEAD), thread_name_prefix="ckptq-ahead")
     return _ahead
 
 

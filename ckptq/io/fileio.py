@@ -17,7 +17,8 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
   use, on a background thread straight into their destinations (through a bounded set of pinned
   buffers into CUDA ones), hashed on that thread;
 * :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops;
-  :func:`pread_pieces`: a long read in pieces on several threads at once.
+  :func:`pread_pieces` / :func:`pread_many`: one long read, or several at once, in pieces on
+  the shared read threads.
 
 Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
 :data:`DEFAULT_BUFFER_BYTES` per staging or read buffer, :data:`DEFAULT_SYNC_EVERY` bytes between

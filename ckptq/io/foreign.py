@@ -135,14 +135,14 @@ _SKELETON_BYTES = 1 << 16
 
 def _load_skeleton(root: Path | str, info: Any, source: str, *, whole: bool = False) -> Any:
     """The record at ``info`` unpickled as :func:`load_record` does (the pickle's CRC-32 checked, the
-    same restricted globals), but with its storages on the ``meta`` device, then every storage of
-    at most :data:`_SKELETON_BYTES` (``whole``: every storage) read from the file
-    into CPU memory, all at once (:meth:`~ckptq.io.record_check.Window.read_many`: the record's storages in pieces
-    on the shared read threads, straight into the tensors' new storages), and the tensors replaced
-    by views of them. Without ``whole``: what a producer's adapter needs to learn the tensor's
-    format, recipe and per-tensor values, without reading its payload; with it: the whole record,
-    read faster than ``torch.load``, which reads one storage after another (tensors the walk does
-    not reach stay on ``meta``: :func:`_has_meta` tells). Local files only.
+    same restricted globals), but with its storages on the ``meta`` device (torch then records each
+    storage's offset in the record), then every storage of at most :data:`_SKELETON_BYTES`
+    (``whole``: every storage) read from the file into new CPU tensors, all at once
+    (:meth:`~ckptq.io.record_check.Window.read_many`: in pieces on the shared read threads), and the
+    tensors replaced by views of them. Without ``whole``: what a producer's adapter needs to learn
+    the tensor's format, recipe and per-tensor values, without reading its payload; with it: the
+    whole record, read faster than ``torch.load``, which reads one storage after another (tensors
+    the walk does not reach stay on ``meta``: :func:`_has_meta` tells). Local files only.
 
     Raises:
         UnsafeCheckpointError / CheckpointFormatError: as :func:`load_record`; OSError.
