@@ -285,3 +285,56 @@ def test_a_planner_error_on_a_reading_thread_is_named_and_stops_every_thread(tmp
     err = dcp_failure(e.value, str(path))
     assert isinstance(err, CheckpointFormatError) and "'c'" in str(err) and "no room for c" in str(err)
     assert threading.active_count() == before
+
+
+@requires_cuda
+@pytest.mark.parametrize("reader", ["safe", "dcp"])
+def test_decoding_loads_into_cuda_targets_run_there_and_equal_the_cpu_loads(tmp_path, monkeypatch, reader):
+    """Targets on a CUDA device whose source must be converted (high-precision values re-encoded,
+    another format re-encoded, a quantized entry into a plain target) get their source region read
+    into that device and converted there: the same bytes as the same load into CPU targets, and as
+    the CUDA load that converts on the CPU (``DEVICE_DECODE_BYTES`` = 0)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import ckptq.planners.load as load_mod
+
+    sd = _state_dict()
+    dcp.save(sd, checkpoint_id=tmp_path / "native", planner=ckptq.QuantizedSavePlanner(), no_dist=True)
+    hp = ckptq.QuantizedSavePlanner(mode="high_precision")
+    dcp.save(sd, checkpoint_id=tmp_path / "hp", planner=hp, no_dist=True)
+
+    def targets(device):
+        return {  # each one converted: a and b swap formats
+            "a": ckptq.quantize(torch.zeros(256, 512, device=device), "mxfp8"),
+            "b": ckptq.quantize(torch.zeros(128, 256, device=device), "nvfp4"),
+        }
+
+    def plain_targets(device):
+        return {k: torch.zeros(sd[k].shape, dtype=torch.bfloat16, device=device) for k in "ab"}
+
+    devices = []
+    real = load_mod._Decode._decode_device
+    monkeypatch.setattr(
+        load_mod._Decode, "_decode_device", lambda self, n: devices.append(real(self, n)) or real(self, n)
+    )
+
+    def load(ck, make, device):
+        got = make(device)
+        rd = SafeFileSystemReader(ck) if reader == "safe" else FileSystemReader(str(ck))
+        dcp.load(got, storage_reader=rd, planner=ckptq.QuantizedLoadPlanner(), no_dist=True)
+        return {k: dict(v._components) if isinstance(v, ckptq.QuantizedTensor) else {"": v} for k, v in got.items()}
+
+    for ck, make in ((tmp_path / "hp", targets), (tmp_path / "native", targets), (tmp_path / "native", plain_targets)):
+        want = load(ck, make, "cpu")
+        devices.clear()
+        on_gpu = load(ck, make, "cuda")
+        assert devices and all(d is not None and d.type == "cuda" for d in devices), devices
+        monkeypatch.setattr(load_mod, "DEVICE_DECODE_BYTES", 0)
+        devices.clear()
+        on_cpu = load(ck, make, "cuda")
+        assert devices and all(d is None for d in devices), devices
+        monkeypatch.setattr(load_mod, "DEVICE_DECODE_BYTES", 1 << 30)
+        for k, comps in want.items():
+            for name, v in comps.items():
+                assert_same_bytes(on_gpu[k][name].cpu(), v, f"{ck.name} {k}.{name} (converted on the GPU)")
+                assert_same_bytes(on_cpu[k][name].cpu(), v, f"{ck.name} {k}.{name} (converted on the CPU)")

@@ -54,6 +54,15 @@ __all__ = ["QuantizedLoadPlanner"]
 logger = logging.getLogger("ckptq")
 
 
+#: A target on a CUDA device whose source must be decoded or re-encoded (another format or recipe,
+#: high-precision values, a plain target of a quantized entry) has its source region read into
+#: that device's memory and converted there when the region's stored bytes are at most this many;
+#: a larger region (e.g. the whole of a large tensor that every shard reads for its per-tensor
+#: value) is read into CPU memory and converted there, as every region was before, so that the
+#: load's temporary GPU memory stays bounded. Measured: ``docs/benchmarks.md``.
+DEVICE_DECODE_BYTES = 1 << 30
+
+
 @dataclasses.dataclass
 class _Buffer:
     """A destination of read items: a tensor allocated on first use, with its chunk box."""
@@ -62,10 +71,11 @@ class _Buffer:
     dtype: torch.dtype
     tensor: torch.Tensor | None = None  # preset for raw loads into a target's component
     route: _Route | None = None
+    device: torch.device | None = None  # where it is allocated (None: the CPU)
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
-            self.tensor = torch.empty(self.shape, dtype=self.dtype)
+            self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self.tensor
 
 
@@ -163,9 +173,12 @@ class _Decode(_Route):
         self.buffers: dict[str, _Buffer] = {}
         items: list[ReadItem] = []
         if self.native:
-            for spec in src_specs:
-                cbox = chunks.component_box(spec, t.global_shape, self.region, fqn=t.fqn, fmt=self.src_cls.FORMAT)
-                self.buffers[spec.name] = _Buffer(cbox[1], spec.dtype)
+            fmt = self.src_cls.FORMAT
+            cboxes = [chunks.component_box(s, t.global_shape, self.region, fqn=t.fqn, fmt=fmt) for s in src_specs]
+            pairs = list(zip(src_specs, cboxes, strict=True))
+            dev = self._decode_device(sum(math.prod(b[1]) * s.dtype.itemsize for s, b in pairs))
+            for spec, cbox in pairs:
+                self.buffers[spec.name] = _Buffer(cbox[1], spec.dtype, device=dev)
                 items += self.read(e.keys[spec.name], cbox, self.buffers[spec.name])
         else:
             md = self.p.metadata.state_dict_metadata[t.fqn]
@@ -183,9 +196,21 @@ class _Decode(_Route):
                     f"(float16, bfloat16, float32, float64, or a quantized one); load it into a plain "
                     f"{md.properties.dtype} tensor"
                 )
-            self.buffers["values"] = _Buffer(self.region[1], md.properties.dtype)
+            dev = self._decode_device(math.prod(self.region[1]) * md.properties.dtype.itemsize)
+            self.buffers["values"] = _Buffer(self.region[1], md.properties.dtype, device=dev)
             items += self.read(t.fqn, self.region, self.buffers["values"])
         return items
+
+    def _decode_device(self, nbytes: int) -> torch.device | None:
+        """Where the source region (``nbytes`` stored bytes) is read into and decoded / re-encoded:
+        the target's CUDA device (the reader copies the bytes there, and :func:`ckptq.requantize`
+        runs its CUDA kernels, bit-exact with the CPU's) when the region is at most
+        :data:`DEVICE_DECODE_BYTES`, else the CPU (None)."""
+        t = self.t
+        ref = next(iter(t.qt._components.values())) if t.qt is not None else t.local
+        if ref.device.type != "cuda" or nbytes > DEVICE_DECODE_BYTES:
+            return None
+        return ref.device
 
     def source(self) -> Any:
         """The source region: a QuantizedTensor (native source) or a plain tensor of values."""
