@@ -308,7 +308,7 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     }
     if args.loads_only:
         del loads["a_default_bf16"], loads["d_high_precision_safe_reader"]
-        for n in (2, 4):  # fewer files read at once per rank (the default reads thread_count = 8)
+        for n in (2, 8):  # other numbers of files read at once per rank (the default with CUDA in use: 4)
             loads[f"b_native_safe_reader_{n}_threads"] = (
                 "b_ckptq_native",
                 targets,

@@ -338,3 +338,18 @@ def test_decoding_loads_into_cuda_targets_run_there_and_equal_the_cpu_loads(tmp_
             for name, v in comps.items():
                 assert_same_bytes(on_gpu[k][name].cpu(), v, f"{ck.name} {k}.{name} (converted on the GPU)")
                 assert_same_bytes(on_cpu[k][name].cpu(), v, f"{ck.name} {k}.{name} (converted on the CPU)")
+
+
+def test_reader_threads_default_to_fewer_where_cuda_is_in_use(monkeypatch):
+    """Data files read at once: 8 in a process without CUDA, 4 in one that has initialized CUDA
+    (measured on GPU targets: ``ckptq.io.fileio.DEFAULT_READ_THREADS_CUDA``); an explicit
+    ``thread_count`` wins either way."""
+    from ckptq.io import fileio
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fileio.default_read_threads() == fileio.DEFAULT_THREADS == 8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert fileio.default_read_threads() == fileio.DEFAULT_READ_THREADS_CUDA == 4
+    assert SafeFileSystemReader("unused", thread_count=3).thread_count == 3
+    assert SafeFileSystemReader("unused").thread_count is None  # decided when the data is read

@@ -21,6 +21,7 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
   the shared read threads.
 
 Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
+:data:`DEFAULT_READ_THREADS_CUDA` files read at once where CUDA is in use (:func:`default_read_threads`),
 :data:`DEFAULT_BUFFER_BYTES` per staging or read buffer, :data:`DEFAULT_SYNC_EVERY` bytes between
 write-back starts, :data:`READ_AHEAD_BUFFERS` per file read. What was measured with them, and which
 are a choice not yet measured against others: ``docs/benchmarks.md``, "Storage writer and reader at
@@ -39,6 +40,8 @@ import torch
 
 __all__ = [
     "DEFAULT_THREADS",
+    "DEFAULT_READ_THREADS_CUDA",
+    "default_read_threads",
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_SYNC_EVERY",
     "READ_AHEAD_BUFFERS",
@@ -61,8 +64,24 @@ __all__ = [
 ]
 
 #: files written per rank by :class:`ckptq.io.ChecksumFileSystemWriter` (one thread each; DCP's
-#: ``FileSystemWriter`` defaults to 1), and reader threads of :class:`ckptq.io.SafeFileSystemReader`.
+#: ``FileSystemWriter`` defaults to 1), and data files :class:`ckptq.io.SafeFileSystemReader` reads
+#: at once (one thread each) in a process that does not use CUDA (CPU targets: 8 files read by 8
+#: threads loaded native checkpoints 6-21% faster than 4 files by 4 threads on both GPU hosts' disks).
 DEFAULT_THREADS = 8
+#: data files :class:`ckptq.io.SafeFileSystemReader` reads at once in a process that uses CUDA
+#: (its targets filled through pinned buffers): loading a native checkpoint of 8 files per rank
+#: into GPU targets, 4 threads beat 8 by 9-11% on one H100 (two runs) and by 1-6% on 2 H200 (three
+#: runs), and 2 were slower than 4 (``docs/benchmarks.md``).
+DEFAULT_READ_THREADS_CUDA = 4
+
+
+def default_read_threads() -> int:
+    """The data files :class:`ckptq.io.SafeFileSystemReader` reads at once when not told:
+    :data:`DEFAULT_READ_THREADS_CUDA` in a process that has initialized CUDA, else
+    :data:`DEFAULT_THREADS`."""
+    return DEFAULT_READ_THREADS_CUDA if torch.cuda.is_available() and torch.cuda.is_initialized() else DEFAULT_THREADS
+
+
 #: bytes of each pinned staging buffer (two per writer thread) and of each read request.
 DEFAULT_BUFFER_BYTES = 32 << 20
 #: records of up to this many ``DEFAULT_BUFFER_BYTES`` a data file's thread of :class:`ckptq.io.SafeFileSystemReader`

@@ -47,7 +47,7 @@ from .._gc import gc_paused
 from ..checksums import check, checksum_key
 from ..contract import DATA_FILE_NAME, Entry, read_checksums, verified_facts
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
-from .fileio import advise_later
+from .fileio import advise_later, default_read_threads
 from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
@@ -108,7 +108,7 @@ class SafeFileSystemReader(FileSystemReader):
             ``verify_checksums=False``, e.g. ``QuantizedLoadPlanner(verify_checksums=False)``, turns
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
         thread_count: data files read at once, each by its own thread (default
-            :data:`ckptq.io.fileio.DEFAULT_THREADS`).
+            :func:`ckptq.io.fileio.default_read_threads`: 4 in a process that uses CUDA, else 8).
         buffer_bytes: bytes of each read request, and of each of the pinned buffers per file that
             CUDA destinations are filled through (so their copies do not wait); a file's thread
             reads at most :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` of them ahead of the
@@ -162,12 +162,12 @@ class SafeFileSystemReader(FileSystemReader):
         early_read_ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from .fileio import DEFAULT_BUFFER_BYTES, DEFAULT_THREADS, EARLY_READ_AHEAD
+        from .fileio import DEFAULT_BUFFER_BYTES, EARLY_READ_AHEAD
 
         super().__init__(path, **kwargs)
         if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
             self.fs, self.path = dcp_filesystem(str(path))
-        self.thread_count = DEFAULT_THREADS if thread_count is None else max(1, int(thread_count))
+        self.thread_count = None if thread_count is None else max(1, int(thread_count))
         self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
         self.fadvise = fadvise
         self.early_read_ahead = EARLY_READ_AHEAD if early_read_ahead is None else max(0, int(early_read_ahead))
@@ -401,9 +401,10 @@ class SafeFileSystemReader(FileSystemReader):
         self._planner_lock = threading.RLock()
         starts = [self._plan_file(rel, file, size, reqs, planner) for rel, file, size, reqs in opened]
         started: dict[int, tuple] = {}
+        threads = self.thread_count or default_read_threads()
         try:
             for i, (rel, file, size, reqs) in enumerate(opened):
-                for j in range(i, min(len(starts), i + self.thread_count)):
+                for j in range(i, min(len(starts), i + threads)):
                     if j not in started:
                         started[j] = starts[j]()
                 self._read_file(rel, file, size, reqs, planner, started.pop(i))
