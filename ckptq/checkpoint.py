@@ -19,7 +19,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -237,7 +236,8 @@ class CheckpointView(EntryTable):
             if held + loc.length > FOREIGN_AHEAD_BYTES:
                 break
             held += loc.length
-            self._foreign_ahead[name] = (_ahead_pool().submit(self._canonical, loc), loc.length)
+            pool = fileio.shared_pool("ahead", FOREIGN_AHEAD)
+            self._foreign_ahead[name] = (pool.submit(self._canonical, loc), loc.length)
         qt = future.result() if future is not None else self._canonical(next(iter(locs.values())))
         sdm, data = self.metadata.state_dict_metadata, {}
         for k, loc in locs.items():
@@ -932,20 +932,6 @@ class IndexedCheckpointView(CheckpointView):
     def read_raw_bytes(self, fqn: str) -> tuple[bytes, Any]:
         self.need({fqn: None})
         return super().read_raw_bytes(fqn)
-
-
-_ahead: cf.ThreadPoolExecutor | None = None
-_ahead_lock = threading.Lock()
-
-
-def _ahead_pool() -> cf.ThreadPoolExecutor:
-    """The :data:`FOREIGN_AHEAD` background threads (``ckptq-ahead``) on which views load the next
-    foreign records (their reads go to the shared read threads, :func:`ckptq.io.fileio.piece_pool`)."""
-    global _ahead
-    with _ahead_lock:
-        if _ahead is None:
-            _ahead = cf.ThreadPoolExecutor(max(1, FOREIGN_AHEAD), thread_name_prefix="ckptq-ahead")
-    return _ahead
 
 
 def open_indexed(path: PathLike) -> IndexedCheckpointView | None:

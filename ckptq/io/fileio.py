@@ -53,6 +53,7 @@ __all__ = [
     "pread_many",
     "piece_spans",
     "piece_pool",
+    "shared_pool",
     "settle",
     "PIECE_BYTES",
     "pinned_or_plain",
@@ -124,19 +125,27 @@ def pwrite_all(fd: int, parts: list, pos: int) -> int:
 #: sequential stream's readahead alone does not give it: ``docs/benchmarks.md``).
 PIECE_BYTES = 8 << 20
 PIECE_THREADS = 4
-_piece_pool: cf.ThreadPoolExecutor | None = None
-_piece_lock = threading.Lock()
+_pools: dict[str, cf.ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def shared_pool(name: str, threads: int) -> cf.ThreadPoolExecutor:
+    """The process-wide pool ``name`` of ``threads`` threads (named ``ckptq-<name>``), made on first
+    use (under a lock: two first callers at once get the same pool). Every background pool of ckptq
+    is one of these: :func:`piece_pool`, the advice thread (:func:`advise_later`), the CRC-32 threads
+    (:func:`ckptq.io.records.payload_crc32`), the foreign-record loads ahead
+    (:meth:`ckptq.checkpoint.CheckpointView.read`)."""
+    with _pools_lock:
+        if name not in _pools:
+            _pools[name] = cf.ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"ckptq-{name}")
+        return _pools[name]
 
 
 def piece_pool() -> cf.ThreadPoolExecutor:
     """The :data:`PIECE_THREADS` threads (named ``ckptq-pread``) that every read in pieces shares
     (:func:`pread_pieces`, :meth:`ckptq.checkpoint.CheckpointView.read`). Its tasks are leaf reads
     (``preadv`` loops) that never wait for another task, so callers on any thread may share it."""
-    global _piece_pool
-    with _piece_lock:
-        if _piece_pool is None:
-            _piece_pool = cf.ThreadPoolExecutor(PIECE_THREADS, thread_name_prefix="ckptq-pread")
-    return _piece_pool
+    return shared_pool("pread", PIECE_THREADS)
 
 
 def pread_pieces(fd: int, buf: Any, pos: int) -> int:
@@ -193,21 +202,14 @@ def settle(futures: list[cf.Future]) -> None:
             f.exception()
 
 
-_advice_pool: cf.ThreadPoolExecutor | None = None
-
-
 def advise_later(ranges: list[tuple[Any, int, int]]) -> None:
     """Ask the kernel to fetch ``(file, start, length)`` ranges (``posix_fadvise(WILLNEED)``), on one
     background thread shared by all callers: the kernel allocates the page-cache pages and queues the
     reads there, not on the caller's thread. ``file`` is an open descriptor (which the caller keeps
     open until the advice has run, or closes: advice on a closed descriptor is lost) or a path
     (opened and closed on that thread). Advice only: errors are ignored, nothing is waited for."""
-    global _advice_pool
     if not ranges or not hasattr(os, "posix_fadvise"):
         return
-    with _piece_lock:
-        if _advice_pool is None:
-            _advice_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="ckptq-advise")
 
     def advise() -> None:
         for file, start, length in ranges:
@@ -223,7 +225,7 @@ def advise_later(ranges: list[tuple[Any, int, int]]) -> None:
                 if not isinstance(file, int):
                     os.close(fd)
 
-    _advice_pool.submit(advise)
+    shared_pool("advise", 1).submit(advise)
 
 
 def pread_into(fd: int, buf: Any, pos: int) -> int:

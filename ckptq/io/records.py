@@ -37,6 +37,7 @@ import torch
 
 from ..checksums import crc32_combine
 from ..errors import CheckpointFormatError, CkptqError
+from .fileio import shared_pool
 from .record_check import ReadView
 
 __all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
@@ -183,23 +184,17 @@ def _meta_offset(f: Any) -> int:
 #: threads at once (``zlib.crc32`` releases the GIL), joined with :func:`ckptq.checksums.crc32_combine`.
 CRC_PIECE = 2 << 20
 CRC_THREADS = 4
-_crc_pool: Any = None
 
 
 def payload_crc32(payload: Any, value: int = 0) -> int:
     """The zip CRC-32 of a payload (a bytes-like object; ``value`` continues a running CRC). A payload
     of two :data:`CRC_PIECE` s or more is hashed in pieces on :data:`CRC_THREADS` threads."""
-    global _crc_pool
     view = memoryview(payload).cast("B")
     n = len(view)
     if n < 2 * CRC_PIECE:
         return zlib.crc32(view, value)
-    if _crc_pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _crc_pool = ThreadPoolExecutor(CRC_THREADS, thread_name_prefix="ckptq-crc32")
     pieces = [(o, min(CRC_PIECE, n - o)) for o in range(0, n, CRC_PIECE)]
-    crcs = list(_crc_pool.map(lambda p: zlib.crc32(view[p[0] : p[0] + p[1]]), pieces))
+    crcs = list(shared_pool("crc32", CRC_THREADS).map(lambda p: zlib.crc32(view[p[0] : p[0] + p[1]]), pieces))
     for (_, k), crc in zip(pieces, crcs, strict=True):
         value = crc32_combine(value, crc, k)
     return value
