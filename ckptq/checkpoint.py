@@ -501,8 +501,7 @@ class CheckpointView(EntryTable):
         readahead alone does not give it that), and each piece is hashed (in order) as soon as it
         is in while the later ones are still being read (one short run: read on this thread); an
         object store gets one ranged GET per run, in order."""
-        piece = fileio.PIECE_BYTES
-        if not self.local or (len(runs) == 1 and len(runs[0][1]) < 2 * piece):  # one GET / short read: here
+        if not self.local or (len(runs) == 1 and len(fileio.piece_spans(len(runs[0][1]))) <= 1):  # one GET / short read
             sums = []
             for c, into, at, hashed in runs:
                 if self.local:

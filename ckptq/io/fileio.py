@@ -163,7 +163,7 @@ def pread_many(fd: int, reads: list[tuple[Any, int]]) -> list[int]:
     read runs on the calling thread. Returns the bytes read into each buffer: fewer only at the end
     of the file."""
     views = [(memoryview(buf).cast("B"), pos) for buf, pos in reads]
-    if len(views) == 1 and len(views[0][0]) < 2 * PIECE_BYTES:
+    if len(views) == 1 and len(piece_spans(len(views[0][0]))) <= 1:
         return [pread_into(fd, *views[0])]
     pool = piece_pool()
     jobs = []
@@ -184,10 +184,12 @@ def pread_many(fd: int, reads: list[tuple[Any, int]]) -> list[int]:
     return done
 
 
-def piece_spans(n: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` of the pieces a read of ``n`` bytes is split into: :data:`PIECE_BYTES`
-    each when ``n`` is two of them or more, else one piece (of at least one byte)."""
-    step = PIECE_BYTES if n >= 2 * PIECE_BYTES else max(n, 1)
+def piece_spans(n: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the pieces ``n`` bytes are split into for work on several threads:
+    ``piece`` bytes each (default :data:`PIECE_BYTES`) when ``n`` is two pieces or more, else one
+    piece (of at least one byte)."""
+    piece = PIECE_BYTES if piece is None else piece
+    step = piece if n >= 2 * piece else max(n, 1)
     return [(o, min(step, n - o)) for o in range(0, n, step)]
 
 

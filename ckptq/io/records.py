@@ -37,7 +37,7 @@ import torch
 
 from ..checksums import crc32_combine
 from ..errors import CheckpointFormatError, CkptqError
-from .fileio import shared_pool
+from .fileio import piece_spans, shared_pool
 from .record_check import ReadView
 
 __all__ = ["TensorRecord", "tensor_record", "locate_payload", "payload_crc32"]
@@ -190,10 +190,9 @@ def payload_crc32(payload: Any, value: int = 0) -> int:
     """The zip CRC-32 of a payload (a bytes-like object; ``value`` continues a running CRC). A payload
     of two :data:`CRC_PIECE` s or more is hashed in pieces on :data:`CRC_THREADS` threads."""
     view = memoryview(payload).cast("B")
-    n = len(view)
-    if n < 2 * CRC_PIECE:
+    pieces = piece_spans(len(view), CRC_PIECE)
+    if len(pieces) <= 1:
         return zlib.crc32(view, value)
-    pieces = [(o, min(CRC_PIECE, n - o)) for o in range(0, n, CRC_PIECE)]
     crcs = list(shared_pool("crc32", CRC_THREADS).map(lambda p: zlib.crc32(view[p[0] : p[0] + p[1]]), pieces))
     for (_, k), crc in zip(pieces, crcs, strict=True):
         value = crc32_combine(value, crc, k)
