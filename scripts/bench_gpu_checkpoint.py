@@ -19,9 +19,12 @@ one run, each save into a fresh directory (files fsynced), per rank:
 and (a) (DCP's defaults), (b), (c), (d) with ``dcp.async_save``: the time the caller is blocked
 (staging) and the total (for (c), ``ckptq.quantize_state_dict`` before ``async_save``, so staging
 copies the compact bytes), next to the copy of the same bytes out of the GPU into pinned host
-memory allocated beforehand (``d2h_s``: one non-blocking copy per tensor, one wait). Loads, page
+memory allocated beforehand (``d2h_s``: one non-blocking copy per tensor, one wait); ckptq's
+staging memory is reserved before the first async save (``ckptq.io.reserve_staging``, timed
+apart as ``reserve_staging``; ``--cold-staging``: not, so the first save allocates it). Loads, page
 cache dropped before each: (a) with DCP's reader; (b) with DCP's ``FileSystemReader`` and with
-``ckptq.io.SafeFileSystemReader`` (checksums verified); (d) with ``SafeFileSystemReader``; and the
+``ckptq.io.SafeFileSystemReader`` (checksums verified); (d) with ``SafeFileSystemReader`` and its
+files read plainly (one stream, the disk's speed for those bytes); and the
 default planner on the first bf16 tensors that add up to (b)'s stored bytes, with both readers, so
 that (b)'s load GB/s is compared at the same size (each load has fixed costs: the metadata,
 planning, per-file opens). ``--placement-loads``: (b) into ``Shard(1)`` targets too;
@@ -241,6 +244,11 @@ def _worker(rank: int, ws: int, args, queue) -> None:
     )
     if args.async_bf16_ckptq:
         async_saves["a_bf16_ckptq_writer"] = (lambda: bf16, lambda: None, writer)
+    if async_saves and not args.cold_staging:  # ckptq's staging memory reserved at setup, timed apart
+        sync()
+        t0 = time.perf_counter()
+        reserved = {n: ckptq.io.reserve_staging(c[0]()) / 1e9 for n, c in async_saves.items() if c[2] is writer}
+        res["reserve_staging"] = {"s": time.perf_counter() - t0, "GB_per_case": reserved}
     times = (
         {}
         if not async_saves
@@ -306,6 +314,9 @@ def _worker(rank: int, ws: int, args, queue) -> None:
             None,
         ),
     }
+    if not args.loads_only:  # (d)'s files read plainly, one stream: the disk's speed for its bytes
+        hp_files = sorted((root / "d_high_precision").glob(f"__{rank}_*.distcp"))
+        loads["p_plain_read_high_precision_files"] = ("d_high_precision", lambda: _plain_read(hp_files, 1), None, None)
     if args.loads_only:
         del loads["a_default_bf16"], loads["d_high_precision_safe_reader"]
         for n in (2, 8):  # other numbers of files read at once per rank (the default with CUDA in use: 4)
@@ -534,6 +545,11 @@ def main() -> None:
     )
     ap.add_argument("--dcp-writer-native", action="store_true", help="also save native with DCP's own writer")
     ap.add_argument("--async-bf16-ckptq", action="store_true", help="also async_save bf16 with ckptq's writer")
+    ap.add_argument(
+        "--cold-staging",
+        action="store_true",
+        help="no ckptq.io.reserve_staging before the async saves (the first one allocates its staging memory)",
+    )
     ap.add_argument("--placement-loads", action="store_true", help="also load native into Shard(1) targets")
     ap.add_argument("--one-gpu-load", action="store_true", help="also load native on 1 GPU (no_dist)")
     ap.add_argument(

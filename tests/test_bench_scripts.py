@@ -58,10 +58,13 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
             x[f"async_{k}"]["total_s"] >= x[f"async_{k}"]["blocked_s"] > 0
             for k in ("a_default_bf16", "b_ckptq_native", "c_quantize_then_async", "d_high_precision")
         )
+        reserved = x["reserve_staging"]["GB_per_case"]  # ckptq's writer's cases, one state dict structure
+        assert x["reserve_staging"]["s"] > 0 and reserved["b_ckptq_native"] > 0
+        assert set(reserved.values()) == {reserved["b_ckptq_native"]}
         assert x["disk_probe"]["write_GBps"] > 0 and x["disk_probe"]["read_GBps"] > 0
         assert x["rounds"] == {"saves": 1, "async": 1, "loads": 1}
         loads = [k for k in x if k.startswith("load_")]
-        assert len(loads) == 8 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
+        assert len(loads) == 9 and all(x[k]["s"] > 0 and len(x[k]["all_s"]) == 1 for k in loads)
         # each dcp.load split into before read_data / in it / after it, all inside the timed load
         split = x["load_b_native_safe_reader"]
         assert split["before_read_s"] > 0 and split["read_data_s"] > 0 and split["after_read_s"] >= 0

@@ -225,6 +225,47 @@ def test_async_save_reuses_its_staging_and_stages_each_saves_values(tmp_path):
     w._STAGED.clear()
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+        ),
+    ],
+)
+def test_reserved_staging_is_what_the_first_async_save_stages_into(tmp_path, device):
+    """reserve_staging makes the copy dcp.async_save then uses (nothing allocated during the save),
+    page-locked for CUDA tensors; release_staging frees it."""
+    from ckptq.io import release_staging, reserve_staging
+    from ckptq.io import writer as w
+
+    w._STAGED.clear()
+    sd = _state_dict(device)
+    nbytes = reserve_staging(sd)
+    ((key, reserved),) = w._STAGED.items()
+    tensors = w._staged_tensors(reserved)
+    want = sum(v.nbytes for k in "ab" for v in sd[k].components().values()) + sum(sd[k].nbytes for k in "cde")
+    assert nbytes == want and len(tensors) == len(sd["a"].components()) + len(sd["b"].components()) + 3
+    assert all(t.device.type == "cpu" and t.is_pinned() == (device == "cuda") for t in tensors if t.numel())
+    assert reserve_staging(_state_dict(device)) == nbytes and w._STAGED[key] is reserved  # not made twice
+    ptrs = [t.data_ptr() for t in tensors]
+    dcp.async_save(
+        sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner()
+    ).result()
+    assert w._STAGED[key] is reserved and [t.data_ptr() for t in w._staged_tensors(reserved)] == ptrs
+    assert_same_bytes(reserved["c"], sd["c"].cpu(), "staged c")  # the save staged into the reservation
+    got = _targets(device)
+    dcp.load(got, storage_reader=SafeFileSystemReader(tmp_path / "ck"), planner=ckptq.QuantizedLoadPlanner())
+    _check_loaded(got, sd)
+    release_staging(_targets(device))  # same structure: its reservation goes
+    assert not w._STAGED
+    reserve_staging(sd)
+    release_staging()
+    assert not w._STAGED
+
+
 @requires_cuda
 def test_cuda_tensors_save_through_pinned_pieces_and_load_back_exactly(tmp_path):
     sd = _state_dict("cuda")

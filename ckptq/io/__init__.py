@@ -14,12 +14,14 @@ from __future__ import annotations
 from .metadata import METADATA_FILE, check_storage
 from .reader import SafeFileSystemReader, dcp_failure, load_entries, read_metadata
 from .safe_pickle import ALLOWED_GLOBALS, SafeUnpickler, safe_load, safe_loads
-from .writer import AtomicFileSystemWriter, ChecksumFileSystemWriter
+from .writer import AtomicFileSystemWriter, ChecksumFileSystemWriter, release_staging, reserve_staging
 
 __all__ = [
     "SafeFileSystemReader",
     "AtomicFileSystemWriter",
     "ChecksumFileSystemWriter",
+    "reserve_staging",
+    "release_staging",
     "read_metadata",
     "check_storage",
     "load_entries",
