@@ -299,6 +299,43 @@ def test_cuda_tensors_save_through_pinned_pieces_and_load_back_exactly(tmp_path)
             _check_loaded(got, sd)
 
 
+@pytest.mark.parametrize("ahead_records", [0, 3, 100])
+def test_a_files_thread_resolves_destinations_at_most_read_ahead_bytes_past_the_commits(tmp_path, ahead_records):
+    """read_ahead_bytes bounds how far past the committed records a file's thread resolves (and so
+    may allocate) destinations; with a slow caller it does run that far ahead."""
+    import threading
+    import time
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    nbytes = 64 * 4 * 256  # one 64 KiB record per tensor
+    sd = {f"t{i:02d}": torch.full((64, 256), float(i)) for i in range(24)}
+    dcp.save(sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck", thread_count=1), no_dist=True)
+    lock, state = threading.Lock(), {"resolved": 0, "committed": 0, "most": 0}
+
+    class Counting(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            with lock:
+                state["resolved"] += 1
+                state["most"] = max(state["most"], state["resolved"] - state["committed"])
+            return super().resolve_tensor(read_item)
+
+        def commit_tensor(self, read_item, tensor):
+            time.sleep(0.01)  # a slow caller: the thread runs as far ahead as it may
+            with lock:
+                state["committed"] += 1
+            super().commit_tensor(read_item, tensor)
+
+    got = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = SafeFileSystemReader(tmp_path / "ck", read_ahead_bytes=ahead_records * nbytes, buffer_bytes=1 << 14)
+    dcp.load(got, storage_reader=reader, planner=Counting(), no_dist=True)
+    for k in sd:
+        assert_same_bytes(got[k], sd[k], k)
+    # at most the records within read_ahead_bytes from the one the caller takes, the one it commits
+    # and the next one; at least that many less those two (unbounded: well past the bounded cases)
+    assert max(1, min(ahead_records, 12)) <= state["most"] <= ahead_records + 2
+
+
 def test_a_planner_error_on_a_reading_thread_is_named_and_stops_every_thread(tmp_path):
     """Destinations are resolved on the files' reading threads: a planner that fails there fails the
     load with the record named, and no reading thread is left running."""

@@ -23,7 +23,8 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
 Knobs and their defaults: :data:`DEFAULT_THREADS` files (one writer thread each) per rank,
 :data:`DEFAULT_READ_THREADS_CUDA` files read at once where CUDA is in use (:func:`default_read_threads`),
 :data:`DEFAULT_BUFFER_BYTES` per staging or read buffer, :data:`DEFAULT_SYNC_EVERY` bytes between
-write-back starts, :data:`READ_AHEAD_BUFFERS` per file read. What was measured with them, and which
+write-back starts, :data:`READ_AHEAD_BUFFERS` pinned buffers and :data:`READ_AHEAD_BYTES` of run-ahead
+per file read. What was measured with them, and which
 are a choice not yet measured against others: ``docs/benchmarks.md``, "Storage writer and reader at
 disk speed".
 """
@@ -45,6 +46,7 @@ __all__ = [
     "DEFAULT_BUFFER_BYTES",
     "DEFAULT_SYNC_EVERY",
     "READ_AHEAD_BUFFERS",
+    "READ_AHEAD_BYTES",
     "Flusher",
     "Staging",
     "pwrite_all",
@@ -85,11 +87,19 @@ def default_read_threads() -> int:
 
 #: bytes of each pinned staging buffer (two per writer thread) and of each read request.
 DEFAULT_BUFFER_BYTES = 32 << 20
-#: records of up to this many ``DEFAULT_BUFFER_BYTES`` a data file's thread of :class:`ckptq.io.SafeFileSystemReader`
-#: reads ahead of the caller (and pinned buffers per file for CUDA destinations). 3 gave native loads
-#: 0.76 of the disk probe's read GB/s on 2 H200, 2026-11-26: the files read ahead stalled while the
-#: first was used; 8 lets them read further at once.
+#: pinned buffers of ``buffer_bytes`` per data file that :class:`ckptq.io.SafeFileSystemReader` fills
+#: CUDA destinations through (each reused once its copy to the GPU is done). 3 (then also the
+#: run-ahead bound, 3 x 32 MiB) gave native loads 0.76 of the disk probe's read GB/s on 2 H200,
+#: 2026-11-26; 8 is kept.
 READ_AHEAD_BUFFERS = 8
+#: bytes of records a data file's thread of :class:`ckptq.io.SafeFileSystemReader` reads ahead of
+#: the records the caller has committed (at least one record). Their destinations are resolved that
+#: far ahead, so a load whose records must be converted (high-precision values re-encoded, another
+#: format) holds temporaries of up to this many bytes per file read at once (on the target's GPU
+#: where it converts there). With 8 x 32 MiB, high-precision loads read at 0.82 of a plain read of
+#: their files; 1 GiB gave 1.05, unbounded 0.99, native loads the same with all three (one H100,
+#: 4.36 GB in 8 files, 3 rounds each, 2026-11-26; ``docs/benchmarks.md``).
+READ_AHEAD_BYTES = 1 << 30
 #: bytes of a data file past the current read that :class:`RecordReader` asks the kernel to fetch
 #: meanwhile (``POSIX_FADV_WILLNEED``, a window moved along as the reads go).
 READ_AHEAD = 64 << 20
@@ -393,7 +403,8 @@ class RecordReader:
     yields ``(framed, nbytes read, checksum)`` per record, in order.
 
     The thread runs at most ``ahead`` bytes of records (at least one record) past the one the
-    consumer takes, since ``prepare`` may allocate; it asks the kernel for the next
+    consumer takes, since ``prepare`` may allocate; ``depth`` pinned buffers of ``buffer_bytes``
+    carry CUDA destinations' pieces. It asks the kernel for the next
     :data:`READ_AHEAD` bytes of the file while it hashes and copies (``POSIX_FADV_WILLNEED``), so
     the disk keeps a request queued. Call :meth:`close` when done (or on error: it stops the thread).
 
@@ -413,6 +424,7 @@ class RecordReader:
         hashed: bool,
         buffer_bytes: int,
         depth: int,
+        ahead: int,
         pin: bool,
         fadvise: bool = True,
     ) -> None:
@@ -430,7 +442,7 @@ class RecordReader:
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self.records, self.prepare, self.hashed = records, prepare, hashed
         self.size = max(1 << 16, int(buffer_bytes))
-        self.ahead = depth * self.size
+        self.ahead = int(ahead)
         self.pool = BufferPool(depth, self.size, pin)
         self._queue: queue.Queue = queue.Queue()
         self._cv = threading.Condition()

@@ -109,10 +109,14 @@ class SafeFileSystemReader(FileSystemReader):
             it off too). Costs one crc32c pass over the bytes read (about 10 GB/s on one core).
         thread_count: data files read at once, each by its own thread (default
             :func:`ckptq.io.fileio.default_read_threads`: 4 in a process that uses CUDA, else 8).
-        buffer_bytes: bytes of each read request, and of each of the pinned buffers per file that
-            CUDA destinations are filled through (so their copies do not wait); a file's thread
-            reads at most :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` of them ahead of the
-            records the caller has committed (default :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        buffer_bytes: bytes of each read request, and of each of the
+            :data:`ckptq.io.fileio.READ_AHEAD_BUFFERS` pinned buffers per file that CUDA
+            destinations are filled through (so their copies do not wait) (default
+            :data:`ckptq.io.fileio.DEFAULT_BUFFER_BYTES`).
+        read_ahead_bytes: bytes of records a file's thread reads ahead of the records the caller
+            has committed (at least one record); a load whose records are converted holds
+            temporaries of up to this much per file read at once (default
+            :data:`ckptq.io.fileio.READ_AHEAD_BYTES`, 1 GiB).
         fadvise: tell the kernel each data file is read sequentially (``POSIX_FADV_SEQUENTIAL``).
         early_read_ahead: bytes of this rank's own data files (``__<rank>_*.distcp``, as DCP's and
             ckptq's writers name them) the kernel is asked to fetch as soon as ``.metadata`` is
@@ -158,6 +162,7 @@ class SafeFileSystemReader(FileSystemReader):
         verify_checksums: bool = True,
         thread_count: int | None = None,
         buffer_bytes: int | None = None,
+        read_ahead_bytes: int | None = None,
         fadvise: bool = True,
         early_read_ahead: int | None = None,
         **kwargs: Any,
@@ -169,6 +174,7 @@ class SafeFileSystemReader(FileSystemReader):
             self.fs, self.path = dcp_filesystem(str(path))
         self.thread_count = None if thread_count is None else max(1, int(thread_count))
         self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
+        self.read_ahead_bytes = None if read_ahead_bytes is None else max(0, int(read_ahead_bytes))
         self.fadvise = fadvise
         self.early_read_ahead = EARLY_READ_AHEAD if early_read_ahead is None else max(0, int(early_read_ahead))
         self._cached_metadata = metadata
@@ -417,7 +423,7 @@ class SafeFileSystemReader(FileSystemReader):
         """A function that starts the reading of the records of ``reqs`` that are read fast (see
         the class docstring) and returns ``(fast records, RecordReader or None, destinations)``.
         A URL's records are fetched ahead, together, in ranged GETs (:class:`~ckptq.io.storage.RangePrefetcher`)."""
-        from .fileio import READ_AHEAD_BUFFERS, RecordReader
+        from .fileio import READ_AHEAD_BUFFERS, READ_AHEAD_BYTES, RecordReader
         from .records import tensor_record
 
         fast: dict[MetadataIndex, Any] = {}
@@ -480,6 +486,7 @@ class SafeFileSystemReader(FileSystemReader):
                 hashed=self._verifying,
                 buffer_bytes=self.buffer_bytes,
                 depth=READ_AHEAD_BUFFERS,
+                ahead=READ_AHEAD_BYTES if self.read_ahead_bytes is None else self.read_ahead_bytes,
                 pin=pin,
                 fadvise=self.fadvise,
             )
