@@ -515,8 +515,15 @@ def table(report: dict) -> str:
             f"read {r['load_b_native_safe_reader']['GBps'] / p['read_GBps']:.2f}; bf16 save, ckptq's writer vs DCP's "
             f"{r['save_a_bf16_ckptq_writer']['GBps'] / r['save_a_default_bf16']['GBps']:.2f}x; native load, ckptq's "
             f"reader vs DCP's {r['load_b_native_safe_reader']['GBps'] / r['load_b_native_dcp_reader']['GBps']:.2f}x",
-            "",
         ]
+        hp, hp_plain = r.get("load_d_high_precision_safe_reader"), r.get("load_p_plain_read_high_precision_files")
+        if hp and hp_plain:  # runs since 2026-11-26 (seventh session)
+            lines.append(
+                f"high-precision load vs disk read {hp['GBps'] / p['read_GBps']:.2f}, vs a plain read of its files "
+                f"{hp['GBps'] / hp_plain['GBps']:.2f}; staging reserved before the async saves in "
+                f"{r.get('reserve_staging', {}).get('s', float('nan')):.2f} s"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -73,6 +73,41 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
     assert text.count("| ckptq native (MXFP8 / NVFP4) |") == 2 and "native save vs default planner" in text
 
 
+def test_bench_read_ahead_runs_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    text = _run_script(
+        "bench_read_ahead.py",
+        *("--device", "cpu", "--layers", "1", "--divide", "8", "--rounds", "1"),
+        *("--aheads", "1M,inf", "--dir", str(tmp_path / "d"), "--out", str(out)),
+    )
+    r = json.loads(out.read_text())
+    for src in ("native", "high_precision"):
+        assert set(r[src]) == {"GB", "plain_read", "1M", "inf"} and r[src]["GB"] > 0
+        assert all(len(r[src][c]["all_s"]) == 1 and r[src][c]["GBps"] > 0 for c in ("plain_read", "1M", "inf"))
+    assert r["high_precision"]["GB"] > 3 * r["native"]["GB"]  # bf16 values against MXFP8 / NVFP4 codes
+    assert "high_precision  inf" in text
+
+
+def test_bench_disk_layout_runs(tmp_path):
+    for what, keys in (
+        ("layout", {"one_file", "eight_files", "eight_fallocated"}),
+        ("age", {"one_file_right_after", "eight_files_right_after", "eight_files_later", "one_file_later"}),
+    ):
+        out = tmp_path / f"{what}.json"
+        _run_script(
+            "bench_disk_layout.py",
+            *(what, "--gib", "0.02", "--fill-gib", "0.02", "--rounds", "1", "--dir", str(tmp_path / what)),
+            *("--out", str(out)),
+        )
+        (r,) = json.loads(out.read_text())["rounds"]
+        assert keys <= set(r) and not (tmp_path / what).exists()
+        for k in keys:  # GB/s, or a case's write / read GB/s and one extent count per file
+            v = r[k]
+            assert (
+                v > 0 if what == "age" else v["read1_GBps"] > 0 and len(v["extents"]) == (1 if k == "one_file" else 8)
+            )
+
+
 def test_bench_storage_io_runs(tmp_path):
     out = tmp_path / "r.json"
     _run_script(

@@ -916,11 +916,13 @@ def reserve_staging(state_dict: Any) -> int:
     device, strides and DTensor placements), not per save.
 
     Without it the first async save of a process allocates and page-locks that memory while the
-    caller waits: measured 22-30x the D2H copy for 2.7 GB on one H100 host, 2.8-4.1x on 2 H200
-    (``docs/benchmarks.md``, "async_save's staging memory"). The memory is page-locked when the state
-    dict holds CUDA tensors (torch's pinned host allocator) and is touched now otherwise; it is
-    kept until :func:`release_staging`. A second save started while one still writes from the copy
-    stages into new memory, as without a reservation.
+    caller waits: 22-35x the D2H copy for 2.7 GB in fresh processes on one H100 machine, 2.8-4.1x
+    on 2 H200 (``docs/benchmarks.md``, "async_save's staging memory"). The memory is page-locked
+    when the state dict holds CUDA tensors (torch's pinned host allocator, per tensor; torch's
+    ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:8``
+    made that 3x faster there) and is touched now otherwise; it is kept until
+    :func:`release_staging`. A second save started while one still writes from the copy stages
+    into new memory, as without a reservation.
 
     Args:
         state_dict: the state dict ``dcp.async_save`` will be given (DTensors, ckptq quantized
