@@ -73,6 +73,23 @@ def test_bench_gpu_checkpoint_runs_on_cpu(tmp_path):
     assert text.count("| ckptq native (MXFP8 / NVFP4) |") == 2 and "native save vs default planner" in text
 
 
+@pytest.mark.slow
+def test_bench_gpu_checkpoint_saves_only_runs_every_round_of_the_saves_alone(tmp_path):
+    out = tmp_path / "r.json"
+    _run_script(
+        "bench_gpu_checkpoint.py",
+        *("--device", "cpu", "--divide", "8", "--layers", "1", "--repeat", "3", "--saves-only", "--keep-caches"),
+        *("--probe-gib", "0.01", "--disk-gib", "0.0625", "--dir", str(tmp_path / "d"), "--out", str(out)),
+        *("--port", "29537"),
+    )
+    r = json.loads(out.read_text())
+    for x in r["ranks"]:
+        assert x["rounds"] == {"saves": 3} and not [k for k in x if k.startswith(("load_", "async_"))]
+        assert all(len(x[f"save_{k}"]["all_s"]) == 3 for k in ("a_default_bf16", "b_ckptq_native", "d_high_precision"))
+    text = _run_script("bench_gpu_checkpoint.py", "--table", str(out))
+    assert text.count("native save vs default planner") == 2 and "native load" not in text
+
+
 def test_bench_read_ahead_runs_on_cpu(tmp_path):
     out = tmp_path / "r.json"
     text = _run_script(
