@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+#: the marks of a test (or a parameter) that needs a CUDA device: ``cuda`` (select with ``-m cuda``),
+#: skipped without one
+CUDA_MARKS = (pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))
+
 
 def requires_cuda(fn):
     """Mark a test ``cuda`` (select with ``-m cuda``) and skip it without a CUDA device."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(fn))
+    for mark in CUDA_MARKS:
+        fn = mark(fn)
+    return fn
 
 
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:

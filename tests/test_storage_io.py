@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 import ckptq
 from ckptq.io import ChecksumFileSystemWriter, SafeFileSystemReader, read_metadata
 from ckptq.io.records import tensor_record
-from tests._helpers import assert_same_bytes, requires_cuda
+from tests._helpers import CUDA_MARKS, assert_same_bytes, requires_cuda
 
 warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
 
@@ -225,16 +225,7 @@ def test_async_save_reuses_its_staging_and_stages_each_saves_values(tmp_path):
     w._STAGED.clear()
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA_MARKS)])
 def test_reserved_staging_is_what_the_first_async_save_stages_into(tmp_path, device):
     """reserve_staging makes the copy dcp.async_save then uses (nothing allocated during the save),
     page-locked for CUDA tensors; release_staging frees it."""
@@ -243,23 +234,27 @@ def test_reserved_staging_is_what_the_first_async_save_stages_into(tmp_path, dev
 
     w._STAGED.clear()
     sd = _state_dict(device)
+    sd["f"] = torch.randn(6, 8, device=device).t()  # strided: staged with the same strides
     nbytes = reserve_staging(sd)
     ((key, reserved),) = w._STAGED.items()
     tensors = w._staged_tensors(reserved)
-    want = sum(v.nbytes for k in "ab" for v in sd[k].components().values()) + sum(sd[k].nbytes for k in "cde")
-    assert nbytes == want and len(tensors) == len(sd["a"].components()) + len(sd["b"].components()) + 3
+    want = sum(v.nbytes for k in "ab" for v in sd[k].components().values()) + sum(sd[k].nbytes for k in "cdef")
+    assert nbytes == want and len(tensors) == len(sd["a"].components()) + len(sd["b"].components()) + 4
     assert all(t.device.type == "cpu" and t.is_pinned() == (device == "cuda") for t in tensors if t.numel())
-    assert reserve_staging(_state_dict(device)) == nbytes and w._STAGED[key] is reserved  # not made twice
+    again = {**_state_dict(device), "f": torch.zeros(6, 8, device=device).t()}
+    assert reserve_staging(again) == nbytes and list(w._STAGED) == [key] and w._STAGED[key] is reserved
     ptrs = [t.data_ptr() for t in tensors]
     dcp.async_save(
         sd, storage_writer=ChecksumFileSystemWriter(tmp_path / "ck"), planner=ckptq.QuantizedSavePlanner()
     ).result()
     assert w._STAGED[key] is reserved and [t.data_ptr() for t in w._staged_tensors(reserved)] == ptrs
-    assert_same_bytes(reserved["c"], sd["c"].cpu(), "staged c")  # the save staged into the reservation
+    for k in "cf":  # the save staged into the reservation
+        assert_same_bytes(reserved[k], sd[k].cpu(), f"staged {k}")
+    assert reserved["f"].stride() == sd["f"].stride()
     got = _targets(device)
     dcp.load(got, storage_reader=SafeFileSystemReader(tmp_path / "ck"), planner=ckptq.QuantizedLoadPlanner())
     _check_loaded(got, sd)
-    release_staging(_targets(device))  # same structure: its reservation goes
+    release_staging({**_targets(device), "f": torch.zeros(6, 8, device=device).t()})  # same structure
     assert not w._STAGED
     reserve_staging(sd)
     release_staging()

@@ -936,8 +936,8 @@ def reserve_staging(state_dict: Any) -> int:
     if staged is None:
         staged = _staging_copy(state_dict, pin=cuda and torch.cuda.is_available())
         for t in _staged_tensors(staged):
-            if not t.is_pinned():
-                t.view(-1).view(torch.uint8).zero_()  # fault its pages in now, not during the save
+            if not t.is_pinned():  # fault its pages in now, not during the save (any dtype or strides)
+                torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).zero_()
         _STAGED[key] = staged
     return sum(t.untyped_storage().nbytes() for t in _staged_tensors(staged))
 
