@@ -316,7 +316,7 @@ def test_a_files_thread_resolves_destinations_at_most_read_ahead_bytes_past_the_
             return super().resolve_tensor(read_item)
 
         def commit_tensor(self, read_item, tensor):
-            time.sleep(0.01)  # a slow caller: the thread runs as far ahead as it may
+            time.sleep(0.02)  # a slow caller: the thread runs as far ahead as it may
             with lock:
                 state["committed"] += 1
             super().commit_tensor(read_item, tensor)
@@ -327,8 +327,8 @@ def test_a_files_thread_resolves_destinations_at_most_read_ahead_bytes_past_the_
     for k in sd:
         assert_same_bytes(got[k], sd[k], k)
     # at most the records within read_ahead_bytes from the one the caller takes, the one it commits
-    # and the next one; at least that many less those two (unbounded: well past the bounded cases)
-    assert max(1, min(ahead_records, 12)) <= state["most"] <= ahead_records + 2
+    # and the next one; unbounded, well past the bounded cases (how far depends on thread timing)
+    assert 1 <= state["most"] <= ahead_records + 2 and (ahead_records < 24 or state["most"] >= 8)
 
 
 def test_a_planner_error_on_a_reading_thread_is_named_and_stops_every_thread(tmp_path):
