@@ -28,10 +28,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-def _bytes(text: str) -> int | None:
-    """``256M`` / ``1G`` / ``inf`` (no bound) -> bytes or None."""
+def _bytes(text: str) -> int:
+    """``256M`` / ``1G`` / ``inf`` (no bound: more than any checkpoint) -> bytes."""
     if text == "inf":
-        return None
+        return 1 << 62
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 

@@ -167,14 +167,14 @@ class SafeFileSystemReader(FileSystemReader):
         early_read_ahead: int | None = None,
         **kwargs: Any,
     ) -> None:
-        from .fileio import DEFAULT_BUFFER_BYTES, EARLY_READ_AHEAD
+        from .fileio import DEFAULT_BUFFER_BYTES, EARLY_READ_AHEAD, READ_AHEAD_BYTES
 
         super().__init__(path, **kwargs)
         if is_url(path):  # DCP's own fsspec file system (as FsspecReader), with ckptq's options
             self.fs, self.path = dcp_filesystem(str(path))
         self.thread_count = None if thread_count is None else max(1, int(thread_count))
         self.buffer_bytes = DEFAULT_BUFFER_BYTES if buffer_bytes is None else int(buffer_bytes)
-        self.read_ahead_bytes = None if read_ahead_bytes is None else max(0, int(read_ahead_bytes))
+        self.read_ahead_bytes = READ_AHEAD_BYTES if read_ahead_bytes is None else max(0, int(read_ahead_bytes))
         self.fadvise = fadvise
         self.early_read_ahead = EARLY_READ_AHEAD if early_read_ahead is None else max(0, int(early_read_ahead))
         self._cached_metadata = metadata
@@ -423,7 +423,7 @@ class SafeFileSystemReader(FileSystemReader):
         """A function that starts the reading of the records of ``reqs`` that are read fast (see
         the class docstring) and returns ``(fast records, RecordReader or None, destinations)``.
         A URL's records are fetched ahead, together, in ranged GETs (:class:`~ckptq.io.storage.RangePrefetcher`)."""
-        from .fileio import READ_AHEAD_BUFFERS, READ_AHEAD_BYTES, RecordReader
+        from .fileio import READ_AHEAD_BUFFERS, RecordReader
         from .records import tensor_record
 
         fast: dict[MetadataIndex, Any] = {}
@@ -486,7 +486,7 @@ class SafeFileSystemReader(FileSystemReader):
                 hashed=self._verifying,
                 buffer_bytes=self.buffer_bytes,
                 depth=READ_AHEAD_BUFFERS,
-                ahead=READ_AHEAD_BYTES if self.read_ahead_bytes is None else self.read_ahead_bytes,
+                ahead=self.read_ahead_bytes,
                 pin=pin,
                 fadvise=self.fadvise,
             )
