@@ -23,43 +23,38 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
 MB = 1 << 20
 PIECE = 32 * MB
 
 
-def _drop(paths: list) -> None:
-    os.sync()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError:
-        pass
-
-
 def _write_file(path: Path, nbytes: int, block: memoryview, falloc: bool, sync_every: int = 64 * MB) -> None:
+    """``nbytes`` of ``block`` repeated into ``path`` as ckptq's writer writes a data file: whole-piece
+    ``pwritev`` calls, write-back started every ``sync_every`` bytes (:class:`ckptq.io.fileio.Flusher`),
+    fsynced at the end; ``falloc``: ``posix_fallocate`` of the whole size first."""
+    from ckptq.io.fileio import Flusher, pwrite_all
+
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         if falloc:
             os.posix_fallocate(fd, 0, nbytes)
-        pos, pending, fut = 0, 0, None
-        with ThreadPoolExecutor(1) as syncer:
+        flusher, pos = Flusher(fd, sync_every), 0
+        try:
             while pos < nbytes:
-                n = os.pwrite(fd, block[: min(len(block), nbytes - pos)], pos)
-                pos, pending = pos + n, pending + n
-                if pending >= sync_every:
-                    pending = 0
-                    if fut is None or fut.done():
-                        fut = syncer.submit(os.fdatasync, fd)
-        os.fsync(fd)
+                n = pwrite_all(fd, [block[: min(len(block), nbytes - pos)]], pos)
+                flusher.wrote(n)
+                pos += n
+        finally:
+            flusher.close(fsync=True)
     finally:
         os.close(fd)
 
@@ -76,7 +71,9 @@ def write_set(d: Path, files: int, nbytes: int, block: memoryview, falloc: bool 
 
 def read_set(paths: list, threads: int) -> float:
     """GB/s reading ``paths`` whole (32 MiB reads), ``threads`` files at once, cache dropped first."""
-    _drop(paths)
+    from bench_storage_io import drop_file_cache
+
+    drop_file_cache(paths)
     todo, lock = iter(paths), threading.Lock()
 
     def worker() -> int:

@@ -26,26 +26,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-HIDDEN, KV, INTER = 4096, 1024, 14336
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
 CASES = ("torch_each", "torch_each_env", "torch_each_thr8", "register_touch8", "pageable")
 REGISTER_CONF = "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
 
 
 def component_bytes(layers: int) -> list[int]:
-    """Bytes of each component tensor of the native state dict of ``layers`` layers (see above)."""
+    """Bytes of each component tensor of the native state dict of ``layers`` layers: the shapes and
+    rules of ``scripts/bench_gpu_checkpoint.py`` (matched as ``ckptq.quantize_state_dict`` matches
+    them), each format's components (:meth:`ckptq.formats.QuantizedTensor.component_specs`)."""
+    from bench_gpu_checkpoint import RULES, _shapes
+
+    from ckptq.formats import format_class
+    from ckptq.planners.quantize import _rule
+
     out = []
-    for _ in range(layers):
-        for r, c in ((HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN)):
-            out += [r * c, r * c // 32]
-        for r, c in ((INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)):
-            out += [r * c // 2, r * c // 16, 4]
+    for fqn, shape in _shapes(layers):
+        fmt, options = _rule(fqn, RULES)
+        cls = format_class(fmt)
+        out += [math.prod(s.shape(shape)) * s.dtype.itemsize for s in cls.component_specs(shape, cls.Recipe(**options))]
     return out
 
 
