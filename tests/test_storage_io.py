@@ -316,13 +316,19 @@ def test_a_files_thread_resolves_destinations_at_most_read_ahead_bytes_past_the_
             return super().resolve_tensor(read_item)
 
         def commit_tensor(self, read_item, tensor):
-            time.sleep(0.02)  # a slow caller: the thread runs as far ahead as it may
             with lock:
                 state["committed"] += 1
             super().commit_tensor(read_item, tensor)
 
+    class SlowCaller(SafeFileSystemReader):
+        def _read_fast(self, *args, **kwargs):
+            # a slow caller, slow outside the planner lock (which commits and resolves share), so
+            # the file's thread runs as far ahead as it may
+            time.sleep(0.02)
+            return super()._read_fast(*args, **kwargs)
+
     got = {k: torch.zeros_like(v) for k, v in sd.items()}
-    reader = SafeFileSystemReader(tmp_path / "ck", read_ahead_bytes=ahead_records * nbytes, buffer_bytes=1 << 14)
+    reader = SlowCaller(tmp_path / "ck", read_ahead_bytes=ahead_records * nbytes, buffer_bytes=1 << 14)
     dcp.load(got, storage_reader=reader, planner=Counting(), no_dist=True)
     for k in sd:
         assert_same_bytes(got[k], sd[k], k)
