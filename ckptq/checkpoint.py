@@ -194,7 +194,7 @@ class CheckpointView(EntryTable):
             for k in keys:
                 md = self.metadata.state_dict_metadata[k]
                 size = tuple(md.size)
-                data[k] = torch.empty(size, dtype=md.properties.dtype)
+                data[k] = fileio.empty_for_read(size, md.properties.dtype)
                 saved = self.saved_chunks(k)
                 if len(saved) == 1 and saved[0].box == ((0,) * len(size), size):  # one run: read with the others
                     c = saved[0]

@@ -205,3 +205,15 @@ def test_bench_load_one_gpu_runs(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| ") and ("disk" in line or "page cache" in line)]
     assert len(rows) == 10, out  # five cases, each from the disk and from the page cache
     assert "native, SafeFileSystemReader" in out and "tottime" in out
+
+
+def test_bench_read_pages_runs(tmp_path):
+    out = tmp_path / "r.json"
+    text = _run_script(
+        "bench_read_pages.py",
+        *("--mib", "40", "--tensors", "1", "--rounds", "1", "--workdir", str(tmp_path / "w"), "--out", str(out)),
+    )
+    r = json.loads(out.read_text())
+    assert r["bytes"] > 40 << 20 and set(r["huge_pages"]) == {"on", "off"}
+    assert all(len(x["runs_s"]) == 1 and x["GBps"] > 0 for x in r["huge_pages"].values())
+    assert "4 KiB pages take" in text

@@ -432,3 +432,44 @@ def test_reader_threads_default_to_fewer_where_cuda_is_in_use(monkeypatch):
     assert fileio.default_read_threads() == fileio.DEFAULT_READ_THREADS_CUDA == 4
     assert SafeFileSystemReader("unused", thread_count=3).thread_count == 3
     assert SafeFileSystemReader("unused").thread_count is None  # decided when the data is read
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping of this process that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") or not os.path.exists("/proc/self/smaps"),
+    reason="Linux with transparent huge pages only",
+)
+def test_read_destinations_are_advised_huge_pages(tmp_path, monkeypatch):
+    """A CPU tensor of more than 32 MiB allocated to be read into spans huge pages (its 2 MiB-aligned
+    interior has the ``hg`` flag of ``madvise(MADV_HUGEPAGE)``) and is an ordinary tensor a read
+    fills exactly; one of 32 MiB is not advised."""
+    from ckptq.io import fileio
+
+    monkeypatch.setattr(fileio, "HUGE_PAGES", True)
+    t = fileio.empty_for_read((12, 1 << 20), torch.float32)  # 48 MiB
+    assert (t.shape, t.dtype, t.device.type, t.is_contiguous()) == ((12, 1 << 20), torch.float32, "cpu", True)
+    assert "hg" in _vm_flags(t.data_ptr() + 24 * (1 << 20))
+    src = torch.randn(12, 1 << 20)
+    path = tmp_path / "x.bin"
+    path.write_bytes(src.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fileio.pread_pieces(fd, t.numpy(), 0) == 48 << 20
+    finally:
+        os.close(fd)
+    assert_same_bytes(t, src)
+    # at most HUGE_PAGE_MIN_BYTES: possibly heap memory freed before (already faulted in), not advised
+    small = fileio.empty_for_read((fileio.HUGE_PAGE_MIN_BYTES,), torch.uint8)
+    assert "hg" not in _vm_flags(small.data_ptr() + fileio.HUGE_PAGE_MIN_BYTES // 2)

@@ -55,6 +55,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
 from .device import prefetch
+from .fileio import empty_for_read
 from .record_check import Window, check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items", "shard_canonical"]
@@ -168,7 +169,7 @@ def _load_skeleton(root: Path | str, info: Any, source: str, *, whole: bool = Fa
             if at < 0 or at + nbytes > rec_file.size:  # checked before anything is allocated from it
                 raise CheckpointFormatError(f"{source}: the record is truncated or corrupt (a storage ends past it)")
             if at not in storages:
-                storages[at] = torch.empty(nbytes, dtype=torch.uint8)
+                storages[at] = empty_for_read((nbytes,), torch.uint8)
         got = rec_file.read_many([(buf.numpy(), at) for at, buf in storages.items()])
         if any(n != buf.numel() for buf, n in zip(storages.values(), got, strict=True)):
             raise CheckpointFormatError(f"{source}: the record is truncated or corrupt (a storage ends past it)")

@@ -47,7 +47,7 @@ from .._gc import gc_paused
 from ..checksums import check, checksum_key
 from ..contract import DATA_FILE_NAME, Entry, read_checksums, verified_facts
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
-from .fileio import advise_later, default_read_threads
+from .fileio import advise_later, default_read_threads, empty_for_read
 from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, describe_non_dcp, validate_metadata
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
@@ -468,7 +468,7 @@ class SafeFileSystemReader(FileSystemReader):
                 if _takes_whole_chunk(req, target, dtype, sizes):
                     dsts.append(target.reshape(-1).view(torch.uint8))
                 elif whole is None:
-                    whole = torch.empty(fast[index].nbytes, dtype=torch.uint8)
+                    whole = empty_for_read((fast[index].nbytes,), torch.uint8)
                     dsts.append(whole)
             state[index] = (targets, whole)
             return dsts
@@ -983,7 +983,7 @@ def load_entries(reader: SafeFileSystemReader, metadata: Metadata, keys: list[st
         entry = metadata.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointFormatError(f"{reader.path}: '{key}' is not a tensor entry of the checkpoint")
-        sd[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        sd[key] = empty_for_read(tuple(entry.size), entry.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         try:

@@ -45,6 +45,7 @@ from ..contract import (
 from ..errors import CheckpointFormatError, MissingKeyError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box
+from ..io.fileio import empty_for_read
 from ..io.safe_pickle import load_pickled_object
 from ..metrics import sqnr_db
 from ._common import local_box, local_tensor
@@ -75,7 +76,10 @@ class _Buffer:
 
     def get(self) -> torch.Tensor:
         if self.tensor is None:
-            self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            if self.device is None or self.device.type == "cpu":
+                self.tensor = empty_for_read(self.shape, self.dtype)  # filled by reads
+            else:
+                self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
         return self.tensor
 
 
