@@ -290,13 +290,13 @@ class Flusher:
 #: CPU tensors of more than :data:`HUGE_PAGE_MIN_BYTES` that ckptq allocates to read a file's bytes
 #: into (:func:`empty_for_read`) are backed by transparent huge pages where the kernel offers them:
 #: filling fresh memory 4 KiB at a time costs a page fault and a zeroed page per 4 KiB, most of the
-#: CPU work of a read from the page cache (``docs/benchmarks.md``, "Huge pages for the tensors a read
-#: fills"). False: ordinary pages.
+#: CPU work of a read from the page cache (``docs/benchmarks.md``, "The CPU path's source read again,
+#: and huge pages for the tensors a read fills"). False: ordinary pages.
 HUGE_PAGES = True
 #: glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit; ``mallopt(3)``):
 #: a larger block is a fresh mapping every time, faulted in page by page; a smaller one may come from
 #: heap memory freed before, already faulted in, which the advice only slows (measured: 16 MiB
-#: tensors read 1.28x slower with it, 64 MiB ones 1.43x faster).
+#: tensors read 1.28x slower with it, 64 MiB ones 1.43-1.48x faster).
 HUGE_PAGE_MIN_BYTES = 32 << 20
 _HUGE = 2 << 20  # the x86-64 / arm64 (4 KiB base pages) transparent huge page
 
