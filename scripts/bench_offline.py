@@ -8,7 +8,8 @@
 2. Sources (untimed): a TransformerEngine-shaped DCP checkpoint of about ``--gb`` GB written by DCP's
    default planner with the TE stand-in of ``tests/te_standin`` (every record a pickled TE tensor:
    per-tensor FP8 with its transposed copy and MXFP8 with its columnwise copy and swizzled scales,
-   4096 x 4096), and its ckptq-native conversion (``convert --to native``).
+   4096 x 4096, or ``--dim``: 8192 makes every data buffer 64 MiB, above the 32 MiB from which the
+   tensors a read fills are on huge pages), and its ckptq-native conversion (``convert --to native``).
 3. Timed, each on every device of ``--devices`` (``cuda`` only where a CUDA device is there):
    ``read``: ``open_checkpoint`` + ``read`` of every entry, their order given first (``will_read``,
    as the tools give it; CPU; the source read every tool does);
@@ -109,8 +110,8 @@ def disk_probe(work: Path, nbytes: int) -> dict:
     }
 
 
-def make_te_checkpoint(path: Path, gb: float) -> int:
-    """Per-tensor FP8 and MXFP8 TE tensors (stand-in), 4096 x 4096, saved with DCP's default planner."""
+def make_te_checkpoint(path: Path, gb: float, dim: int = 4096) -> int:
+    """Per-tensor FP8 and MXFP8 TE tensors (stand-in), ``dim`` x ``dim``, saved with DCP's default planner."""
     import torch.distributed.checkpoint as dcp
     from _te import standin
 
@@ -118,7 +119,7 @@ def make_te_checkpoint(path: Path, gb: float) -> int:
     sd, total, i = {}, 0, 0
     g = torch.Generator().manual_seed(0)
     while total < gb * 1e9:
-        x = (torch.randn(4096, 4096, generator=g) * 0.02).to(torch.bfloat16)
+        x = (torch.randn(dim, dim, generator=g) * 0.02).to(torch.bfloat16)
         kind = "float8" if i % 2 == 0 else "mxfp8"
         t = te.make_te_tensor(x, kind, swizzled=kind == "mxfp8", seed=i)  # rowwise + columnwise
         sd[f"model.layers.{i}.mlp.up_proj.weight"] = t
@@ -132,6 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=4096, help="rows and columns of every source tensor")
     ap.add_argument("--devices", default="cpu,cuda")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -150,7 +152,7 @@ def main() -> None:
     for p in (te_src, native):
         shutil.rmtree(p, ignore_errors=True)
     t0 = time.perf_counter()
-    n = make_te_checkpoint(te_src, args.gb)
+    n = make_te_checkpoint(te_src, args.gb, args.dim)
     ckptq.reshard_checkpoint(te_src, native, device="cpu")
     te_bytes, native_bytes = dir_bytes(te_src), dir_bytes(native)
     print(
@@ -226,6 +228,7 @@ def main() -> None:
             },
             "workdir": str(work),
             "gb": args.gb,
+            "dim": args.dim,
             "repeat": args.repeat,
             "te_source_bytes": te_bytes,
             "native_source_bytes": native_bytes,

@@ -217,3 +217,18 @@ def test_bench_read_pages_runs(tmp_path):
     assert r["bytes"] > 40 << 20 and set(r["huge_pages"]) == {"on", "off"}
     assert all(len(x["runs_s"]) == 1 and x["GBps"] > 0 for x in r["huge_pages"].values())
     assert "4 KiB pages take" in text
+
+
+def test_bench_offline_runs(tmp_path):
+    out = tmp_path / "r.json"
+    text = _run_script(
+        "bench_offline.py",
+        *("--gb", "0.01", "--dim", "1024", "--repeat", "1", "--devices", "cpu", "--cases", "read,convert TE -> native"),
+        *("--workdir", str(tmp_path / "w"), "--json", str(out)),
+    )
+    r = json.loads(out.read_text())
+    assert r["dim"] == 1024 and r["te_source_bytes"] > 0 and r["disk_probe"]["read_GBps"] > 0
+    cases = {x["case"]: x for x in r["results"]}
+    assert len(cases) == 4 and all(x["GBps"] > 0 and len(x["runs_s"]) == 1 for x in cases.values())
+    assert cases["convert TE -> native (no kernels)"]["output_bytes"] > 0
+    assert "| read TE source (open + read every entry) | cpu |" in text
