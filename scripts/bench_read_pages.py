@@ -68,6 +68,7 @@ def main() -> None:
 
     import torch
     import torch.distributed.checkpoint as dcp
+    from bench_gpu_checkpoint import _plain_read
     from bench_storage_io import drop_file_cache
 
     from ckptq.io import ChecksumFileSystemWriter
@@ -90,8 +91,7 @@ def main() -> None:
             if args.cold:
                 drop_file_cache([src])
             else:  # in the page cache: read once first
-                for f in src.glob("*.distcp"):
-                    f.read_bytes()
+                _plain_read(sorted(src.glob("*.distcp")), 1)
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(ROOT), str(src), setting], check=True, capture_output=True, text=True
             )
