@@ -39,6 +39,7 @@ from .io.fileio import advise_later
 from .io.foreign import ForeignLocation
 from .io.index import INDEX_FILE, ChunkIndex
 from .io.metadata import METADATA_FILE, check_file_name, check_storage
+from .io.read_buffers import Reading, empty_for_read
 from .io.reader import SafeFileSystemReader, load_entries, read_metadata_and_entries
 from .io.source import CheckpointSource, SourceKind
 
@@ -144,6 +145,7 @@ class CheckpointView(EntryTable):
         self._held: tuple[SavedChunk | None, Any] = (None, None)  # a chunk read whole for parts of it (_hold)
         self._checksums: Any = False  # read on first use
         self._foreign_ahead: dict[str, tuple[cf.Future, int]] = {}  # FQN -> (its canonical tensor, record bytes)
+        self._reading = Reading()  # the blocks of tensors read and freed are reused until close()
 
     def _checksum_table(self) -> dict:
         """``{(key, offsets or None): crc32c}`` of the records the checkpoint records checksums for."""
@@ -194,7 +196,7 @@ class CheckpointView(EntryTable):
             for k in keys:
                 md = self.metadata.state_dict_metadata[k]
                 size = tuple(md.size)
-                data[k] = fileio.empty_for_read(size, md.properties.dtype)
+                data[k] = empty_for_read(size, md.properties.dtype)
                 saved = self.saved_chunks(k)
                 if len(saved) == 1 and saved[0].box == ((0,) * len(size), size):  # one run: read with the others
                     c = saved[0]
@@ -462,13 +464,15 @@ class CheckpointView(EntryTable):
         return self._fd(c.file)
 
     def close(self) -> None:
-        """Close the data files :meth:`read_box` opened (it reopens them when called again)."""
+        """Close the data files :meth:`read_box` opened (it reopens them when called again) and unmap
+        the idle read buffers (:mod:`ckptq.io.read_buffers`; reads after this do not keep theirs)."""
         self._ranges.close()
         self._advised.clear()
         self._staging = None
         self._held = (None, None)
         fileio.settle([f for f, _ in self._foreign_ahead.values()])
         self._foreign_ahead.clear()
+        self._reading.close()
 
     def _record_file(self, rel: str) -> Any:
         """A context manager giving data file ``rel`` open for reading (remote: the shared handle,

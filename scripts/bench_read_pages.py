@@ -1,19 +1,22 @@
-"""Huge pages for the tensors a read fills: ``ckptq.io.fileio.HUGE_PAGES`` on and off, A/B.
+"""The tensors a read fills: from ckptq's pool of reused blocks or from ``torch.empty``, A/B.
 
-``python scripts/bench_read_pages.py [--mib 64] [--tensors 6] [--rounds 8] [--cold] [--source DIR] [--out r.json]``
+``python scripts/bench_read_pages.py [--mib 64] [--tensors 6] [--rounds 8] [--cold] [--source DIR]
+[--modes pool,torch] [--out r.json]``
 
 A checkpoint of ``--tensors`` bf16 tensors of ``--mib`` MiB each is saved with
 ``ckptq.io.ChecksumFileSystemWriter`` (or ``--source``: any checkpoint ckptq opens, e.g. the
 TransformerEngine source of ``scripts/bench_offline.py``). Each run is a fresh process that opens it
 with ``ckptq.open_checkpoint``, says the order (``will_read``) and reads every entry (the source read
-of ``convert`` / ``export`` / ``reshard``), with ``HUGE_PAGES`` on or off; the two alternate, the
-first of each round rotated. A fresh process, because a tensor's memory is faulted in only the
-first time: a long-running process whose allocator reuses freed memory pays for it once (glibc
-serves tensors above its mmap threshold, 32 MiB at most, from fresh mappings every time, and
-smaller ones from reused heap). The file stays in the page cache (the CPU side of the read alone;
+of ``convert`` / ``export`` / ``reshard``), its destinations allocated in one of the ``--modes``:
+``pool`` (``ckptq.io.read_buffers``, the default: blocks reused, new ones on huge pages),
+``pool_4k`` (the same without the huge-page advice) or ``torch`` (``POOLED`` off: ``torch.empty``,
+what glibc gives); they alternate, the order of each round rotated. A fresh process, because a
+tensor's memory is faulted in only the first time: a long-running process pays for it once. The
+file stays in the page cache (the CPU side of the read alone;
 ``--cold``: dropped before every run, ``posix_fadvise(DONTNEED)`` and ``drop_caches`` where
 allowed). Reported per setting: median seconds, GB/s of data-file bytes, CPU seconds per GB
-(user + system, all threads) and minor page faults of the read; and the ratio of the medians.
+(user + system, all threads) and minor page faults of the read; and each mode's median over the
+first mode's.
 ``--mib 5 --tensors 2 --rounds 1`` finishes in seconds: a check of the script.
 """
 
@@ -37,10 +40,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
-import ckptq.io.fileio as fileio
+import ckptq.io.read_buffers as read_buffers
 from ckptq.checkpoint import open_checkpoint
 
-fileio.HUGE_PAGES = sys.argv[3] == "on"
+read_buffers.POOLED = sys.argv[3] != "torch"
+read_buffers.HUGE_PAGES = sys.argv[3] == "pool"
 usage = lambda: resource.getrusage(resource.RUSAGE_SELF)
 u0, t0 = usage(), time.perf_counter()
 view = open_checkpoint(sys.argv[2])
@@ -63,8 +67,12 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop the files from the page cache before every run")
     ap.add_argument("--source", default=None, help="read this checkpoint instead of saving one")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--modes", default="pool,torch", help="comma-separated: pool, pool_4k, torch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"pool", "pool_4k", "torch"}:
+        ap.error(f"--modes: pool, pool_4k or torch, not {args.modes!r}")
 
     import torch
     import torch.distributed.checkpoint as dcp
@@ -85,9 +93,9 @@ def main() -> None:
         dcp.save(sd, storage_writer=ChecksumFileSystemWriter(src), no_dist=True)
         del sd
     nbytes = sum(f.stat().st_size for f in src.glob("*.distcp"))
-    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):
-        for setting in ("on", "off") if r % 2 == 0 else ("off", "on"):
+        for setting in modes[r % len(modes) :] + modes[: r % len(modes)]:
             if args.cold:
                 drop_file_cache([src])
             else:  # in the page cache: read once first
@@ -113,19 +121,21 @@ def main() -> None:
         "bytes": nbytes,
         "cold": args.cold,
         "rounds": args.rounds,
-        "huge_pages": summary,
-        "off_over_on": round(summary["off"]["median_s"] / summary["on"]["median_s"], 3),
+        "modes": summary,
+        "over_first": {m: round(x["median_s"] / summary[modes[0]]["median_s"], 3) for m, x in summary.items()},
     }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{report['source']}, {nbytes / 1e9:.3f} GB, {'cold' if args.cold else 'page cache'}, THP {report['thp']}")
-    print("| huge pages | median s | GB/s | CPU s per GB | minor faults |")
+    print("| destinations | median s | GB/s | CPU s per GB | minor faults |")
     print("|---|---|---|---|---|")
     for setting, x in summary.items():
         print(f"| {setting} | {x['median_s']} | {x['GBps']} | {x['cpu_s_per_GB']} | {x['faults']} |")
-    print(f"4 KiB pages take {report['off_over_on']}x the time of huge pages (medians of {args.rounds})")
+    for m, ratio in report["over_first"].items():
+        if m != modes[0]:
+            print(f"{m} takes {ratio}x the time of {modes[0]} (medians of {args.rounds})")
 
 
 def _thp() -> str | None:

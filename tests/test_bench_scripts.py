@@ -211,12 +211,13 @@ def test_bench_read_pages_runs(tmp_path):
     out = tmp_path / "r.json"
     text = _run_script(
         "bench_read_pages.py",
-        *("--mib", "40", "--tensors", "1", "--rounds", "1", "--workdir", str(tmp_path / "w"), "--out", str(out)),
+        *("--mib", "8", "--tensors", "2", "--rounds", "1", "--modes", "pool,pool_4k,torch"),
+        *("--workdir", str(tmp_path / "w"), "--out", str(out)),
     )
     r = json.loads(out.read_text())
-    assert r["bytes"] > 40 << 20 and set(r["huge_pages"]) == {"on", "off"}
-    assert all(len(x["runs_s"]) == 1 and x["GBps"] > 0 for x in r["huge_pages"].values())
-    assert "4 KiB pages take" in text
+    assert r["bytes"] > 16 << 20 and list(r["modes"]) == ["pool", "pool_4k", "torch"]
+    assert all(len(x["runs_s"]) == 1 and x["GBps"] > 0 for x in r["modes"].values())
+    assert r["over_first"]["pool"] == 1.0 and "torch takes" in text
 
 
 def test_bench_offline_runs(tmp_path):

@@ -16,7 +16,6 @@ memory. This module holds the pieces that :class:`ckptq.io.ChecksumFileSystemWri
 * :class:`RecordReader` / :class:`BufferPool`: the records of a file read in order, ahead of their
   use, on a background thread straight into their destinations (through a bounded set of pinned
   buffers into CUDA ones), hashed on that thread;
-* :func:`empty_for_read`: the CPU tensors a read fills, on transparent huge pages above 32 MiB;
 * :func:`pwrite_all` / :func:`pread_into`: whole-buffer ``pwritev`` / ``preadv`` loops;
   :func:`pread_pieces` / :func:`pread_many`: one long read, or several at once, in pieces on
   the shared read threads.
@@ -33,7 +32,6 @@ disk speed".
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -285,63 +283,6 @@ class Flusher:
                 self._pool = None
         if fsync:
             os.fsync(self.fd)
-
-
-#: CPU tensors of more than :data:`HUGE_PAGE_MIN_BYTES` that ckptq allocates to read a file's bytes
-#: into (:func:`empty_for_read`) are backed by transparent huge pages where the kernel offers them:
-#: filling fresh memory 4 KiB at a time costs a page fault and a zeroed page per 4 KiB, most of the
-#: CPU work of a read from the page cache (``docs/benchmarks.md``, "The CPU path's source read again,
-#: and huge pages for the tensors a read fills"). False: ordinary pages.
-HUGE_PAGES = True
-#: glibc's largest mmap threshold (``DEFAULT_MMAP_THRESHOLD_MAX``, 32 MiB on 64-bit; ``mallopt(3)``):
-#: a larger block is a fresh mapping every time, faulted in page by page; a smaller one may come from
-#: heap memory freed before, already faulted in, which the advice only slows (measured: 16 MiB
-#: tensors read 1.28x slower with it, 64 MiB ones 1.43-1.48x faster).
-HUGE_PAGE_MIN_BYTES = 32 << 20
-_HUGE = 2 << 20  # the x86-64 / arm64 (4 KiB base pages) transparent huge page
-
-
-def empty_for_read(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, for a read to fill whole. When it holds more
-    than :data:`HUGE_PAGE_MIN_BYTES` and :data:`HUGE_PAGES` is on, its 2 MiB-aligned interior is
-    advised ``MADV_HUGEPAGE`` (Linux ``madvise(2)``) before anything touches it, so the read's
-    writes fault it in 2 MiB at a time instead of 4 KiB (with ``/sys/kernel/mm/transparent_hugepage/
-    enabled`` at ``madvise`` or ``always``; at ``never``, and on other systems, nothing changes).
-    Advice only: errors are ignored and the tensor is an ordinary CPU tensor either way."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if HUGE_PAGES and nbytes > HUGE_PAGE_MIN_BYTES:
-        start = -(-t.data_ptr() // _HUGE) * _HUGE
-        end = (t.data_ptr() + nbytes) // _HUGE * _HUGE
-        if end > start:
-            _advise_huge(start, end - start)
-    return t
-
-
-def _advise_huge(address: int, length: int) -> None:
-    """``madvise(address, length, MADV_HUGEPAGE)``, errors ignored (advice only)."""
-    found = _libc_madvise()
-    if found is not None:
-        fn, advice = found
-        fn(address, length, advice)
-
-
-@functools.cache
-def _libc_madvise() -> tuple[Any, int] | None:
-    """libc's ``madvise`` and ``MADV_HUGEPAGE`` on Linux, else None."""
-    import ctypes
-    import mmap
-    import sys
-
-    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn, mmap.MADV_HUGEPAGE
 
 
 def pinned_or_plain(nbytes: int, pin: bool) -> torch.Tensor:

@@ -55,7 +55,7 @@ from ..contract import (
 )
 from ..errors import CheckpointFormatError, CkptqError, InconsistentScaleError, ShardingError, UnsafeCheckpointError
 from .device import prefetch
-from .fileio import empty_for_read
+from .read_buffers import empty_for_read
 from .record_check import Window, check_record_header
 
 __all__ = ["ForeignLocation", "load_record", "virtualize", "read_foreign_items", "shard_canonical"]

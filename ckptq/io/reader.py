@@ -47,9 +47,10 @@ from .._gc import gc_paused
 from ..checksums import check, checksum_key
 from ..contract import DATA_FILE_NAME, Entry, read_checksums, verified_facts
 from ..errors import CheckpointFormatError, CkptqError, UnsafeCheckpointError
-from .fileio import advise_later, default_read_threads, empty_for_read
+from .fileio import advise_later, default_read_threads
 from .foreign import ForeignLocation, read_foreign_items
 from .metadata import METADATA_FILE, describe_non_dcp, validate_metadata
+from .read_buffers import empty_for_read, reading
 from .record_check import Window, check_chunk_tensor, check_record_header, load_weights_only
 from .safe_pickle import load_pickled_object, safe_loads
 from .storage import (
@@ -358,6 +359,13 @@ class SafeFileSystemReader(FileSystemReader):
                     self._chunk_sizes[(fqn, tuple(c.offsets))] = (md.properties.dtype, tuple(c.sizes))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        with reading():  # the CPU buffers freed by one read are reused by the next (ckptq.io.read_buffers)
+            self._read_data(plan, planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         foreign = [it for it in plan.items if isinstance(self.storage_data.get(it.storage_index), ForeignLocation)]
         if foreign:  # entries of a checkpoint another library wrote (see ckptq.io.foreign)
             try:
@@ -378,9 +386,6 @@ class SafeFileSystemReader(FileSystemReader):
             self._read_items(plan.items, _WeightsOnlyBytes(planner, str(self.path)))
         finally:
             self._unpin()
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
 
     def _read_items(self, items: list, planner: Any) -> None:
         """DCP's ``FileSystemReader.read_data`` loop, with every record checked (see the class

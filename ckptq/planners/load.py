@@ -45,7 +45,7 @@ from ..contract import (
 from ..errors import CheckpointFormatError, MissingKeyError, ShardingError, UnsupportedFormatError
 from ..formats import format_class, requantize
 from ..formats.base import QuantizedTensor, slice_box
-from ..io.fileio import empty_for_read
+from ..io.read_buffers import empty_for_read
 from ..io.safe_pickle import load_pickled_object
 from ..metrics import sqnr_db
 from ._common import local_box, local_tensor
