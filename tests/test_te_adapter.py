@@ -264,6 +264,15 @@ def test_swizzle_view_permute_equals_index_formula():
         assert torch.equal(unswizzle(ref.float(), rows, cols), s.float())
         # a buffer holding the (cols, rows) transpose, unswizzled and transposed in one gather
         assert torch.equal(unswizzle(swizzle(s.t()), cols, rows, transposed=True), s)
+        # a record's skeleton (meta buffers): the same shape, dtype and strides as the real result
+        for buf, r, c, tr in [(ref, rows, cols, False), (swizzle(s.t()), cols, rows, True)]:
+            real, meta = unswizzle(buf, r, c, transposed=tr), unswizzle(buf.to("meta"), r, c, transposed=tr)
+            assert (meta.device.type, meta.shape, meta.dtype, meta.stride()) == (
+                "meta",
+                real.shape,
+                real.dtype,
+                real.stride(),
+            )
 
 
 # ============================================================================ 2. insertion

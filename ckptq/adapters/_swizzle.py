@@ -29,6 +29,12 @@ def unswizzle(buf: torch.Tensor, rows: int, cols: int, *, transposed: bool = Fal
     One-byte scales (E8M0, E4M3, uint8) are moved four at a time: the swizzle keeps ``j % 4``
     innermost, so each 4-byte group of the buffer is one row's 4 adjacent columns."""
     rb, cb = cdiv(rows, 128), cdiv(cols, 4)
+    if buf.device.type == "meta":  # a record's skeleton: the result's shape and strides, without meta kernels
+        return (
+            buf.new_empty((cb * 4, rb * 128))[:cols, :rows]
+            if transposed
+            else buf.new_empty((rb * 128, cb * 4))[:rows, :cols]
+        )
     tiles = buf.reshape(rb, cb, 32, 4, 4)  # (row tile, col tile, i % 32, (i % 128) // 32, j % 4)
     if transposed:
         return tiles.permute(1, 4, 0, 3, 2).reshape(cb * 4, rb * 128)[:cols, :rows]
