@@ -30,6 +30,7 @@ from . import chunks
 from ._gc import gc_paused
 from .checksums import check as check_checksum
 from .checksums import checksum
+from .checksums import combine as combine_checksums
 from .contract import CKPTQ_KEY, Entry, EntryTable, fold_entries, read_checksums, read_record, saved_world_size
 from .errors import CheckpointFormatError, CkptqError
 from .formats import from_components
@@ -502,8 +503,9 @@ class CheckpointView(EntryTable):
         Locally the runs go to the shared read threads together (:func:`ckptq.io.fileio.piece_pool`;
         a run of two :data:`ckptq.io.fileio.PIECE_BYTES` or more in pieces of that size), so the
         disk has several requests in flight from the first run to the last (a sequential stream's
-        readahead alone does not give it that), and each piece is hashed (in order) as soon as it
-        is in while the later ones are still being read (one short run: read on this thread); an
+        readahead alone does not give it that), and each piece is hashed by the thread that read it,
+        the pieces' checksums joined in order (:func:`ckptq.checksums.combine`; one short run: read
+        and hashed on this thread); an
         object store gets one ranged GET per run, in order."""
         if not self.local or (len(runs) == 1 and len(fileio.piece_spans(len(runs[0][1]))) <= 1):  # one GET / short read
             sums = []
@@ -515,22 +517,22 @@ class CheckpointView(EntryTable):
             return sums
         pool = fileio.piece_pool()
         jobs = []
-        for c, into, at, _ in runs:
+        for c, into, at, hashed in runs:
             self._read_ahead(c.file, c.payload + at)
             self._fd(c.file)  # opened here, not by the threads at once
             pieces = fileio.piece_spans(len(into))
-            jobs.append([(o, k, pool.submit(self._pread_range, c, into[o : o + k], at + o)) for o, k in pieces])
+            jobs.append([(k, pool.submit(self._pread_piece, c, into[o : o + k], at + o, hashed)) for o, k in pieces])
         sums: list[int | None] = []
         try:
-            for (_, into, _, hashed), pieces in zip(runs, jobs, strict=True):
+            for (*_, hashed), pieces in zip(runs, jobs, strict=True):
                 running = 0
-                for o, k, f in pieces:
-                    f.result()
+                for k, f in pieces:
+                    got = f.result()
                     if hashed:
-                        running = checksum(into[o : o + k], running)
+                        running = combine_checksums(running, got, k)
                 sums.append(running if hashed else None)
         finally:
-            fileio.settle([f for pieces in jobs for _, _, f in pieces])  # none still writes into a buffer
+            fileio.settle([f for pieces in jobs for _, f in pieces])  # none still writes into a buffer
         return sums
 
     def will_read(self, fqns: list[str]) -> None:
@@ -630,6 +632,11 @@ class CheckpointView(EntryTable):
         begin = max(pos, end)
         self._advise(rel, begin, pos + READ_AHEAD - begin)
         self._advised[rel] = pos + READ_AHEAD
+
+    def _pread_piece(self, c: SavedChunk, into: memoryview, at: int, hashed: bool) -> int | None:
+        """:meth:`_pread_range`, then (``hashed``) the checksum of the piece, on the thread that read it."""
+        self._pread_range(c, into, at)
+        return checksum(into) if hashed else None
 
     def _pread_range(self, c: SavedChunk, into: memoryview, at: int) -> None:
         """Read ``len(into)`` payload bytes of ``c`` from payload offset ``at`` (one thread)."""

@@ -190,8 +190,9 @@ def test_export_cuda_same_bytes_as_cpu(src, tmp_path, layout, kwargs):
 
 # ---------------------------------------------------------------------------------- parallel reads
 def test_read_in_pieces_same_bytes_and_checked(src, tmp_path, monkeypatch):
-    """Long runs of bytes are read in pieces on threads and hashed in order: the same tensors, and a
-    flipped byte in the middle of a chunk is still a checksum error."""
+    """Long runs of bytes are read in pieces on threads, each piece hashed by its thread and the
+    checksums joined in order: the same tensors, and a flipped byte in the middle of a chunk is
+    still a checksum error."""
     import shutil
     import threading
 
