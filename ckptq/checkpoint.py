@@ -505,8 +505,7 @@ class CheckpointView(EntryTable):
         disk has several requests in flight from the first run to the last (a sequential stream's
         readahead alone does not give it that), and each piece is hashed by the thread that read it,
         the pieces' checksums joined in order (:func:`ckptq.checksums.combine`; one short run: read
-        and hashed on this thread); an
-        object store gets one ranged GET per run, in order."""
+        and hashed on this thread); an object store gets one ranged GET per run, in order."""
         if not self.local or (len(runs) == 1 and len(fileio.piece_spans(len(runs[0][1]))) <= 1):  # one GET / short read
             sums = []
             for c, into, at, hashed in runs:

@@ -8,8 +8,8 @@
 2. Sources (untimed): a TransformerEngine-shaped DCP checkpoint of about ``--gb`` GB written by DCP's
    default planner with the TE stand-in of ``tests/te_standin`` (every record a pickled TE tensor:
    per-tensor FP8 with its transposed copy and MXFP8 with its columnwise copy and swizzled scales,
-   4096 x 4096, or ``--dim``: 8192 makes every data buffer 64 MiB, above the 32 MiB from which the
-   tensors a read fills are on huge pages), and its ckptq-native conversion (``convert --to native``).
+   4096 x 4096, or ``--dim``: 8192 makes every data buffer 64 MiB), and its ckptq-native conversion
+   (``convert --to native``).
 3. Timed, each on every device of ``--devices`` (``cuda`` only where a CUDA device is there):
    ``read``: ``open_checkpoint`` + ``read`` of every entry, their order given first (``will_read``,
    as the tools give it; CPU; the source read every tool does);
