@@ -2,8 +2,8 @@
 
 Reading a file into a *new* tensor costs, besides the copy out of the page cache, a page fault and
 a zeroed page for every 4 KiB of the tensor the first time the read writes it: most of the CPU work
-of a read from the page cache, and what kept the offline tools' source read below the disk's speed
-(``docs/benchmarks.md``, "Read destinations from a pool of reused blocks"). glibc's ``malloc`` hands
+of a read from the page cache, and a large part of a cold one's (``docs/benchmarks.md``, "Read
+destinations from a pool of reused blocks"). glibc's ``malloc`` hands
 out fresh pages for every block above its mmap threshold (dynamic, at most 32 MiB on 64-bit:
 ``mallopt(3)``), and on an H100 host (glibc 2.39, torch 2.11) it did so even for the 16 MiB tensors
 of a read done one tensor after another (126,000 faults per 0.77 GB: every byte fresh).
@@ -127,7 +127,12 @@ def empty_for_read(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> t
     (its bytes are those of an earlier read, like ``torch.empty``'s). Of :data:`POOL_MIN_BYTES` or
     more (Linux, :data:`POOLED`): memory of the pool described in the module docstring, its storage
     not resizable (``resize_`` past its size raises; copies, views, ``share_memory_``, ``pin_memory``
-    and ``torch.save`` work as on any CPU tensor); else ``torch.empty``."""
+    and ``torch.save`` work as on any CPU tensor); else ``torch.empty``.
+
+    Raises:
+        OSError: the kernel refuses a new mapping (out of address space or memory), as
+            ``torch.empty`` would raise RuntimeError.
+    """
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if not POOLED or nbytes < POOL_MIN_BYTES or not _LINUX:
         return torch.empty(shape, dtype=dtype)
