@@ -105,7 +105,7 @@ class _Pool:
 
     def leave(self) -> None:
         with self.lock:
-            self.readers -= 1
+            self.readers = max(0, self.readers - 1)  # a read entered before a fork, left in the child
             if not self.readers:
                 self.idle.clear()
                 self.idle_bytes = 0
@@ -133,7 +133,7 @@ def empty_for_read(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> t
         OSError: the kernel refuses a new mapping (out of address space or memory), as
             ``torch.empty`` would raise RuntimeError.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not POOLED or nbytes < POOL_MIN_BYTES or not _LINUX:
         return torch.empty(shape, dtype=dtype)
     return _POOL.take(nbytes).view(dtype).view(shape)
