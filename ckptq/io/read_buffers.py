@@ -55,17 +55,18 @@ _MADV_HUGEPAGE = 14  # linux/mman.h (mmap.MADV_HUGEPAGE where Python defines it)
 
 
 class _Block:
-    """One private anonymous mapping; ``offset`` is where its 2 MiB-aligned usable part starts."""
+    """One private anonymous mapping; ``offset`` is where its 2 MiB-aligned usable part starts, of
+    which the first ``huge_bytes`` are advised ``MADV_HUGEPAGE``."""
 
     __slots__ = ("map", "offset", "size")
 
-    def __init__(self, size: int, advise: int) -> None:
+    def __init__(self, size: int, huge_bytes: int) -> None:
         self.map = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
         self.offset = (-base) % _HUGE
         self.size = size
-        if advise:
-            _madvise(base + self.offset, advise)
+        if huge_bytes:
+            _madvise(base + self.offset, huge_bytes)
 
 
 class _Pool:
