@@ -61,7 +61,10 @@ STAGING_BYTES = 1 << 20
 #: Bytes past a read that the kernel is asked to fetch meanwhile (``posix_fadvise(WILLNEED)``, a
 #: window moved along as the reads go): the disk has requests queued while the bytes before are
 #: copied and hashed, and the next records' small framing reads find their pages in the cache.
-READ_AHEAD = 64 << 20
+#: 128 MiB read both offline sources of ``scripts/bench_offline.py`` fastest of 64 / 128 MiB on an
+#: H100 host once the advice fetched the whole window (:func:`ckptq.io.fileio.willneed`;
+#: docs/benchmarks.md, "WILLNEED fetches one read-ahead window per call").
+READ_AHEAD = 128 << 20
 
 #: A box that reads part of a saved chunk not checked yet reads the chunk whole when it is at most
 #: this long (checked from those bytes, and its other parts served from them: one read of the chunk

@@ -515,27 +515,28 @@ def table(report: dict) -> str:
                 f"| {row} | {f(sv)} | {f(ld)} | {f(a.get('blocked_s'), '{:.3f}')} | {f(a.get('d2h_s'), '{:.3f}')} "
                 f"| {f(a.get('blocked_vs_d2h'))} |"
             )
-        nat_save = r["save_b_ckptq_native"]["GBps"]
-        if "load_b_native_safe_reader" not in r:  # --saves-only
-            lines += [
-                "",
-                f"native save vs default planner {nat_save / r['save_a_default_bf16']['GBps']:.2f}x; native save vs "
-                f"disk write {nat_save / p['write_GBps']:.2f}; bf16 save, ckptq's writer vs DCP's "
-                f"{r['save_a_bf16_ckptq_writer']['GBps'] / r['save_a_default_bf16']['GBps']:.2f}x",
-                "",
-            ]
-            continue
-        same = r["load_a_default_bf16_same_bytes_as_b"]["GBps"]
-        nat_load = r["load_b_native_safe_reader"]["GBps"]
-        lines += [
-            "",
-            f"native save vs default planner {nat_save / r['save_a_default_bf16']['GBps']:.2f}x; "
-            f"native load vs the same bytes of bf16 (DCP's reader) {nat_load / same:.2f}x; "
-            f"native save vs disk write {r['save_b_ckptq_native']['GBps'] / p['write_GBps']:.2f}; native load vs disk "
-            f"read {r['load_b_native_safe_reader']['GBps'] / p['read_GBps']:.2f}; bf16 save, ckptq's writer vs DCP's "
-            f"{r['save_a_bf16_ckptq_writer']['GBps'] / r['save_a_default_bf16']['GBps']:.2f}x; native load, ckptq's "
-            f"reader vs DCP's {r['load_b_native_safe_reader']['GBps'] / r['load_b_native_dcp_reader']['GBps']:.2f}x",
+        gbps = {k: v.get("GBps") for k, v in r.items() if isinstance(v, dict)}.get  # None where not run
+
+        def ratio(a, b):
+            return "-" if a is None or b is None else f"{a / b:.2f}"
+
+        nat_save, nat_load = gbps("save_b_ckptq_native"), gbps("load_b_native_safe_reader")
+        bf16_save, bf16_ours = gbps("save_a_default_bf16"), gbps("save_a_bf16_ckptq_writer")
+        parts = [
+            f"native save vs default planner {ratio(nat_save, bf16_save)}x",
+            f"native save vs disk write {ratio(nat_save, p['write_GBps'])}",
+            f"bf16 save, ckptq's writer vs DCP's {ratio(bf16_ours, bf16_save)}x",
         ]
+        if nat_load is not None:  # not --saves-only
+            parts += [
+                f"native load vs the same bytes of bf16 (DCP's reader) "
+                f"{ratio(nat_load, gbps('load_a_default_bf16_same_bytes_as_b'))}x",
+                f"native load vs disk read {ratio(nat_load, p['read_GBps'])}",
+                f"native load, ckptq's reader vs DCP's {ratio(nat_load, gbps('load_b_native_dcp_reader'))}x",
+                f"native load vs a plain read of its files (one stream) "
+                f"{ratio(nat_load, gbps('load_p_plain_read_native_files'))}",
+            ]
+        lines += ["", "; ".join(parts)]
         hp, hp_plain = r.get("load_d_high_precision_safe_reader"), r.get("load_p_plain_read_high_precision_files")
         if hp and hp_plain:  # runs since 2026-11-26 (seventh session)
             lines.append(

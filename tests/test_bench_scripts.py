@@ -232,6 +232,9 @@ def test_bench_offline_runs(tmp_path):
     assert r["dim"] == 1024 and r["te_source_bytes"] > 0 and r["disk_probe"]["read_GBps"] > 0
     cases = {x["case"]: x for x in r["results"]}
     assert len(cases) == 4 and all(x["GBps"] > 0 and len(x["runs_s"]) == 1 for x in cases.values())
+    for x in cases.values():  # the probe read again before each run, each run set against it
+        assert len(x["probe_runs_GBps"]) == 1 and x["probe_read_GBps"] > 0 and len(x["disk_fraction_runs"]) == 1
+    assert not (tmp_path / "w" / "probe.bin").exists()
     assert cases["convert TE -> native (no kernels)"]["output_bytes"] > 0
     assert "| read TE source (open + read every entry) | cpu |" in text
 

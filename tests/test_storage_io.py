@@ -432,3 +432,106 @@ def test_reader_threads_default_to_fewer_where_cuda_is_in_use(monkeypatch):
     assert fileio.default_read_threads() == fileio.DEFAULT_READ_THREADS_CUDA == 4
     assert SafeFileSystemReader("unused", thread_count=3).thread_count == 3
     assert SafeFileSystemReader("unused").thread_count is None  # decided when the data is read
+
+
+def test_willneed_asks_for_the_whole_range_one_device_window_per_call(tmp_path, monkeypatch):
+    from ckptq.io import fileio
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"\0" * (3 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunk = fileio.willneed_chunk(fd)
+        dev = os.fstat(fd).st_dev
+        queue = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue"
+        if os.path.exists(f"{queue}/read_ahead_kb"):  # a whole disk: its limits, as Linux caps the call
+            kib = max(int(open(f"{queue}/{n}").read()) for n in ("read_ahead_kb", "max_sectors_kb"))
+            assert chunk == max(4, kib) << 10
+        assert chunk >= 4 << 10
+        monkeypatch.setitem(fileio._willneed_chunks, dev, 1 << 20)  # 1 MiB windows
+        calls = []
+        monkeypatch.setattr(os, "posix_fadvise", lambda *a: calls.append(a))
+        fileio.willneed(fd, 4096, (5 << 19) + 1)  # 2.5 MiB + 1 byte from 4 KiB
+        assert [c[1:] for c in calls] == [
+            (4096, 1 << 20, os.POSIX_FADV_WILLNEED),
+            (4096 + (1 << 20), 1 << 20, os.POSIX_FADV_WILLNEED),
+            (4096 + (2 << 20), (1 << 19) + 1, os.POSIX_FADV_WILLNEED),
+        ]
+        calls.clear()
+        fileio.willneed(fd, 1 << 20, 0)  # 0: to the end of the file
+        assert [c[1:3] for c in calls] == [(1 << 20, 1 << 20), (2 << 20, 1 << 20)]
+    finally:
+        os.close(fd)
+
+
+def test_willneed_chunk_falls_back_where_no_block_device_holds_the_file():
+    from ckptq.io import fileio
+
+    r, w = os.pipe()  # a pipe's device is no block device: Linux's default read-ahead window
+    try:
+        fileio._willneed_chunks.pop(os.fstat(r).st_dev, None)
+        assert fileio.willneed_chunk(r) == fileio.WILLNEED_FALLBACK
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _resident(path, n: int) -> int:
+    """Bytes of the first ``n`` bytes of ``path`` that are in the page cache (``mincore``)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            pytest.skip("mmap failed")
+        try:
+            vec = (ctypes.c_ubyte * ((n + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+            if libc.mincore(addr, n, vec) != 0:
+                pytest.skip("mincore failed")
+            return sum(v & 1 for v in vec) * mmap.PAGESIZE
+        finally:
+            libc.munmap(addr, n)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not os.path.exists("/proc/self"), reason="Linux only")
+def test_willneed_fetches_a_range_longer_than_one_call_fetches(tmp_path):
+    """The reason for :func:`willneed`: one WILLNEED call of a long range leaves most of it unread."""
+    import time
+
+    from ckptq.io import fileio
+
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        chunk = fileio.willneed_chunk(f.fileno())
+        if chunk > 16 << 20:
+            pytest.skip(f"this disk's read-ahead window is {chunk >> 20} MiB: the file would be too large")
+        n = 4 * chunk
+        f.write(os.urandom(1 << 20) * (n >> 20) + os.urandom(n % (1 << 20)))
+        f.flush()
+        os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def fetched(advise) -> int:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            if _resident(path, n):
+                pytest.skip("this file system keeps the file in memory (DONTNEED drops nothing)")
+            advise()
+            got, since = _resident(path, n), time.monotonic()
+            while got < n and time.monotonic() - since < 0.5:  # until all of it, or no more for 0.5 s
+                time.sleep(0.05)
+                now = _resident(path, n)
+                if now != got:
+                    got, since = now, time.monotonic()
+            return got
+
+        assert fetched(lambda: os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)) < n  # one call: one window
+        assert fetched(lambda: fileio.willneed(fd, 0, n)) == n
+    finally:
+        os.close(fd)

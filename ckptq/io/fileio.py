@@ -64,6 +64,8 @@ __all__ = [
     "READ_AHEAD",
     "EARLY_READ_AHEAD",
     "advise_later",
+    "willneed",
+    "willneed_chunk",
 ]
 
 #: files written per rank by :class:`ckptq.io.ChecksumFileSystemWriter` (one thread each; DCP's
@@ -214,6 +216,57 @@ def settle(futures: list[cf.Future]) -> None:
             f.exception()
 
 
+#: What one ``posix_fadvise(WILLNEED)`` call is taken to fetch at most where the device's limits
+#: cannot be read (not a block device, no sysfs): Linux's default ``read_ahead_kb``.
+WILLNEED_FALLBACK = 128 << 10
+_willneed_chunks: dict[int, int] = {}
+
+
+def willneed_chunk(fd: int) -> int:
+    """Bytes one ``posix_fadvise(POSIX_FADV_WILLNEED)`` call on ``fd`` makes Linux fetch at most.
+
+    Linux's WILLNEED (``generic_fadvise`` -> ``force_page_cache_ra`` in ``mm/readahead.c``, unchanged
+    from 4.10 to 6.18) reads at most ``max(bdi->io_pages, file->f_ra.ra_pages)`` pages of the range
+    it is given and drops the rest without a word: the larger of the device's ``max_sectors_kb`` and
+    ``read_ahead_kb`` (``/sys/dev/block/<major>:<minor>/queue/``; a partition's are its disk's). A
+    256 MiB WILLNEED fetched 8 MiB on a virtio disk with ``read_ahead_kb`` 8192 (docs/benchmarks.md,
+    "WILLNEED fetches one read-ahead window per call"). Read once per device (cached);
+    :data:`WILLNEED_FALLBACK` where it cannot be read. Never less than 4 KiB."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return WILLNEED_FALLBACK
+    chunk = _willneed_chunks.get(dev)
+    if chunk is None:
+        chunk = WILLNEED_FALLBACK
+        base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for queue in (f"{base}/queue", f"{base}/../queue"):  # a disk's, else a partition's parent's
+            try:
+                kib = [int(open(f"{queue}/{name}").read()) for name in ("read_ahead_kb", "max_sectors_kb")]
+            except (OSError, ValueError):
+                continue
+            chunk = max(4, *kib) << 10
+            break
+        _willneed_chunks[dev] = chunk
+    return chunk
+
+
+def willneed(fd: int, start: int, length: int) -> None:
+    """``posix_fadvise(fd, start, length, POSIX_FADV_WILLNEED)`` that fetches the whole range: one
+    call per :func:`willneed_chunk` bytes (one call fetches at most that much). The kernel allocates
+    the page-cache pages and queues their reads in each call (about 0.3 ms per MiB on the 2-core VM),
+    so large ranges belong on a background thread (:func:`advise_later`). ``length`` 0 means to the
+    end of the file. Raises OSError as ``posix_fadvise`` does."""
+    if length <= 0:
+        length = os.fstat(fd).st_size - start
+    chunk = willneed_chunk(fd)
+    end = start + length
+    while start < end:
+        n = min(chunk, end - start)
+        os.posix_fadvise(fd, start, n, os.POSIX_FADV_WILLNEED)
+        start += n
+
+
 def advise_later(ranges: list[tuple[Any, int, int]]) -> None:
     """Ask the kernel to fetch ``(file, start, length)`` ranges (``posix_fadvise(WILLNEED)``), on one
     background thread shared by all callers: the kernel allocates the page-cache pages and queues the
@@ -230,7 +283,7 @@ def advise_later(ranges: list[tuple[Any, int, int]]) -> None:
             except OSError:
                 continue
             try:
-                os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+                willneed(fd, start, length)
             except OSError:
                 pass
             finally:
@@ -472,7 +525,7 @@ class RecordReader:
     def _advise(self, pos: int) -> None:
         if self.fadvise and pos + READ_AHEAD // 2 >= self._advised:
             begin = max(pos, self._advised)
-            os.posix_fadvise(self.fd, begin, pos + READ_AHEAD - begin, os.POSIX_FADV_WILLNEED)
+            willneed(self.fd, begin, pos + READ_AHEAD - begin)
             self._advised = pos + READ_AHEAD
 
     def _run(self) -> None:
