@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +104,8 @@ READ_AHEAD_BUFFERS = 8
 #: 4.36 GB in 8 files, 3 rounds each, 2026-11-26; ``docs/benchmarks.md``).
 READ_AHEAD_BYTES = 1 << 30
 #: bytes of a data file past the current read that :class:`RecordReader` asks the kernel to fetch
-#: meanwhile (``POSIX_FADV_WILLNEED``, a window moved along as the reads go).
+#: meanwhile (:func:`willneed`, a window moved along as the reads go; 128 MiB measured within the
+#: spread of 64 on an H100 host, docs/benchmarks.md).
 READ_AHEAD = 64 << 20
 #: bytes of its own data files a rank's :class:`ckptq.io.SafeFileSystemReader` asks the kernel to fetch
 #: as soon as ``.metadata`` is read (``POSIX_FADV_WILLNEED``, split evenly over the files DCP names
@@ -225,8 +227,8 @@ _willneed_chunks: dict[int, int] = {}
 def willneed_chunk(fd: int) -> int:
     """Bytes one ``posix_fadvise(POSIX_FADV_WILLNEED)`` call on ``fd`` makes Linux fetch at most.
 
-    Linux's WILLNEED (``generic_fadvise`` -> ``force_page_cache_ra`` in ``mm/readahead.c``, unchanged
-    from 4.10 to 6.18) reads at most ``max(bdi->io_pages, file->f_ra.ra_pages)`` pages of the range
+    Linux's WILLNEED (``generic_fadvise`` -> ``force_page_cache_ra`` in ``mm/readahead.c``, Linux
+    6.18) reads at most ``max(bdi->io_pages, file->f_ra.ra_pages)`` pages of the range
     it is given and drops the rest without a word: the larger of the device's ``max_sectors_kb`` and
     ``read_ahead_kb`` (``/sys/dev/block/<major>:<minor>/queue/``; a partition's are its disk's). A
     256 MiB WILLNEED fetched 8 MiB on a virtio disk with ``read_ahead_kb`` 8192 (docs/benchmarks.md,
@@ -242,7 +244,7 @@ def willneed_chunk(fd: int) -> int:
         base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
         for queue in (f"{base}/queue", f"{base}/../queue"):  # a disk's, else a partition's parent's
             try:
-                kib = [int(open(f"{queue}/{name}").read()) for name in ("read_ahead_kb", "max_sectors_kb")]
+                kib = [int(Path(queue, name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb")]
             except (OSError, ValueError):
                 continue
             chunk = max(4, *kib) << 10
