@@ -341,7 +341,8 @@ class SafeFileSystemReader(FileSystemReader):
         if by_rank and max(by_rank) + 1 == world and rank in by_rank:  # saved by as many ranks as load it
             files = sorted(by_rank[rank])
             share = self.early_read_ahead // len(files)
-            advise_later([(f, 0, share) for f in files])
+            if share:  # (a length of 0 would mean "to the end of the file")
+                advise_later([(f, 0, share) for f in files])
 
     def _root(self) -> str | Path:
         """The checkpoint's folder: a URL string or a ``Path``."""
