@@ -61,9 +61,10 @@ STAGING_BYTES = 1 << 20
 #: Bytes past a read that the kernel is asked to fetch meanwhile (``posix_fadvise(WILLNEED)``, a
 #: window moved along as the reads go): the disk has requests queued while the bytes before are
 #: copied and hashed, and the next records' small framing reads find their pages in the cache.
-#: 128 MiB read both offline sources of ``scripts/bench_offline.py`` fastest of 64 / 128 MiB on an
-#: H100 host once the advice fetched the whole window (:func:`ckptq.io.fileio.willneed`;
-#: docs/benchmarks.md, "WILLNEED fetches one read-ahead window per call").
+#: 128 MiB rather than 64 once the advice fetched the whole window (:func:`ckptq.io.fileio.willneed`):
+#: on two H100 hosts the TransformerEngine source of ``scripts/bench_offline.py`` read at 0.94 / 0.84
+#: of the disk with it against 0.89 / 0.80, the native source at 1.10 / 0.96 against 1.04 / 0.97
+#: (docs/benchmarks.md, "WILLNEED fetches one read-ahead window per call").
 READ_AHEAD = 128 << 20
 
 #: A box that reads part of a saved chunk not checked yet reads the chunk whole when it is at most
